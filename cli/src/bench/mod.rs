@@ -1,0 +1,371 @@
+//! `leap bench`: the benchmark contract of `../shared/BENCH.md`.
+//!
+//! Every mode gets its own llama.cpp context on the one shared model (so a drafter's state
+//! lives across requests, as in llama-server), and the modes run interleaved per request:
+//! request 1 in every mode, then request 2, so machine drift hits every mode alike.
+
+pub mod report;
+pub mod workload;
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context as _, Result};
+use leap_host::anchor::{AnchorConfig, LlamaSpeculative, TYPES};
+use leap_host::sampler::SamplingParams;
+use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams, Token};
+
+use crate::decode::{self, cpu_seconds, Generation};
+use report::{ModeReport, Report, RequestReport};
+
+/// What `leap bench` was asked to do.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    pub model: PathBuf,
+    pub draft: Option<PathBuf>,
+    pub workload: PathBuf,
+    pub limit: Option<usize>,
+    pub tasks: Vec<String>,
+    pub modes: Vec<String>,
+    pub threads: i32,
+    pub ctx: u32,
+    pub flash_attn: FlashAttn,
+    pub flash_budget: Option<f64>,
+    pub sampling: SamplingParams,
+    pub progress: bool,
+}
+
+/// A mode, parsed from its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModeKind {
+    /// `plain`.
+    Plain,
+    /// `llama:TYPE`.
+    Llama(String),
+}
+
+impl ModeKind {
+    /// Parse a mode name.
+    ///
+    /// # Errors
+    /// Unknown names, and Leap modes that do not exist yet.
+    pub fn parse(name: &str) -> Result<Self> {
+        if name == "plain" {
+            return Ok(ModeKind::Plain);
+        }
+        if let Some(t) = name.strip_prefix("llama:") {
+            if TYPES.contains(&t) {
+                return Ok(ModeKind::Llama(t.to_string()));
+            }
+            bail!(
+                "unknown llama.cpp speculative type {t:?}; one of: {}",
+                TYPES.join(", ")
+            );
+        }
+        if name == "leap" || name.starts_with("leap:") {
+            bail!("mode {name:?}: Leap's speculative engine is not in this build yet; run plain and llama:* modes");
+        }
+        bail!(
+            "unknown mode {name:?}; modes are plain, llama:TYPE ({}), leap, leap:NAME",
+            TYPES.join(", ")
+        )
+    }
+}
+
+enum Runner {
+    Plain(Context),
+    Llama(Box<LlamaSpeculative>),
+}
+
+impl Runner {
+    fn run(
+        &mut self,
+        prompt: &[Token],
+        max_tokens: usize,
+        cfg: &BenchConfig,
+    ) -> Result<Generation> {
+        match self {
+            Runner::Plain(ctx) => {
+                decode::plain(ctx, prompt, max_tokens, &cfg.sampling, 512, &mut |_| true)
+            }
+            Runner::Llama(spec) => run_anchor(spec, prompt, max_tokens),
+        }
+    }
+}
+
+/// Generate with llama.cpp's speculative decoding; stops at `max_tokens` or end of generation.
+fn run_anchor(
+    spec: &mut LlamaSpeculative,
+    prompt: &[Token],
+    max_tokens: usize,
+) -> Result<Generation> {
+    let t0 = Instant::now();
+    spec.prefill(prompt)?;
+    let mut g = Generation {
+        prefill_seconds: t0.elapsed().as_secs_f64(),
+        ..Default::default()
+    };
+    let model = spec.target().model().clone();
+    let cpu0 = cpu_seconds();
+    let t1 = Instant::now();
+    let first = spec.first()?;
+    g.tokens.push(first);
+    let mut done = model.is_eog(first);
+    while !done && g.tokens.len() < max_tokens {
+        let step = spec.step(max_tokens - g.tokens.len())?;
+        g.target_calls += 1;
+        g.drafted_tokens += step.drafted as u64;
+        for t in step.tokens {
+            g.tokens.push(t);
+            if model.is_eog(t) || g.tokens.len() >= max_tokens {
+                done = true;
+                break;
+            }
+        }
+    }
+    g.decode_seconds = t1.elapsed().as_secs_f64();
+    g.decode_cpu_seconds = cpu_seconds() - cpu0;
+    Ok(g)
+}
+
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|v| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+fn file_name(p: &std::path::Path) -> String {
+    p.file_name().map_or_else(
+        || p.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+/// Run the benchmark and return the report (the caller writes it).
+///
+/// # Errors
+/// Bad arguments, models that do not load, decode failures.
+pub fn run(cfg: &BenchConfig) -> Result<Report> {
+    if cfg.flash_budget.is_some() {
+        bail!("--flash-budget: flash-streamed weights (flash/) are not in this build yet");
+    }
+    let kinds: Vec<ModeKind> = cfg
+        .modes
+        .iter()
+        .map(|m| ModeKind::parse(m))
+        .collect::<Result<_>>()?;
+    let needs_draft = kinds
+        .iter()
+        .any(|k| *k == ModeKind::Llama("draft-simple".into()));
+    if needs_draft && cfg.draft.is_none() {
+        bail!("mode llama:draft-simple needs a draft model: pass --draft PATH");
+    }
+    let requests = workload::load(&cfg.workload, &cfg.tasks, cfg.limit)?;
+    if requests.is_empty() {
+        bail!(
+            "{}: no requests (after --task/--limit)",
+            cfg.workload.display()
+        );
+    }
+    let model = Model::load(&cfg.model, &ModelParams::default())
+        .with_context(|| format!("loading target {}", cfg.model.display()))?;
+    let draft_model = match &cfg.draft {
+        Some(p) => Some(
+            Model::load(p, &ModelParams::default())
+                .with_context(|| format!("loading draft {}", p.display()))?,
+        ),
+        None => None,
+    };
+    let cparams = ContextParams {
+        n_ctx: cfg.ctx,
+        n_threads: cfg.threads,
+        n_threads_batch: cfg.threads,
+        flash_attn: cfg.flash_attn,
+        ..Default::default()
+    };
+    let mut runners = Vec::new();
+    for (name, kind) in cfg.modes.iter().zip(&kinds) {
+        let target = Context::new(&model, &cparams)
+            .with_context(|| format!("creating the context for mode {name}"))?;
+        let runner = match kind {
+            ModeKind::Plain => Runner::Plain(target),
+            ModeKind::Llama(t) => {
+                let dctx = match (&draft_model, t.as_str()) {
+                    (Some(dm), "draft-simple") => Some(Context::new(dm, &cparams)?),
+                    _ => None,
+                };
+                let anchor = AnchorConfig {
+                    sampling: cfg.sampling,
+                    ..Default::default()
+                };
+                Runner::Llama(Box::new(
+                    LlamaSpeculative::new(target, dctx, t, &anchor)
+                        .with_context(|| format!("mode {name}"))?,
+                ))
+            }
+        };
+        runners.push(runner);
+    }
+
+    let mut report = Report {
+        schema: report::SCHEMA.into(),
+        model: file_name(&cfg.model),
+        draft: cfg.draft.as_deref().map(file_name),
+        threads: cfg.threads,
+        ctx: cfg.ctx,
+        cpu: cpu_name(),
+        workload: file_name(&cfg.workload),
+        n_requests: 0,
+        n_skipped: 0,
+        flash_budget: cfg.flash_budget,
+        flash_attn: cfg.flash_attn.as_str().into(),
+        temp: cfg.sampling.temp,
+        modes: BTreeMap::new(),
+    };
+    let mut per_mode: Vec<ModeReport> = vec![ModeReport::default(); runners.len()];
+    let mut cpu = vec![0f64; runners.len()];
+    let mut rss = vec![0u64; runners.len()];
+    let mut outputs: Vec<Vec<Vec<Token>>> = vec![Vec::new(); runners.len()];
+
+    let bar = progress(cfg.progress, (requests.len() * runners.len()) as u64);
+    for req in &requests {
+        let prompt = model.tokenize(&req.prompt, true, false)?;
+        if prompt.len() + req.max_tokens > cfg.ctx as usize {
+            report.n_skipped += 1;
+            bar.inc(runners.len() as u64);
+            continue;
+        }
+        report.n_requests += 1;
+        for (i, runner) in runners.iter_mut().enumerate() {
+            bar.set_message(format!("{} {}", req.id, cfg.modes[i]));
+            let g = runner
+                .run(&prompt, req.max_tokens, cfg)
+                .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
+            cpu[i] += g.decode_cpu_seconds;
+            rss[i] = rss[i].max(decode::peak_rss_bytes());
+            per_mode[i].requests.push(RequestReport {
+                id: req.id.clone(),
+                task: req.task.clone(),
+                prompt_tokens: prompt.len(),
+                generated_tokens: g.tokens.len(),
+                decode_seconds: g.decode_seconds,
+                prefill_seconds: g.prefill_seconds,
+                target_calls: g.target_calls,
+                drafted_tokens: g.drafted_tokens,
+                output_sha256: report::tokens_sha256(&g.tokens),
+            });
+            outputs[i].push(g.tokens);
+            bar.inc(1);
+        }
+        if !bar.is_hidden() {
+            continue;
+        }
+        if cfg.progress {
+            eprintln!(
+                "bench: {} done ({}/{})",
+                req.id,
+                report.n_requests + report.n_skipped,
+                requests.len()
+            );
+        }
+    }
+    bar.finish_and_clear();
+
+    let plain = kinds.iter().position(|k| *k == ModeKind::Plain);
+    for (i, mut m) in per_mode.into_iter().enumerate() {
+        m.total();
+        m.cpu_seconds = cpu[i];
+        m.peak_rss_bytes = rss[i];
+        m.storage_read_bytes = None;
+        if let (Some(p), true) = (plain, cfg.sampling.temp <= 0.0) {
+            m.differing_requests = m
+                .requests
+                .iter()
+                .zip(outputs[i].iter().zip(&outputs[p]))
+                .filter(|(_, (a, b))| a != b)
+                .map(|(r, _)| r.id.clone())
+                .collect();
+            m.identical_to_plain = Some(m.differing_requests.is_empty());
+        }
+        report.modes.insert(cfg.modes[i].clone(), m);
+    }
+    Ok(report)
+}
+
+fn progress(show: bool, total: u64) -> indicatif::ProgressBar {
+    if !show || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "bench [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar
+}
+
+/// The human table for stderr: mode, tok/s, speed-up over plain, accepted per call, identical.
+pub fn table(report: &Report, order: &[String]) -> String {
+    use std::fmt::Write;
+    let base = report.modes.get("plain").map(|m| m.decode_tokens_per_s);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>10}",
+        "mode", "tok/s", "vs plain", "acc/call", "cpu s", "identical"
+    );
+    for name in order {
+        let Some(m) = report.modes.get(name) else {
+            continue;
+        };
+        let speed = base
+            .filter(|b| *b > 0.0)
+            .map_or("-".into(), |b| format!("{:.2}x", m.decode_tokens_per_s / b));
+        let ident = match m.identical_to_plain {
+            Some(true) => "yes".to_string(),
+            Some(false) => format!("NO ({})", m.differing_requests.len()),
+            None => "-".into(),
+        };
+        let _ = writeln!(
+            s,
+            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.2} {:>10}",
+            name, m.decode_tokens_per_s, speed, m.mean_accepted_per_call, m.cpu_seconds, ident
+        );
+    }
+    let _ = write!(
+        s,
+        "{} requests ({} skipped), {} threads, ctx {}, flash-attn {}",
+        report.n_requests, report.n_skipped, report.threads, report.ctx, report.flash_attn
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mode_names_parse() {
+        assert_eq!(ModeKind::parse("plain").unwrap(), ModeKind::Plain);
+        assert_eq!(
+            ModeKind::parse("llama:ngram-mod").unwrap(),
+            ModeKind::Llama("ngram-mod".into())
+        );
+        assert!(ModeKind::parse("llama:eagle9")
+            .unwrap_err()
+            .to_string()
+            .contains("ngram-simple"));
+        assert!(ModeKind::parse("fast").is_err());
+    }
+}

@@ -1,0 +1,82 @@
+//! Workloads: JSON Lines of `{"id", "task", "prompt", "max_tokens"}` (`../shared/BENCH.md`).
+
+use std::io::BufRead;
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use serde::Deserialize;
+
+/// One request.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Request {
+    pub id: String,
+    pub task: String,
+    pub prompt: String,
+    pub max_tokens: usize,
+}
+
+/// Read `path`, keep the requests whose task is in `tasks` (all when empty), then the first
+/// `limit`.
+///
+/// # Errors
+/// I/O errors and malformed lines (with their line number).
+pub fn load(path: &Path, tasks: &[String], limit: Option<usize>) -> Result<Vec<Request>> {
+    let f = std::fs::File::open(path)
+        .with_context(|| format!("opening workload {}", path.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
+        let line = line.with_context(|| format!("reading {}", path.display()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r: Request = serde_json::from_str(&line)
+            .with_context(|| format!("{}:{}: not a workload request", path.display(), n + 1))?;
+        if tasks.is_empty() || tasks.contains(&r.task) {
+            out.push(r);
+        }
+        if limit.is_some_and(|l| out.len() >= l) {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn filters_then_limits() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        for (i, t) in ["code", "rag", "code", "summary", "code"]
+            .iter()
+            .enumerate()
+        {
+            writeln!(
+                f,
+                r#"{{"id":"r{i}","task":"{t}","prompt":"p","max_tokens":8}}"#
+            )
+            .unwrap();
+        }
+        let code = load(f.path(), &["code".into()], Some(2)).unwrap();
+        assert_eq!(
+            code.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+            ["r0", "r2"]
+        );
+        assert_eq!(load(f.path(), &[], None).unwrap().len(), 5);
+    }
+
+    #[test]
+    fn bad_line_names_its_number() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        writeln!(
+            f,
+            r#"{{"id":"a","task":"code","prompt":"p","max_tokens":8}}"#
+        )
+        .unwrap();
+        writeln!(f, "not json").unwrap();
+        let e = format!("{:#}", load(f.path(), &[], None).unwrap_err());
+        assert!(e.contains(":2:"), "{e}");
+    }
+}

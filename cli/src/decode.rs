@@ -1,0 +1,138 @@
+//! Plain decoding through llama.cpp: prefill, then one target call per token. This is the
+//! baseline every speculative mode is measured against, and what `leap generate` runs until
+//! the speculative engine takes over.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use leap_host::sampler::SamplingParams;
+use leap_host::{Batch, Context, Sampler, Token};
+
+/// What one generation produced and what it cost.
+#[derive(Debug, Clone, Default)]
+pub struct Generation {
+    /// Generated tokens (the prompt excluded).
+    pub tokens: Vec<Token>,
+    /// Wall time of the prompt pass.
+    pub prefill_seconds: f64,
+    /// Wall time from the end of prefill to the last token.
+    pub decode_seconds: f64,
+    /// User + system CPU time of the process during decode.
+    pub decode_cpu_seconds: f64,
+    /// Target model calls during decode.
+    pub target_calls: u64,
+    /// Tokens proposed by a drafter (0 for plain decoding).
+    pub drafted_tokens: u64,
+}
+
+/// User + system CPU seconds of this process so far.
+pub fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage writes into the zeroed struct we pass; RUSAGE_SELF is always valid.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Peak resident set size of this process in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    // SAFETY: as in `cpu_seconds`.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    ru.ru_maxrss as u64 * 1024
+}
+
+/// Run the prompt through the target (sequence 0 from position 0), logits for the last token
+/// only. The context's memory must be empty.
+///
+/// # Errors
+/// Decode failures.
+pub fn prefill(ctx: &mut Context, prompt: &[Token], n_batch: usize) -> Result<()> {
+    let mut batch = Batch::new(n_batch, 1);
+    for (c, chunk) in prompt.chunks(n_batch).enumerate() {
+        batch.clear();
+        let last_chunk = (c + 1) * n_batch >= prompt.len();
+        batch.add_sequence(chunk, (c * n_batch) as i32, 0, last_chunk)?;
+        ctx.decode(&batch)?;
+    }
+    Ok(())
+}
+
+/// Index of the largest logit (the first on ties, as llama.cpp's greedy sampler).
+pub fn argmax(logits: &[f32]) -> Token {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best_v {
+            best_v = v;
+            best = i;
+        }
+    }
+    best as Token
+}
+
+/// Plain decoding: greedy when `sampling.temp <= 0`, else llama.cpp's sampler chain. Stops
+/// after `max_tokens`, at an end-of-generation token (kept in the output), or when `on_token`
+/// returns false.
+///
+/// # Errors
+/// Decode failures.
+pub fn plain(
+    ctx: &mut Context,
+    prompt: &[Token],
+    max_tokens: usize,
+    sampling: &SamplingParams,
+    n_batch: usize,
+    on_token: &mut dyn FnMut(Token) -> bool,
+) -> Result<Generation> {
+    ctx.clear(false);
+    let t0 = Instant::now();
+    prefill(ctx, prompt, n_batch)?;
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+
+    let model = ctx.model().clone();
+    let mut sampler = (sampling.temp > 0.0).then(|| Sampler::new(sampling));
+    let mut g = Generation {
+        prefill_seconds,
+        ..Default::default()
+    };
+    let cpu0 = cpu_seconds();
+    let t1 = Instant::now();
+    let mut batch = Batch::new(1, 1);
+    let mut pos = prompt.len() as i32;
+    while g.tokens.len() < max_tokens {
+        let tok = match sampler.as_mut() {
+            Some(s) => s.sample(ctx, -1),
+            None => argmax(ctx.logits(-1)?),
+        };
+        g.tokens.push(tok);
+        if model.is_eog(tok) || !on_token(tok) || g.tokens.len() >= max_tokens {
+            break;
+        }
+        batch.clear();
+        batch.add(tok, pos, &[0], true)?;
+        ctx.decode(&batch)?;
+        g.target_calls += 1;
+        pos += 1;
+    }
+    g.decode_seconds = t1.elapsed().as_secs_f64();
+    g.decode_cpu_seconds = cpu_seconds() - cpu0;
+    Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::argmax;
+
+    #[test]
+    fn argmax_takes_the_first_of_equal_maxima() {
+        assert_eq!(argmax(&[0.0, 3.0, 1.0, 3.0]), 1);
+        assert_eq!(argmax(&[-1.0]), 0);
+    }
+}

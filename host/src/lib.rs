@@ -1,0 +1,45 @@
+//! Safe Rust over llama.cpp, through `llama-cpp-sys-2`.
+//!
+//! Every `unsafe` call into `llama.h`, `ggml.h` and `gguf.h` in Leap lives in this crate; the
+//! crates above it (`spec`, `flash`, the CLI) are safe Rust on the types here.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`backend`] | one-time `llama_backend_init`, llama.cpp's log routed to the `log` crate |
+//! | [`model`] | [`Model`]: loading (with a GGUF pre-check), metadata, vocabulary, tokenize/detokenize, chat templates |
+//! | [`gguf`] | [`GgufInfo`]: reading a GGUF's header, key/values and tensor table with ggml's own parser |
+//! | [`context`] | [`Context`]: decode, logits per output row, KV memory (`seq_rm`/`seq_cp`/`seq_keep`/`seq_add`), threads |
+//! | [`batch`] | [`Batch`]: tokens with positions, several sequence ids each, and per-row output flags |
+//! | [`sampler`] | [`Sampler`]: llama.cpp's sampler chains (greedy, or temperature/top-k/top-p/min-p/seeded dist) |
+//! | [`eval`] | [`EvalObserver`]: llama.cpp's eval callback, for reading named intermediate tensors |
+//! | [`anchor`] | [`anchor::LlamaSpeculative`]: llama.cpp's own speculative decoding (`common/speculative.h`) through a small C++ shim, the baseline Leap is measured against |
+//!
+//! Ownership follows the C objects: a [`Model`] is shared through `Arc` and outlives every
+//! [`Context`] made from it; a [`Context`] owns its KV memory; a [`Sampler`] and a [`Batch`]
+//! own their C allocations. Every llama.cpp status code goes through one conversion into
+//! [`Error`].
+
+pub mod anchor;
+pub mod backend;
+pub mod batch;
+pub mod context;
+mod error;
+pub mod eval;
+pub mod gguf;
+pub mod model;
+pub mod sampler;
+
+pub use batch::Batch;
+pub use context::{Context, ContextParams, FlashAttn};
+pub use error::{Error, Result};
+pub use eval::{EvalObserver, TensorView};
+pub use gguf::GgufInfo;
+pub use model::{Model, ModelParams};
+pub use sampler::Sampler;
+
+/// A token id in a model's vocabulary.
+pub type Token = i32;
+/// A sequence id in a context's KV memory.
+pub type SeqId = i32;
+/// A position in a sequence.
+pub type Pos = i32;

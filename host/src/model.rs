@@ -1,0 +1,429 @@
+//! A loaded model: metadata, vocabulary, tokenizer and chat template.
+
+use std::ffi::{c_char, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use llama_cpp_sys_2 as sys;
+
+use crate::{backend, Error, GgufInfo, Result, Token};
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct ModelParams {
+    /// Map the file instead of reading it into memory (llama.cpp's default).
+    pub mmap: bool,
+    /// Load only the vocabulary (fast; for tokenizer work).
+    pub vocab_only: bool,
+    /// Let llama.cpp repack weights into its CPU-optimised layouts (its default).
+    pub extra_bufts: bool,
+}
+
+impl Default for ModelParams {
+    fn default() -> Self {
+        Self {
+            mmap: true,
+            vocab_only: false,
+            extra_bufts: true,
+        }
+    }
+}
+
+/// A model loaded by llama.cpp. Share it with `Arc`; contexts keep it alive.
+pub struct Model {
+    raw: NonNull<sys::llama_model>,
+    vocab: NonNull<sys::llama_vocab>,
+    path: PathBuf,
+}
+
+// SAFETY: a llama_model is immutable after loading; llama.cpp documents concurrent contexts on
+// one model as supported, and every method here only reads it.
+unsafe impl Send for Model {}
+// SAFETY: as above, shared reads of an immutable model are thread-safe.
+unsafe impl Sync for Model {}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from llama_model_load_from_file and is freed exactly once; every
+        // Context holds an Arc<Model>, so none outlives it.
+        unsafe { sys::llama_model_free(self.raw.as_ptr()) }
+    }
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("path", &self.path).finish()
+    }
+}
+
+/// A chat message for [`Model::apply_chat_template`].
+#[derive(Debug, Clone)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+impl Model {
+    /// Load a GGUF model. The file is checked with ggml's GGUF parser first, so a missing,
+    /// corrupt or truncated file is a typed error rather than whatever llama.cpp does with it.
+    ///
+    /// # Errors
+    /// [`Error::ModelNotFound`], [`Error::InvalidGguf`], [`Error::TruncatedGguf`],
+    /// [`Error::ModelLoad`].
+    pub fn load(path: &Path, params: &ModelParams) -> Result<Arc<Model>> {
+        backend::init();
+        GgufInfo::open(path)?;
+        let cpath = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error::NulByte { what: "model path" })?;
+        // SAFETY: returns a plain struct of defaults.
+        let mut mp = unsafe { sys::llama_model_default_params() };
+        mp.n_gpu_layers = 0;
+        mp.load_mode = if params.mmap {
+            sys::LLAMA_LOAD_MODE_MMAP
+        } else {
+            sys::LLAMA_LOAD_MODE_NONE
+        };
+        mp.vocab_only = params.vocab_only;
+        mp.use_extra_bufts = params.extra_bufts;
+        backend::take_last_problem();
+        // SAFETY: `cpath` is NUL-terminated and outlives the call; `mp` is fully initialised.
+        let raw = unsafe { sys::llama_model_load_from_file(cpath.as_ptr(), mp) };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::ModelLoad {
+            path: path.to_path_buf(),
+            reason: backend::reason_or("llama_model_load_from_file returned null"),
+        })?;
+        // SAFETY: `raw` is a live model; the vocab pointer lives as long as the model.
+        let vocab = unsafe { sys::llama_model_get_vocab(raw.as_ptr()) };
+        let vocab = NonNull::new(vocab.cast_mut()).ok_or_else(|| Error::ModelLoad {
+            path: path.to_path_buf(),
+            reason: "model has no vocabulary".into(),
+        })?;
+        Ok(Arc::new(Model {
+            raw,
+            vocab,
+            path: path.to_path_buf(),
+        }))
+    }
+
+    pub(crate) fn raw(&self) -> *mut sys::llama_model {
+        self.raw.as_ptr()
+    }
+
+    fn vocab(&self) -> *const sys::llama_vocab {
+        self.vocab.as_ptr()
+    }
+
+    /// The file the model was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of tokens in the vocabulary.
+    pub fn n_vocab(&self) -> i32 {
+        // SAFETY: live vocab.
+        unsafe { sys::llama_vocab_n_tokens(self.vocab()) }
+    }
+
+    /// Number of transformer blocks.
+    pub fn n_layer(&self) -> i32 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_layer(self.raw()) }
+    }
+
+    /// Embedding width.
+    pub fn n_embd(&self) -> i32 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_embd(self.raw()) }
+    }
+
+    /// Attention heads.
+    pub fn n_head(&self) -> i32 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_head(self.raw()) }
+    }
+
+    /// Key/value heads.
+    pub fn n_head_kv(&self) -> i32 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_head_kv(self.raw()) }
+    }
+
+    /// Context length the model was trained with.
+    pub fn n_ctx_train(&self) -> i32 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_ctx_train(self.raw()) }
+    }
+
+    /// Bytes of weights.
+    pub fn size(&self) -> u64 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_size(self.raw()) }
+    }
+
+    /// Number of parameters.
+    pub fn n_params(&self) -> u64 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_params(self.raw()) }
+    }
+
+    /// llama.cpp's one-line description, e.g. `gemma3 270M Q4_K - Medium`.
+    pub fn desc(&self) -> String {
+        let mut buf = vec![0u8; 256];
+        // SAFETY: `buf` has `buf.len()` writable bytes; llama.cpp writes a NUL-terminated string.
+        let n = unsafe { sys::llama_model_desc(self.raw(), buf.as_mut_ptr().cast(), buf.len()) };
+        buf.truncate(n.clamp(0, 255) as usize);
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+
+    /// A metadata value as a string.
+    pub fn meta(&self, key: &str) -> Option<String> {
+        let ckey = CString::new(key).ok()?;
+        let mut buf = vec![0u8; 512];
+        loop {
+            // SAFETY: `ckey` is NUL-terminated; `buf` has `buf.len()` writable bytes.
+            let n = unsafe {
+                sys::llama_model_meta_val_str(
+                    self.raw(),
+                    ckey.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                )
+            };
+            if n < 0 {
+                return None;
+            }
+            if (n as usize) < buf.len() {
+                buf.truncate(n as usize);
+                return Some(String::from_utf8_lossy(&buf).into_owned());
+            }
+            buf.resize(n as usize + 1, 0);
+        }
+    }
+
+    /// Beginning-of-sequence token, if the model has one.
+    pub fn token_bos(&self) -> Option<Token> {
+        // SAFETY: live vocab.
+        let t = unsafe { sys::llama_vocab_bos(self.vocab()) };
+        (t >= 0).then_some(t)
+    }
+
+    /// End-of-sequence token, if the model has one.
+    pub fn token_eos(&self) -> Option<Token> {
+        // SAFETY: live vocab.
+        let t = unsafe { sys::llama_vocab_eos(self.vocab()) };
+        (t >= 0).then_some(t)
+    }
+
+    /// Whether the tokenizer adds BOS to a prompt.
+    pub fn add_bos(&self) -> bool {
+        // SAFETY: live vocab.
+        unsafe { sys::llama_vocab_get_add_bos(self.vocab()) }
+    }
+
+    /// Whether `token` ends generation (EOS, EOT and the like).
+    pub fn is_eog(&self, token: Token) -> bool {
+        // SAFETY: live vocab; llama.cpp range-checks the id.
+        unsafe { sys::llama_vocab_is_eog(self.vocab(), token) }
+    }
+
+    /// Tokenize `text`. `add_special` adds BOS/EOS as the model requires; `parse_special`
+    /// turns control-token text (`<start_of_turn>`) into control tokens.
+    ///
+    /// # Errors
+    /// [`Error::Tokenize`].
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len()).map_err(|_| Error::Tokenize {
+            len: text.len(),
+            code: i32::MIN,
+        })?;
+        let mut out: Vec<Token> = vec![0; text.len() / 2 + 8];
+        for _ in 0..2 {
+            // SAFETY: `text` points to `len` bytes (no NUL needed: the length is passed);
+            // `out` has `out.len()` writable tokens.
+            let n = unsafe {
+                sys::llama_tokenize(
+                    self.vocab(),
+                    text.as_ptr().cast::<c_char>(),
+                    len,
+                    out.as_mut_ptr(),
+                    out.len() as i32,
+                    add_special,
+                    parse_special,
+                )
+            };
+            if n >= 0 {
+                out.truncate(n as usize);
+                return Ok(out);
+            }
+            if n == i32::MIN {
+                break;
+            }
+            out.resize((-n) as usize, 0);
+        }
+        Err(Error::Tokenize {
+            len: text.len(),
+            code: -1,
+        })
+    }
+
+    fn check_token(&self, token: Token) -> Result<()> {
+        let n_vocab = self.n_vocab();
+        if token < 0 || token >= n_vocab {
+            return Err(Error::InvalidToken { token, n_vocab });
+        }
+        Ok(())
+    }
+
+    /// The bytes of one token (may be a partial UTF-8 sequence). `special` renders control
+    /// tokens as their text instead of nothing.
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`].
+    pub fn token_to_piece(&self, token: Token, special: bool) -> Result<Vec<u8>> {
+        self.check_token(token)?;
+        let mut buf = vec![0u8; 32];
+        loop {
+            // SAFETY: `buf` has `buf.len()` writable bytes; the token id was range-checked.
+            let n = unsafe {
+                sys::llama_token_to_piece(
+                    self.vocab(),
+                    token,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    0,
+                    special,
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return Ok(buf);
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    /// Text of a token sequence. `remove_special` drops BOS/EOS; `unparse_special` renders
+    /// control tokens as text.
+    ///
+    /// # Errors
+    /// [`Error::InvalidToken`].
+    pub fn detokenize(
+        &self,
+        tokens: &[Token],
+        remove_special: bool,
+        unparse_special: bool,
+    ) -> Result<String> {
+        for &t in tokens {
+            self.check_token(t)?;
+        }
+        let mut buf = vec![0u8; tokens.len() * 8 + 16];
+        loop {
+            // SAFETY: `tokens` are valid ids (checked); `buf` has `buf.len()` writable bytes.
+            let n = unsafe {
+                sys::llama_detokenize(
+                    self.vocab(),
+                    tokens.as_ptr(),
+                    tokens.len() as i32,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    remove_special,
+                    unparse_special,
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return Ok(String::from_utf8_lossy(&buf).into_owned());
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    /// The model's chat template (the default one when `name` is `None`).
+    pub fn chat_template(&self, name: Option<&str>) -> Option<String> {
+        let cname = name.map(CString::new).transpose().ok()?;
+        // SAFETY: `cname` is null or NUL-terminated; the result is owned by the model.
+        let p = unsafe {
+            sys::llama_model_chat_template(
+                self.raw(),
+                cname.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+            )
+        };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: non-null NUL-terminated string owned by the model.
+        Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
+
+    /// Render `messages` with the model's chat template; `add_assistant` appends the prefix
+    /// that starts the assistant's turn.
+    ///
+    /// # Errors
+    /// [`Error::ChatTemplate`] when the model has none or llama.cpp cannot apply it.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_assistant: bool,
+    ) -> Result<String> {
+        let tmpl = self
+            .chat_template(None)
+            .ok_or_else(|| Error::ChatTemplate {
+                reason: format!("{} has no chat template", self.path.display()),
+            })?;
+        let ctmpl = CString::new(tmpl).map_err(|_| Error::NulByte {
+            what: "chat template",
+        })?;
+        let owned: Vec<(CString, CString)> = messages
+            .iter()
+            .map(|m| {
+                Ok((
+                    CString::new(m.role.as_str())?,
+                    CString::new(m.content.as_str())?,
+                ))
+            })
+            .collect::<Result<_, std::ffi::NulError>>()
+            .map_err(|_| Error::NulByte {
+                what: "chat message",
+            })?;
+        let msgs: Vec<sys::llama_chat_message> = owned
+            .iter()
+            .map(|(r, c)| sys::llama_chat_message {
+                role: r.as_ptr(),
+                content: c.as_ptr(),
+            })
+            .collect();
+        let mut buf = vec![0u8; 256 + messages.iter().map(|m| m.content.len() * 2).sum::<usize>()];
+        loop {
+            // SAFETY: `ctmpl` and every string in `msgs` (owned by `owned`) are NUL-terminated
+            // and live across the call; `buf` has `buf.len()` writable bytes.
+            let n = unsafe {
+                sys::llama_chat_apply_template(
+                    ctmpl.as_ptr(),
+                    msgs.as_ptr(),
+                    msgs.len(),
+                    add_assistant,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                )
+            };
+            if n < 0 {
+                return Err(Error::ChatTemplate {
+                    reason: "llama.cpp does not support this model's chat template".into(),
+                });
+            }
+            if (n as usize) <= buf.len() {
+                buf.truncate(n as usize);
+                return Ok(String::from_utf8_lossy(&buf).into_owned());
+            }
+            buf.resize(n as usize, 0);
+        }
+    }
+}

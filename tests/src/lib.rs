@@ -1,0 +1,37 @@
+//! Helpers for the tests on real models. `make test` fetches the models first; a test run
+//! without them fails with the command that fetches them.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use leap_host::{Model, ModelParams};
+
+/// The default target, Gemma 3 270M Q4_K_M.
+pub const GEMMA: &str = "gemma3-270m";
+/// SmolLM2-135M-Instruct Q4_1.
+pub const SMOLLM: &str = "smollm2-135m";
+
+/// Path of a fetched model.
+pub fn model_path(name: &str) -> PathBuf {
+    leap_cli::models::resolve(name).unwrap_or_else(|e| panic!("{e:#}\n(run `make models` first)"))
+}
+
+type Loaded = Mutex<Vec<(String, Arc<Model>)>>;
+
+/// A model loaded once per test binary.
+pub fn model(name: &str) -> Arc<Model> {
+    static CACHE: OnceLock<Loaded> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
+    let mut c = cache.lock().unwrap();
+    if let Some((_, m)) = c.iter().find(|(n, _)| n == name) {
+        return m.clone();
+    }
+    let m = Model::load(&model_path(name), &ModelParams::default()).expect("model loads");
+    c.push((name.to_string(), m.clone()));
+    m
+}
+
+/// Threads for tests: the machine's cores (2 in CI).
+pub fn threads() -> i32 {
+    std::thread::available_parallelism().map_or(2, |n| n.get() as i32)
+}

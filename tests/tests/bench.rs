@@ -1,0 +1,164 @@
+//! `leap bench` end to end on the real models: the report follows the contract, the modes
+//! run interleaved, llama.cpp's speculative types are driven correctly, and bad
+//! configurations fail with messages that say what to do.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use leap_cli::bench::{self, report, BenchConfig};
+use leap_host::sampler::SamplingParams;
+use leap_host::FlashAttn;
+use leap_tests::{model_path, threads, GEMMA, SMOLLM};
+
+/// A small workload of real-looking requests; repetitive text gives the n-gram drafters work.
+fn workload(max_tokens: usize) -> tempfile::NamedTempFile {
+    let doc = "The apt-get command installs packages. The apt-get command removes packages. \
+               The apt-get command upgrades packages. The dpkg command installs a .deb file.";
+    let reqs = [
+        (
+            "s1",
+            "summary",
+            format!("{doc}\n\nSummary of the text above:"),
+        ),
+        (
+            "r1",
+            "rag",
+            format!("{doc}\n\nQuestion: which command installs a .deb file?\nAnswer:"),
+        ),
+        (
+            "c1",
+            "code",
+            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n".to_string(),
+        ),
+    ];
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    for (id, task, prompt) in reqs {
+        let line =
+            serde_json::json!({"id": id, "task": task, "prompt": prompt, "max_tokens": max_tokens});
+        writeln!(f, "{line}").unwrap();
+    }
+    f
+}
+
+fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
+    BenchConfig {
+        model: model_path(model),
+        draft: None,
+        workload,
+        limit: None,
+        tasks: vec![],
+        modes: modes.iter().map(|s| s.to_string()).collect(),
+        threads: threads(),
+        ctx: 1024,
+        flash_attn: FlashAttn::Auto,
+        flash_budget: None,
+        sampling: SamplingParams::default(),
+        progress: false,
+    }
+}
+
+#[test]
+fn report_follows_the_contract_for_plain_and_every_ngram_type() {
+    let w = workload(24);
+    let modes = [
+        "plain",
+        "llama:ngram-simple",
+        "llama:ngram-map-k",
+        "llama:ngram-map-k4v",
+        "llama:ngram-mod",
+        "llama:ngram-cache",
+    ];
+    let r = bench::run(&config(GEMMA, w.path().to_path_buf(), &modes)).unwrap();
+    let v = serde_json::to_value(&r).unwrap();
+    assert_eq!(report::validate(&v), Vec::<String>::new());
+    assert_eq!(r.n_requests, 3);
+    assert_eq!(r.modes.len(), modes.len());
+    for (name, m) in &r.modes {
+        assert_eq!(m.requests.len(), 3, "{name}");
+        assert!(
+            m.identical_to_plain.is_some(),
+            "{name}: greedy run with plain present"
+        );
+        for q in &m.requests {
+            assert!(
+                q.generated_tokens >= 1 && q.generated_tokens <= 24,
+                "{name} {}",
+                q.id
+            );
+            assert!(
+                q.target_calls as usize <= q.generated_tokens,
+                "{name}: at least one token per call"
+            );
+        }
+    }
+    let plain = &r.modes["plain"];
+    assert_eq!(plain.drafted_tokens, 0);
+    assert_eq!(plain.identical_to_plain, Some(true));
+    // The request order within each mode is the workload's.
+    let ids: Vec<_> = plain.requests.iter().map(|q| q.id.as_str()).collect();
+    assert_eq!(ids, ["s1", "r1", "c1"]);
+    // Somebody drafted something on this repetitive text.
+    assert!(r.modes.values().any(|m| m.drafted_tokens > 0));
+}
+
+#[test]
+fn too_long_requests_are_skipped_and_counted() {
+    let w = workload(2000);
+    let mut cfg = config(SMOLLM, w.path().to_path_buf(), &["plain"]);
+    cfg.ctx = 1024;
+    let e = bench::run(&cfg);
+    // Every request needs more than the context: nothing to run is not an error, but counted.
+    let r = e.unwrap();
+    assert_eq!(r.n_requests, 0);
+    assert_eq!(r.n_skipped, 3);
+}
+
+#[test]
+fn draft_simple_runs_with_a_same_vocabulary_draft() {
+    let w = workload(16);
+    let mut cfg = config(
+        SMOLLM,
+        w.path().to_path_buf(),
+        &["plain", "llama:draft-simple"],
+    );
+    cfg.draft = Some(model_path(SMOLLM));
+    let r = bench::run(&cfg).unwrap();
+    let d = &r.modes["llama:draft-simple"];
+    assert!(d.drafted_tokens > 0);
+    // A model drafting for itself is accepted far more often than not.
+    assert!(
+        d.mean_accepted_per_call > 1.5,
+        "{}",
+        d.mean_accepted_per_call
+    );
+    assert_eq!(r.draft.as_deref(), Some("SmolLM2-135M-Instruct.Q4_1.gguf"));
+}
+
+#[test]
+fn llama_refuses_a_draft_of_another_vocabulary() {
+    let w = workload(8);
+    let mut cfg = config(GEMMA, w.path().to_path_buf(), &["llama:draft-simple"]);
+    cfg.draft = Some(model_path(SMOLLM));
+    let e = format!("{:#}", bench::run(&cfg).unwrap_err());
+    assert!(e.contains("vocab"), "{e}");
+}
+
+#[test]
+fn bad_configurations_say_what_to_do() {
+    let w = workload(8);
+    let e = format!(
+        "{:#}",
+        bench::run(&config(
+            GEMMA,
+            w.path().to_path_buf(),
+            &["llama:draft-simple"]
+        ))
+        .unwrap_err()
+    );
+    assert!(e.contains("--draft"), "{e}");
+    let e = format!(
+        "{:#}",
+        bench::run(&config(GEMMA, w.path().to_path_buf(), &["turbo"])).unwrap_err()
+    );
+    assert!(e.contains("unknown mode"), "{e}");
+}

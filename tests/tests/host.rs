@@ -1,0 +1,358 @@
+//! host/ on the real models: tokenizer, determinism, multi-sequence batches and KV operations,
+//! the eval callback, and typed errors for bad GGUF files.
+
+use leap_cli::decode::{self, argmax};
+use leap_host::sampler::SamplingParams;
+use leap_host::{
+    Batch, Context, ContextParams, Error, EvalObserver, FlashAttn, GgufInfo, Model, ModelParams,
+    TensorView,
+};
+use leap_tests::{model, model_path, threads, GEMMA, SMOLLM};
+
+fn ctx(name: &str, n_seq_max: u32) -> Context {
+    Context::new(
+        &model(name),
+        &ContextParams {
+            n_ctx: 1024,
+            n_seq_max,
+            n_threads: threads(),
+            n_threads_batch: threads(),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn tokenize_detokenize_round_trip() {
+    let text = "Leap runs llama.cpp models on phones: naïve café, 東京, emoji 🚀, code `fn main() {}`\n\tand tabs.";
+    for name in [GEMMA, SMOLLM] {
+        let m = model(name);
+        let toks = m.tokenize(text, false, false).unwrap();
+        assert!(
+            toks.len() > 10 && toks.len() < text.len(),
+            "{name}: {} tokens",
+            toks.len()
+        );
+        assert_eq!(m.detokenize(&toks, false, false).unwrap(), text, "{name}");
+        // Piece by piece gives the same bytes.
+        let bytes: Vec<u8> = toks
+            .iter()
+            .flat_map(|&t| m.token_to_piece(t, false).unwrap())
+            .collect();
+        assert_eq!(String::from_utf8(bytes).unwrap(), text, "{name}");
+        // BOS is added when the model asks for it.
+        let with = m.tokenize(text, true, false).unwrap();
+        if m.add_bos() {
+            assert_eq!(with[0], m.token_bos().unwrap());
+            assert_eq!(&with[1..], &toks[..]);
+        }
+    }
+}
+
+#[test]
+fn out_of_vocabulary_token_is_an_error() {
+    let m = model(SMOLLM);
+    let e = m.token_to_piece(m.n_vocab(), false).unwrap_err();
+    assert!(matches!(e, Error::InvalidToken { .. }), "{e}");
+}
+
+#[test]
+fn greedy_generation_is_deterministic() {
+    let m = model(GEMMA);
+    let prompt = m
+        .tokenize(
+            "The history of the Python programming language",
+            true,
+            false,
+        )
+        .unwrap();
+    let greedy = SamplingParams::default();
+    let mut c1 = ctx(GEMMA, 1);
+    let a = decode::plain(&mut c1, &prompt, 24, &greedy, 512, &mut |_| true).unwrap();
+    let b = decode::plain(&mut c1, &prompt, 24, &greedy, 512, &mut |_| true).unwrap();
+    let mut c2 = ctx(GEMMA, 1);
+    let c = decode::plain(&mut c2, &prompt, 24, &greedy, 512, &mut |_| true).unwrap();
+    assert_eq!(a.tokens.len(), 24);
+    assert_eq!(a.tokens, b.tokens, "same context, second run");
+    assert_eq!(a.tokens, c.tokens, "fresh context");
+    assert_eq!(
+        a.target_calls, 23,
+        "one target call per token after the first"
+    );
+}
+
+#[test]
+fn sampling_follows_the_seed() {
+    let m = model(SMOLLM);
+    let prompt = m.tokenize("Once upon a time", true, false).unwrap();
+    let mut c = ctx(SMOLLM, 1);
+    let p = |seed| SamplingParams {
+        temp: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed,
+    };
+    let run = |c: &mut Context, seed| {
+        decode::plain(c, &prompt, 32, &p(seed), 512, &mut |_| true)
+            .unwrap()
+            .tokens
+    };
+    let a = run(&mut c, 1);
+    assert_eq!(a, run(&mut c, 1), "same seed, same tokens");
+    let others: Vec<_> = (2..6).map(|s| run(&mut c, s)).collect();
+    assert!(
+        others.iter().any(|o| *o != a),
+        "different seeds should not all agree at temperature 1"
+    );
+}
+
+/// Logits of the last token of `tokens`, decoded alone in a fresh sequence.
+fn alone(c: &mut Context, tokens: &[i32]) -> Vec<f32> {
+    c.clear(false);
+    let mut b = Batch::new(tokens.len(), 1);
+    b.add_sequence(tokens, 0, 0, true).unwrap();
+    c.decode(&b).unwrap();
+    c.logits(-1).unwrap().to_vec()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// How close "the same logits" must be. SmolLM2 (Q4_1) is computed bit-for-bit alike whatever
+/// the batch shape, so coupling sequences must not move its logits at all beyond float noise.
+/// Gemma 3 is not batch-invariant in llama.cpp's CPU kernels: the same single sequence gives
+/// logits up to ~1.0 apart (max logit ~18) depending on how many rows the batch that computed
+/// its early tokens had (measured: a first batch of >= 12 rows vs fewer). For Gemma the test
+/// therefore bounds the difference by that measured batch-shape effect, and allows another
+/// greedy token only at a near-tie (reference margin within twice the difference); a mixed-up
+/// sequence moves logits by several units.
+const TOL_SMOLLM: f32 = 1e-3;
+const TOL_GEMMA: f32 = 1.5;
+
+#[test]
+fn coupled_sequences_and_kv_ops_match_decoding_alone_smollm() {
+    coupled_sequences_and_kv_ops(SMOLLM, TOL_SMOLLM);
+}
+
+#[test]
+fn coupled_sequences_and_kv_ops_match_decoding_alone_gemma() {
+    coupled_sequences_and_kv_ops(GEMMA, TOL_GEMMA);
+}
+
+fn coupled_sequences_and_kv_ops(name: &str, tol: f32) {
+    let m = model(name);
+    let prefix = m
+        .tokenize(
+            "In the Debian system, packages are installed with",
+            true,
+            false,
+        )
+        .unwrap();
+    let sa = m.tokenize(" the apt command, which", false, false).unwrap();
+    let sb = m
+        .tokenize(" dpkg, the low-level tool that", false, false)
+        .unwrap();
+    let sc = m
+        .tokenize(" a graphical front end such as", false, false)
+        .unwrap();
+    let cat = |s: &[i32]| [prefix.as_slice(), s].concat();
+
+    let mut reference = ctx(name, 1);
+    let la = alone(&mut reference, &cat(&sa));
+    let lb = alone(&mut reference, &cat(&sb));
+    let lc = alone(&mut reference, &cat(&sc));
+    let check = |what: &str, got: &[f32], want: &[f32]| {
+        let d = max_abs_diff(got, want);
+        assert!(
+            d < tol,
+            "{name} {what}: logits differ by {d} (tolerance {tol})"
+        );
+        // The greedy token may differ only at a near-tie that the difference explains.
+        let (g, w) = (argmax(got) as usize, argmax(want) as usize);
+        let margin = want[w] - want[g];
+        assert!(
+            g == w || margin <= 2.0 * d,
+            "{name} {what}: greedy token {g} vs {w} with a margin of {margin}"
+        );
+        if g != w {
+            eprintln!("{name} {what}: near-tie flipped the greedy token (margin {margin:.3}, difference {d:.3})");
+        }
+    };
+
+    let mut c = ctx(name, 2);
+    // The shared prefix belongs to both sequences (one KV cell per token, two seq ids).
+    let mut b = Batch::new(64, 2);
+    for (i, &t) in prefix.iter().enumerate() {
+        b.add(t, i as i32, &[0, 1], false).unwrap();
+    }
+    c.decode(&b).unwrap();
+    // Both continuations in one batch.
+    b.clear();
+    let p0 = prefix.len() as i32;
+    let ra = sa
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| b.add(t, p0 + i as i32, &[0], i + 1 == sa.len()).unwrap())
+        .last()
+        .unwrap();
+    let rb = sb
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| b.add(t, p0 + i as i32, &[1], i + 1 == sb.len()).unwrap())
+        .last()
+        .unwrap();
+    c.decode(&b).unwrap();
+    check("coupled seq 0", c.logits(ra).unwrap(), &la);
+    check("coupled seq 1", c.logits(rb).unwrap(), &lb);
+    assert!(c.logits(0).is_err(), "a row without output has no logits");
+
+    // Roll sequence 1 back to the prefix, then continue it differently: seq_rm.
+    assert!(c.seq_rm(1, p0, -1));
+    assert_eq!(c.seq_pos_max(1), p0 - 1);
+    assert_eq!(
+        c.seq_pos_max(0),
+        p0 + sa.len() as i32 - 1,
+        "seq 0 untouched"
+    );
+    b.clear();
+    b.add_sequence(&sc, p0, 1, true).unwrap();
+    c.decode(&b).unwrap();
+    check("after seq_rm", c.logits(-1).unwrap(), &lc);
+
+    // seq_keep(0) drops sequence 1; seq_cp(0 -> 1) of the prefix lets sequence 1 continue again.
+    c.seq_keep(0).unwrap();
+    assert_eq!(c.seq_pos_max(1), -1);
+    c.seq_cp(0, 1, 0, p0).unwrap();
+    assert_eq!(c.seq_pos_max(1), p0 - 1);
+    b.clear();
+    b.add_sequence(&sb, p0, 1, true).unwrap();
+    c.decode(&b).unwrap();
+    check("after seq_cp", c.logits(-1).unwrap(), &lb);
+    assert!(c.seq_cp(0, 2, 0, -1).is_err(), "sequence 2 is out of range");
+}
+
+/// Name, shape and count of finite values of each tensor seen.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, [i64; 4], usize)>>>;
+
+struct LayerOutputs {
+    seen: Seen,
+}
+
+impl EvalObserver for LayerOutputs {
+    fn wants(&mut self, t: &TensorView<'_>) -> bool {
+        t.name().starts_with("l_out-")
+    }
+    fn observe(&mut self, t: &TensorView<'_>) -> bool {
+        let data = t
+            .read_f32()
+            .map_or(0, |d| d.iter().filter(|x| x.is_finite()).count());
+        self.seen
+            .lock()
+            .unwrap()
+            .push((t.name().to_string(), t.ne(), data));
+        true
+    }
+}
+
+#[test]
+fn eval_callback_sees_every_layer_output() {
+    let m = model(SMOLLM);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut c = Context::with_observer(
+        &m,
+        &ContextParams {
+            n_ctx: 256,
+            n_threads: threads(),
+            n_threads_batch: threads(),
+            flash_attn: FlashAttn::Off,
+            ..Default::default()
+        },
+        Some(Box::new(LayerOutputs { seen: seen.clone() })),
+    )
+    .unwrap();
+    let toks = m
+        .tokenize("Hidden states, layer by layer.", true, false)
+        .unwrap();
+    let mut b = Batch::new(toks.len(), 1);
+    b.add_sequence(&toks, 0, 0, true).unwrap();
+    c.decode(&b).unwrap();
+    let seen = seen.lock().unwrap();
+    let names: std::collections::BTreeSet<_> = seen.iter().map(|s| s.0.clone()).collect();
+    assert_eq!(names.len(), m.n_layer() as usize, "{names:?}");
+    for (name, ne, finite) in seen.iter() {
+        assert_eq!(ne[0], m.n_embd() as i64, "{name}");
+        assert!(
+            *finite > 0 && *finite as i64 == ne[0] * ne[1],
+            "{name}: {finite} finite values of {ne:?}"
+        );
+    }
+}
+
+#[test]
+fn chat_template_renders() {
+    let m = model(SMOLLM);
+    let s = m
+        .apply_chat_template(
+            &[leap_host::model::ChatMessage {
+                role: "user".into(),
+                content: "Hello there".into(),
+            }],
+            true,
+        )
+        .unwrap();
+    assert!(
+        s.contains("Hello there") && s.len() > "Hello there".len(),
+        "{s}"
+    );
+}
+
+#[test]
+fn bad_gguf_files_are_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = ModelParams::default();
+
+    let missing = dir.path().join("nope.gguf");
+    assert!(matches!(
+        Model::load(&missing, &p).unwrap_err(),
+        Error::ModelNotFound { .. }
+    ));
+
+    let garbage = dir.path().join("garbage.gguf");
+    std::fs::write(
+        &garbage,
+        b"this is not a gguf file at all, just text padding it out",
+    )
+    .unwrap();
+    let e = Model::load(&garbage, &p).unwrap_err();
+    assert!(matches!(e, Error::InvalidGguf { .. }), "{e}");
+
+    let real = std::fs::read(model_path(SMOLLM)).unwrap();
+    let header_cut = dir.path().join("header-cut.gguf");
+    std::fs::write(&header_cut, &real[..4096]).unwrap();
+    let e = Model::load(&header_cut, &p).unwrap_err();
+    assert!(matches!(e, Error::InvalidGguf { .. }), "{e}");
+
+    let data_cut = dir.path().join("data-cut.gguf");
+    std::fs::write(&data_cut, &real[..real.len() / 2]).unwrap();
+    let e = Model::load(&data_cut, &p).unwrap_err();
+    match e {
+        Error::TruncatedGguf {
+            expected, actual, ..
+        } => {
+            assert_eq!(actual, (real.len() / 2) as u64);
+            assert!(expected > actual);
+        }
+        other => panic!("expected TruncatedGguf, got {other}"),
+    }
+
+    let ok = GgufInfo::open(&model_path(SMOLLM)).unwrap();
+    assert_eq!(ok.architecture(), Some("llama"));
+    assert!(ok.tensors.iter().any(|t| t.block() == Some(0)));
+    assert!(ok.tensor_bytes() <= ok.file_size);
+}
