@@ -36,7 +36,7 @@ fn main() {
 }
 
 /// llama-cpp-sys-2 hard-links its `libX.so` files, which are symlinks to `libX.so.0`, into
-/// `target/<profile>/` and `deps/`, where they dangle; the next build of the sys crate in that
+/// `target/<profile>/`, `deps/` and `examples/`, where they dangle; the next build of the sys crate in that
 /// target dir (another feature set or RUSTFLAGS) then fails with "File exists". Putting the
 /// `libX.so.0` links beside them (pointing into the current build) makes them valid, and lets
 /// binaries find the libraries through `$ORIGIN` as well.
@@ -55,7 +55,11 @@ fn link_sonames(libdir: &std::path::Path) {
         if !(name.starts_with("lib") && name.ends_with(".so.0")) {
             continue;
         }
-        for dir in [profile_dir.to_path_buf(), profile_dir.join("deps")] {
+        for dir in [
+            profile_dir.to_path_buf(),
+            profile_dir.join("deps"),
+            profile_dir.join("examples"),
+        ] {
             if !dir.is_dir() {
                 continue;
             }

@@ -149,3 +149,45 @@ impl Batch {
         self.raw
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_and_seq_ids_are_enforced() {
+        let mut b = Batch::new(2, 2);
+        assert_eq!(b.add(7, 0, &[0, 1], false).unwrap(), 0);
+        assert_eq!(b.add(8, 1, &[0], true).unwrap(), 1);
+        assert!(matches!(
+            b.add(9, 2, &[0], true),
+            Err(Error::BatchFull { capacity: 2 })
+        ));
+        b.clear();
+        assert!(matches!(
+            b.add(9, 0, &[0, 1, 2], true),
+            Err(Error::TooManySeqIds { given: 3, max: 2 })
+        ));
+        assert!(matches!(
+            b.add(9, 0, &[], true),
+            Err(Error::TooManySeqIds { given: 0, .. })
+        ));
+        assert!(b.is_empty());
+    }
+
+    #[test]
+    fn add_sequence_marks_only_the_last_row() {
+        let mut b = Batch::new(8, 1);
+        b.add_sequence(&[1, 2, 3], 10, 0, true).unwrap();
+        assert_eq!(b.len(), 3);
+        assert_eq!(b.n_outputs(), 1);
+        assert_eq!(b.token(2), Some(3));
+        assert_eq!(b.token(3), None);
+        b.set_logits(0, true);
+        assert_eq!(b.n_outputs(), 2);
+        let raw = b.raw();
+        // SAFETY: three initialised rows.
+        let pos: Vec<i32> = (0..3).map(|i| unsafe { *raw.pos.add(i) }).collect();
+        assert_eq!(pos, [10, 11, 12]);
+    }
+}

@@ -348,3 +348,19 @@ impl Context {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::FlashAttn;
+
+    #[test]
+    fn flash_attn_parses_its_own_names() {
+        for f in [FlashAttn::Auto, FlashAttn::On, FlashAttn::Off] {
+            assert_eq!(f.as_str().parse::<FlashAttn>().unwrap(), f);
+        }
+        assert!("yes"
+            .parse::<FlashAttn>()
+            .unwrap_err()
+            .contains("on, off or auto"));
+    }
+}

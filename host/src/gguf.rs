@@ -235,3 +235,28 @@ impl GgufCtx {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_index_comes_from_the_name() {
+        let t = |name: &str| GgufTensor {
+            name: name.into(),
+            ggml_type: "f32".into(),
+            ne: [1; 4],
+            offset: 0,
+            size: 0,
+        };
+        assert_eq!(t("blk.17.attn_q.weight").block(), Some(17));
+        assert_eq!(t("token_embd.weight").block(), None);
+        assert_eq!(t("blk.x.ffn_up.weight").block(), None);
+    }
+
+    #[test]
+    fn a_missing_file_is_not_found() {
+        let e = GgufInfo::open(Path::new("/nonexistent/leap/model.gguf")).unwrap_err();
+        assert!(matches!(e, Error::ModelNotFound { .. }));
+    }
+}
