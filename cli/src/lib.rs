@@ -4,9 +4,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`models`] | the models Leap fetches from PyPI packages, the cache, `--model` resolution |
-//! | [`decode`] | plain decoding through llama.cpp (the baseline), CPU/RSS accounting |
 //! | [`bench`] | `leap bench`: workloads, modes run interleaved per request, the `leap-bench/1` report |
 
 pub mod bench;
-pub mod decode;
 pub mod models;

@@ -8,10 +8,11 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context as _, Result};
 use clap::{Args, Parser, Subcommand};
-use leap_cli::{bench, decode, models};
+use leap_cli::{bench, models};
 use leap_host::model::ChatMessage;
 use leap_host::sampler::SamplingParams;
 use leap_host::{Context, ContextParams, FlashAttn, GgufInfo, Model, ModelParams};
+use leap_spec::plain;
 
 #[derive(Parser)]
 #[command(name = "leap", version, about = "Fast language-model inference on phones and small machines, on llama.cpp", long_about = None)]
@@ -231,7 +232,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut out = stdout.lock();
     let mut pending: Vec<u8> = Vec::new();
     let mut io_err: Option<std::io::Error> = None;
-    let g = decode::plain(
+    let g = plain::plain(
         &mut ctx,
         &prompt,
         a.max_tokens,

@@ -12,6 +12,7 @@
 //! | [`batch`] | [`Batch`]: tokens with positions, several sequence ids each, and per-row output flags |
 //! | [`sampler`] | [`Sampler`]: llama.cpp's sampler chains (greedy, or temperature/top-k/top-p/min-p/seeded dist) |
 //! | [`eval`] | [`EvalObserver`]: llama.cpp's eval callback, for reading named intermediate tensors |
+//! | [`usage`] | CPU time and peak RSS of the process, for benchmark accounting |
 //! | [`anchor`] | [`anchor::LlamaSpeculative`]: llama.cpp's own speculative decoding (`common/speculative.h`) through a small C++ shim, the baseline Leap is measured against |
 //!
 //! Ownership follows the C objects: a [`Model`] is shared through `Arc` and outlives every
@@ -28,6 +29,7 @@ pub mod eval;
 pub mod gguf;
 pub mod model;
 pub mod sampler;
+pub mod usage;
 
 pub use batch::Batch;
 pub use context::{Context, ContextParams, FlashAttn};

@@ -2,7 +2,26 @@
 //! calibration, draft reuse, draft models, gain/cost token trees verified in one target pass,
 //! and the analytic controller that decides when speculation pays.
 //!
-//! **Nothing is implemented here yet.** The crate exists so the workspace has its final shape;
-//! `leap bench` refuses the `leap` and `leap:*` modes until the engine lands (see the
-//! speculative-engine issue). It will be safe Rust on `leap-host`.
+//! **Work in progress.** What exists so far:
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`accept`] | greedy and stochastic (distribution-preserving) acceptance over a token tree |
+//! | [`control`] | the analytic model: draft length from measured acceptance and row cost |
+//! | [`engine`] | [`engine::Engine`]: SAM drafting, one-call tree verification, greedy acceptance, KV rollback |
+//! | [`plain`] | plain decoding (the baseline), [`plain::Generation`]: what a generation produced and cost |
+//! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
+//! | [`tree`] | token trees, the rows of their one-call verification (leaf sequence ids), KV rollback plans |
+//!
+//! Not yet: in-context calibration, draft reuse, draft models, the history store, Lever's
+//! gain/cost tree construction, sampled speculative decoding. The crate is safe Rust on
+//! `leap-host`.
+
 #![forbid(unsafe_code)]
+
+pub mod accept;
+pub mod control;
+pub mod engine;
+pub mod plain;
+pub mod sam;
+pub mod tree;

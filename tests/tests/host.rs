@@ -1,12 +1,12 @@
 //! host/ on the real models: tokenizer, determinism, multi-sequence batches and KV operations,
 //! the eval callback, and typed errors for bad GGUF files.
 
-use leap_cli::decode::{self, argmax};
 use leap_host::sampler::SamplingParams;
 use leap_host::{
     Batch, Context, ContextParams, Error, EvalObserver, FlashAttn, GgufInfo, Model, ModelParams,
     TensorView,
 };
+use leap_spec::plain::{self as decode, argmax};
 use leap_tests::{model, model_path, threads, GEMMA, SMOLLM};
 
 fn ctx(name: &str, n_seq_max: u32) -> Context {

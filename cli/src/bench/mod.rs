@@ -17,7 +17,9 @@ use leap_host::anchor::{AnchorConfig, LlamaSpeculative, TYPES};
 use leap_host::sampler::SamplingParams;
 use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams, Token};
 
-use crate::decode::{self, cpu_seconds, Generation};
+use leap_host::usage::{cpu_seconds, peak_rss_bytes};
+use leap_spec::engine::{Engine, EngineConfig};
+use leap_spec::plain::{self, Generation};
 use report::{ModeReport, Report, RequestReport};
 
 /// What `leap bench` was asked to do.
@@ -38,12 +40,35 @@ pub struct BenchConfig {
 }
 
 /// A mode, parsed from its name.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ModeKind {
     /// `plain`.
     Plain,
     /// `llama:TYPE`.
     Llama(String),
+    /// `leap` or `leap:NAME`: Leap's engine with a named configuration.
+    Leap(EngineConfig),
+}
+
+/// Leap's named configurations (`leap:NAME`); `leap` is the recommended one.
+pub const LEAP_CONFIGS: &[&str] = &["sam", "sam-fixed", "tree"];
+
+/// The engine configuration of `leap` (`None`) or `leap:NAME`.
+pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
+    let base = EngineConfig::default();
+    Some(match name {
+        None | Some("sam") => base,
+        Some("sam-fixed") => EngineConfig {
+            adaptive: false,
+            max_draft: 8,
+            ..base
+        },
+        Some("tree") => EngineConfig {
+            max_branches: 4,
+            ..base
+        },
+        Some(_) => return None,
+    })
 }
 
 impl ModeKind {
@@ -65,11 +90,26 @@ impl ModeKind {
             );
         }
         if name == "leap" || name.starts_with("leap:") {
-            bail!("mode {name:?}: Leap's speculative engine is not in this build yet; run plain and llama:* modes");
+            let known = || {
+                LEAP_CONFIGS
+                    .iter()
+                    .map(|c| format!("leap:{c}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            return leap_config(name.strip_prefix("leap:"))
+                .map(ModeKind::Leap)
+                .with_context(|| {
+                    format!(
+                        "unknown Leap configuration {name:?}; one of: leap, {}",
+                        known()
+                    )
+                });
         }
         bail!(
-            "unknown mode {name:?}; modes are plain, llama:TYPE ({}), leap, leap:NAME",
-            TYPES.join(", ")
+            "unknown mode {name:?}; modes are plain, llama:TYPE ({}), leap, leap:NAME ({})",
+            TYPES.join(", "),
+            LEAP_CONFIGS.join(", ")
         )
     }
 }
@@ -77,6 +117,7 @@ impl ModeKind {
 enum Runner {
     Plain(Context),
     Llama(Box<LlamaSpeculative>),
+    Leap(Context, Box<Engine>),
 }
 
 impl Runner {
@@ -87,10 +128,18 @@ impl Runner {
         cfg: &BenchConfig,
     ) -> Result<Generation> {
         match self {
-            Runner::Plain(ctx) => {
-                decode::plain(ctx, prompt, max_tokens, &cfg.sampling, 512, &mut |_| true)
-            }
+            Runner::Plain(ctx) => Ok(plain::plain(
+                ctx,
+                prompt,
+                max_tokens,
+                &cfg.sampling,
+                512,
+                &mut |_| true,
+            )?),
             Runner::Llama(spec) => run_anchor(spec, prompt, max_tokens),
+            Runner::Leap(ctx, engine) => {
+                Ok(engine.generate(ctx, prompt, max_tokens, 512, &mut |_| true)?)
+            }
         }
     }
 }
@@ -191,12 +240,20 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         flash_attn: cfg.flash_attn,
         ..Default::default()
     };
+    if cfg.sampling.temp > 0.0 && kinds.iter().any(|k| matches!(k, ModeKind::Leap(_))) {
+        bail!("Leap's modes decode greedily so far; drop --temp or the leap modes");
+    }
     let mut runners = Vec::new();
     for (name, kind) in cfg.modes.iter().zip(&kinds) {
-        let target = Context::new(&model, &cparams)
+        let mut params = cparams.clone();
+        if let ModeKind::Leap(ec) = kind {
+            params.n_seq_max = ec.max_branches as u32;
+        }
+        let target = Context::new(&model, &params)
             .with_context(|| format!("creating the context for mode {name}"))?;
         let runner = match kind {
             ModeKind::Plain => Runner::Plain(target),
+            ModeKind::Leap(ec) => Runner::Leap(target, Box::new(Engine::new(ec.clone()))),
             ModeKind::Llama(t) => {
                 let dctx = match (&draft_model, t.as_str()) {
                     (Some(dm), "draft-simple") => Some(Context::new(dm, &cparams)?),
@@ -250,7 +307,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 .run(&prompt, req.max_tokens, cfg)
                 .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
             cpu[i] += g.decode_cpu_seconds;
-            rss[i] = rss[i].max(decode::peak_rss_bytes());
+            rss[i] = rss[i].max(peak_rss_bytes());
             per_mode[i].requests.push(RequestReport {
                 id: req.id.clone(),
                 task: req.task.clone(),
@@ -367,5 +424,16 @@ mod tests {
             .to_string()
             .contains("ngram-simple"));
         assert!(ModeKind::parse("fast").is_err());
+        assert_eq!(
+            ModeKind::parse("leap").unwrap(),
+            ModeKind::Leap(EngineConfig::default())
+        );
+        assert!(
+            matches!(ModeKind::parse("leap:tree").unwrap(), ModeKind::Leap(c) if c.max_branches > 1)
+        );
+        assert!(ModeKind::parse("leap:warp")
+            .unwrap_err()
+            .to_string()
+            .contains("leap:sam"));
     }
 }

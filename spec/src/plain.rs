@@ -1,12 +1,11 @@
 //! Plain decoding through llama.cpp: prefill, then one target call per token. This is the
-//! baseline every speculative mode is measured against, and what `leap generate` runs until
-//! the speculative engine takes over.
+//! baseline every speculative mode is measured against.
 
 use std::time::Instant;
 
-use anyhow::Result;
 use leap_host::sampler::SamplingParams;
-use leap_host::{Batch, Context, Sampler, Token};
+use leap_host::usage::cpu_seconds;
+use leap_host::{Batch, Context, Result, Sampler, Token};
 
 /// What one generation produced and what it cost.
 #[derive(Debug, Clone, Default)]
@@ -23,29 +22,6 @@ pub struct Generation {
     pub target_calls: u64,
     /// Tokens proposed by a drafter (0 for plain decoding).
     pub drafted_tokens: u64,
-}
-
-/// User + system CPU seconds of this process so far.
-pub fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage writes into the zeroed struct we pass; RUSAGE_SELF is always valid.
-    let ru = unsafe {
-        let mut ru: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
-        ru
-    };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
-}
-
-/// Peak resident set size of this process in bytes.
-pub fn peak_rss_bytes() -> u64 {
-    // SAFETY: as in `cpu_seconds`.
-    let ru = unsafe {
-        let mut ru: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
-        ru
-    };
-    ru.ru_maxrss as u64 * 1024
 }
 
 /// Run the prompt through the target (sequence 0 from position 0), logits for the last token

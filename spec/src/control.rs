@@ -1,0 +1,177 @@
+//! When speculation pays, and how much to draft (the thesis' analytic model, 003 Eq. 4.1).
+//!
+//! With per-token acceptance `a` and a draft of `g` tokens, a verification call yields
+//! `(1 - a^(g+1)) / (1 - a)` tokens on average and costs `c(g + 1)`, the time of a call of
+//! `g + 1` rows. [`Controller::draft_len`] picks the `g` that maximises tokens per unit of
+//! time, and 0 (no speculation) when nothing beats a plain step. Both inputs are measured
+//! online: acceptance per bucket of match length (longer suffix matches are more reliable), and
+//! the cost slope `beta` in `c(k) = c(1) * (1 + beta * (k - 1))`, fitted by least squares to the
+//! observed call times of this machine.
+
+/// Buckets of suffix-match length: 1, 2, 3-4, 5-8, 9-16, 17+.
+const BUCKETS: usize = 6;
+
+fn bucket(match_len: usize) -> usize {
+    match match_len {
+        0 | 1 => 0,
+        2 => 1,
+        3..=4 => 2,
+        5..=8 => 3,
+        9..=16 => 4,
+        _ => 5,
+    }
+}
+
+/// Expected tokens from one call that verifies a chain of `g` drafts with acceptance `a`.
+pub fn expected_tokens(a: f64, g: usize) -> f64 {
+    if a >= 1.0 {
+        return (g + 1) as f64;
+    }
+    (1.0 - a.powi(g as i32 + 1)) / (1.0 - a)
+}
+
+/// Online acceptance and cost estimates, and the draft-length decision.
+#[derive(Debug, Clone)]
+pub struct Controller {
+    /// Accepted draft tokens per bucket (with a prior).
+    accepted: [f64; BUCKETS],
+    /// Rejections per bucket (at most one per verified draft), with a prior.
+    rejected: [f64; BUCKETS],
+    /// Seconds of a 1-row call (EMA).
+    t1: f64,
+    /// Least-squares sums for beta: sum x*y and sum x*x with x = k-1, y = t/t1 - 1.
+    sxy: f64,
+    sxx: f64,
+    /// Most tokens per draft.
+    pub max_draft: usize,
+}
+
+impl Controller {
+    /// A controller with weak, optimistic priors: acceptance rising with the match length
+    /// (0.6 for one token to 0.9 for 17+; a controller that never drafts never learns), worth
+    /// four observations, and cost slope `beta_prior`.
+    pub fn new(max_draft: usize, beta_prior: f64) -> Self {
+        const PRIOR: [f64; BUCKETS] = [0.6, 0.7, 0.75, 0.8, 0.85, 0.9];
+        const WEIGHT: f64 = 4.0;
+        Self {
+            accepted: PRIOR.map(|a| a * WEIGHT),
+            rejected: PRIOR.map(|a| WEIGHT * (1.0 - a)),
+            t1: 0.0,
+            sxy: beta_prior * 4.0,
+            sxx: 4.0,
+            max_draft,
+        }
+    }
+
+    /// Estimated per-token acceptance for drafts from a match of `match_len` tokens.
+    pub fn acceptance(&self, match_len: usize) -> f64 {
+        let b = bucket(match_len);
+        self.accepted[b] / (self.accepted[b] + self.rejected[b])
+    }
+
+    /// Estimated cost slope.
+    pub fn beta(&self) -> f64 {
+        (self.sxy / self.sxx).max(0.01)
+    }
+
+    /// Relative cost of a call of `rows` rows.
+    pub fn cost(&self, rows: usize) -> f64 {
+        1.0 + self.beta() * (rows.max(1) - 1) as f64
+    }
+
+    /// Record a verified draft: `drafted` tokens from a match of `match_len`, of which the
+    /// first `accepted` were accepted.
+    pub fn record_acceptance(&mut self, match_len: usize, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        let b = bucket(match_len);
+        self.accepted[b] += accepted as f64;
+        if accepted < drafted {
+            self.rejected[b] += 1.0;
+        }
+    }
+
+    /// Record the wall time of a call of `rows` rows.
+    pub fn record_cost(&mut self, rows: usize, seconds: f64) {
+        if rows <= 1 {
+            self.t1 = if self.t1 == 0.0 {
+                seconds
+            } else {
+                0.9 * self.t1 + 0.1 * seconds
+            };
+            return;
+        }
+        if self.t1 > 0.0 {
+            let x = (rows - 1) as f64;
+            let y = seconds / self.t1 - 1.0;
+            // Forget slowly so the fit follows the machine (and the context length).
+            self.sxy = 0.98 * self.sxy + x * y;
+            self.sxx = 0.98 * self.sxx + x * x;
+        }
+    }
+
+    /// The draft length that maximises expected tokens per unit of time, up to `available`
+    /// tokens of continuation; 0 when a plain step is better.
+    pub fn draft_len(&self, match_len: usize, available: usize) -> usize {
+        let a = self.acceptance(match_len);
+        let mut best = (1.0, 0);
+        for g in 1..=available.min(self.max_draft) {
+            let rate = expected_tokens(a, g) / self.cost(g + 1);
+            if rate > best.0 * 1.02 {
+                best = (rate, g);
+            }
+        }
+        best.1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expected_tokens_is_the_geometric_sum() {
+        assert!((expected_tokens(0.5, 2) - 1.75).abs() < 1e-12);
+        assert_eq!(expected_tokens(0.0, 5), 1.0);
+        assert_eq!(expected_tokens(1.0, 3), 4.0);
+    }
+
+    #[test]
+    fn drafts_long_when_acceptance_is_high_and_not_at_all_when_low() {
+        let mut c = Controller::new(16, 0.4);
+        for _ in 0..50 {
+            c.record_acceptance(20, 8, 8);
+        }
+        assert!(c.draft_len(20, 16) >= 8, "{}", c.draft_len(20, 16));
+        for _ in 0..50 {
+            c.record_acceptance(1, 4, 0);
+        }
+        assert_eq!(c.draft_len(1, 16), 0);
+        assert_eq!(c.draft_len(20, 0), 0, "nothing to draft from");
+    }
+
+    #[test]
+    fn learns_the_cost_slope_from_call_times() {
+        let mut c = Controller::new(16, 0.1);
+        for _ in 0..200 {
+            c.record_cost(1, 0.020);
+            for k in [2usize, 4, 8] {
+                c.record_cost(k, 0.020 * (1.0 + 0.6 * (k - 1) as f64));
+            }
+        }
+        assert!((c.beta() - 0.6).abs() < 0.05, "{}", c.beta());
+        // A steeper machine drafts less for the same acceptance.
+        for _ in 0..20 {
+            c.record_acceptance(6, 4, 2);
+        }
+        let steep = c.draft_len(6, 16);
+        let mut flat = c.clone();
+        flat.sxy = 0.1 * flat.sxx;
+        assert!(
+            flat.draft_len(6, 16) > steep,
+            "{} vs {steep}",
+            flat.draft_len(6, 16)
+        );
+    }
+}
