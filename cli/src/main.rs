@@ -138,7 +138,7 @@ struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     task: Vec<String>,
     /// Modes, comma separated: plain, llama:TYPE (ngram-simple, ngram-map-k, ngram-map-k4v,
-    /// ngram-mod, ngram-cache, draft-simple).
+    /// ngram-mod, ngram-cache, draft-simple), leap, leap:NAME (sam, sam-fixed, tree).
     #[arg(long, value_delimiter = ',', default_value = "plain,llama:ngram-mod")]
     modes: Vec<String>,
     /// Fraction of the target's layer weights kept resident (flash streaming).
