@@ -35,6 +35,9 @@ enum Cmd {
         #[command(subcommand)]
         cmd: Option<ModelsCmd>,
     },
+    /// Measure what a target call of k rows costs here, relative to one row (the curve that
+    /// decides how much speculation can pay).
+    Profile(ProfileArgs),
     /// Show a GGUF model's architecture, layers, vocabulary and sizes.
     Info {
         /// A model name (`leap models`) or a path to a GGUF file.
@@ -121,6 +124,24 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct ProfileArgs {
+    /// A model name (`leap models`) or a path to a GGUF file.
+    #[arg(short, long, default_value = models::DEFAULT_MODEL)]
+    model: String,
+    /// Tokens of context in the KV cache while measuring.
+    #[arg(long, default_value_t = 1000)]
+    context: usize,
+    /// Row counts to measure, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,6,8,12,16")]
+    rows: Vec<usize>,
+    /// Calls per measurement (the mean is reported).
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+}
+
+#[derive(Args)]
 struct BenchArgs {
     /// Target model: a name (`leap models`) or a GGUF path.
     #[arg(long, default_value = models::DEFAULT_MODEL)]
@@ -189,6 +210,7 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Generate(a) => generate(a),
         Cmd::Bench(a) => run_bench(a),
         Cmd::Models { cmd } => run_models(cmd),
+        Cmd::Profile(a) => profile(a),
         Cmd::Info { model, tensors } => info(&model, tensors),
     }
 }
@@ -351,6 +373,61 @@ fn run_models(cmd: Option<ModelsCmd>) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn profile(a: ProfileArgs) -> Result<()> {
+    let path = models::resolve(&a.model)?;
+    let model = Model::load(&path, &ModelParams::default())?;
+    let mut ctx = Context::new(
+        &model,
+        &ContextParams {
+            n_ctx: a
+                .runtime
+                .ctx
+                .max((a.context + a.rows.iter().max().unwrap_or(&1) + 8) as u32),
+            n_threads: a.runtime.threads,
+            n_threads_batch: a.runtime.threads,
+            flash_attn: a.runtime.flash_attn,
+            ..Default::default()
+        },
+    )?;
+    // Real text for the context: the vocabulary's own pieces would do, but a repeated
+    // paragraph keeps the attention pattern ordinary.
+    let para = "Packages are installed, upgraded and removed with apt, which resolves dependencies                 and calls dpkg to unpack and configure each archive. ";
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    while tokens.len() < a.context.max(1) {
+        text.push_str(para);
+        tokens = model.tokenize(&text, true, false)?;
+    }
+    tokens.truncate(a.context.max(1));
+    let curve = leap_spec::control::measure_cost_curve(&mut ctx, &tokens, &a.rows, a.reps)?;
+    let base = curve
+        .iter()
+        .find(|p| p.rows == 1)
+        .map_or(curve[0].all_logits, |p| p.all_logits);
+    println!(
+        "{} | context {} | {} threads | flash-attn {}",
+        model.desc(),
+        tokens.len(),
+        a.runtime.threads,
+        a.runtime.flash_attn.as_str()
+    );
+    println!(
+        "{:>5} {:>12} {:>10} {:>12} {:>10}",
+        "rows", "all logits", "vs 1 row", "last logits", "vs 1 row"
+    );
+    for p in &curve {
+        println!(
+            "{:>5} {:>9.2} ms {:>9.2}x {:>9.2} ms {:>9.2}x",
+            p.rows,
+            p.all_logits * 1e3,
+            p.all_logits / base,
+            p.last_logits * 1e3,
+            p.last_logits / base
+        );
+    }
+    Ok(())
 }
 
 fn info(model: &str, tensors: bool) -> Result<()> {

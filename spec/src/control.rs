@@ -175,3 +175,59 @@ mod tests {
         );
     }
 }
+
+/// One point of a verification cost curve.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostPoint {
+    /// Rows in the target call.
+    pub rows: usize,
+    /// Mean seconds with logits for every row.
+    pub all_logits: f64,
+    /// Mean seconds with logits for the last row only.
+    pub last_logits: f64,
+}
+
+/// Measure what a target call of `k` rows costs on this machine, for each `k` in `rows`,
+/// after `context` tokens are in the KV cache (sequence 0 of an empty context). Each call is
+/// rolled back, so every measurement sees the same cache.
+///
+/// # Errors
+/// Decode failures.
+pub fn measure_cost_curve(
+    ctx: &mut leap_host::Context,
+    context: &[crate::sam::Token],
+    rows: &[usize],
+    reps: usize,
+) -> leap_host::Result<Vec<CostPoint>> {
+    ctx.clear(false);
+    crate::plain::prefill(ctx, context, 512)?;
+    let pos0 = context.len() as i32;
+    let max_rows = rows.iter().copied().max().unwrap_or(1);
+    let mut batch = leap_host::Batch::new(max_rows, 1);
+    let mut time = |ctx: &mut leap_host::Context, k: usize, all: bool| -> leap_host::Result<f64> {
+        let mut total = 0.0;
+        for _ in 0..reps.max(1) {
+            batch.clear();
+            for i in 0..k {
+                let t = context[(i * 7919) % context.len()];
+                batch.add(t, pos0 + i as i32, &[0], all || i + 1 == k)?;
+            }
+            let t0 = std::time::Instant::now();
+            ctx.decode(&batch)?;
+            ctx.logits(-1)?;
+            total += t0.elapsed().as_secs_f64();
+            ctx.seq_rm(0, pos0, -1);
+        }
+        Ok(total / reps.max(1) as f64)
+    };
+    time(ctx, 1, true)?; // warm-up
+    rows.iter()
+        .map(|&k| {
+            Ok(CostPoint {
+                rows: k,
+                all_logits: time(ctx, k, true)?,
+                last_logits: time(ctx, k, false)?,
+            })
+        })
+        .collect()
+}

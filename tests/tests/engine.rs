@@ -161,3 +161,18 @@ fn long_context_divergence_happens_only_at_near_ties() {
         );
     }
 }
+
+#[test]
+fn cost_curve_measures_every_requested_row_count() {
+    let m = model(SMOLLM);
+    let toks = m.tokenize(&long_prompt(), true, false).unwrap();
+    let mut c = ctx(SMOLLM, 1);
+    let curve =
+        leap_spec::control::measure_cost_curve(&mut c, &toks[..200], &[1, 3, 5], 2).unwrap();
+    assert_eq!(curve.iter().map(|p| p.rows).collect::<Vec<_>>(), [1, 3, 5]);
+    assert!(curve
+        .iter()
+        .all(|p| p.all_logits > 0.0 && p.last_logits > 0.0));
+    // Every measurement was rolled back: the cache holds exactly the context again.
+    assert_eq!(c.seq_pos_max(0), 199);
+}
