@@ -12,6 +12,7 @@ use leap_cli::{bench, models};
 use leap_host::model::ChatMessage;
 use leap_host::sampler::SamplingParams;
 use leap_host::{Context, ContextParams, FlashAttn, GgufInfo, Model, ModelParams};
+use leap_spec::engine::{Engine, EngineConfig};
 use leap_spec::plain;
 
 #[derive(Parser)]
@@ -117,6 +118,10 @@ struct GenerateArgs {
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     chat: bool,
+    /// Decoding: `plain` (one target call per token) or `leap` (Leap's speculative engine,
+    /// greedy only so far).
+    #[arg(long, default_value = "plain", value_parser = ["plain", "leap"])]
+    mode: String,
     #[command(flatten)]
     runtime: RuntimeArgs,
     #[command(flatten)]
@@ -240,48 +245,60 @@ fn generate(a: GenerateArgs) -> Result<()> {
     }
     let prompt = model.tokenize(&text, true, a.chat)?;
     let n_ctx = a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32);
-    let mut ctx = Context::new(
-        &model,
-        &ContextParams {
-            n_ctx,
-            n_threads: a.runtime.threads,
-            n_threads_batch: a.runtime.threads,
-            flash_attn: a.runtime.flash_attn,
-            ..Default::default()
-        },
-    )?;
+    let params = ContextParams {
+        n_ctx,
+        n_threads: a.runtime.threads,
+        n_threads_batch: a.runtime.threads,
+        flash_attn: a.runtime.flash_attn,
+        ..Default::default()
+    };
+    let mut ctx = Context::new(&model, &params)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut pending: Vec<u8> = Vec::new();
     let mut io_err: Option<std::io::Error> = None;
-    let g = plain::plain(
-        &mut ctx,
-        &prompt,
-        a.max_tokens,
-        &a.sampling.params(),
-        512,
-        &mut |tok| {
-            if model.is_eog(tok) {
+    if a.mode == "leap" && a.sampling.temp > 0.0 {
+        bail!("--mode leap decodes greedily so far; drop --temp or use --mode plain");
+    }
+    let mut on_token = |tok| {
+        if model.is_eog(tok) {
+            return false;
+        }
+        if let Ok(piece) = model.token_to_piece(tok, false) {
+            pending.extend_from_slice(&piece);
+            // Print only complete UTF-8; keep a split multi-byte character for the next token.
+            let valid = match std::str::from_utf8(&pending) {
+                Ok(_) => pending.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => pending.len(),
+            };
+            let r = out.write_all(&pending[..valid]).and_then(|()| out.flush());
+            pending.drain(..valid);
+            if let Err(e) = r {
+                io_err = Some(e);
                 return false;
             }
-            if let Ok(piece) = model.token_to_piece(tok, false) {
-                pending.extend_from_slice(&piece);
-                // Print only complete UTF-8; keep a split multi-byte character for the next token.
-                let valid = match std::str::from_utf8(&pending) {
-                    Ok(_) => pending.len(),
-                    Err(e) if e.error_len().is_none() => e.valid_up_to(),
-                    Err(_) => pending.len(),
-                };
-                let r = out.write_all(&pending[..valid]).and_then(|()| out.flush());
-                pending.drain(..valid);
-                if let Err(e) = r {
-                    io_err = Some(e);
-                    return false;
-                }
-            }
-            true
-        },
-    )?;
+        }
+        true
+    };
+    let g = if a.mode == "leap" {
+        Engine::new(EngineConfig::default()).generate(
+            &mut ctx,
+            &prompt,
+            a.max_tokens,
+            512,
+            &mut on_token,
+        )?
+    } else {
+        plain::plain(
+            &mut ctx,
+            &prompt,
+            a.max_tokens,
+            &a.sampling.params(),
+            512,
+            &mut on_token,
+        )?
+    };
     if let Some(e) = io_err {
         return Err(e.into());
     }

@@ -1,5 +1,6 @@
-//! The speculative engine: drafts from a suffix automaton of the prompt and the output so far,
-//! verifies a token tree in one target call, accepts greedily and rolls the KV cache back to
+//! The speculative engine: drafts from a suffix automaton of the prompt and the output so far
+//! and from one of the conversation's earlier requests and answers, verifies a token tree in
+//! one target call, accepts greedily and rolls the KV cache back to
 //! the accepted path. Greedy only for now; sampled decoding stays on [`crate::plain`].
 //!
 //! The context's KV memory holds every accepted token but the last (`id_last`), as in
@@ -14,7 +15,7 @@ use leap_host::{Batch, Context, Error, Result, Token};
 use crate::accept;
 use crate::control::Controller;
 use crate::plain::{argmax, prefill, Generation};
-use crate::sam::SuffixAutomaton;
+use crate::sam::{Matcher, SuffixAutomaton};
 use crate::tree::{KvOp, TokenTree};
 
 /// How the engine drafts.
@@ -30,6 +31,8 @@ pub struct EngineConfig {
     pub adaptive: bool,
     /// Prior for the cost slope of extra rows (learned online).
     pub beta_prior: f64,
+    /// Tokens of earlier requests and answers kept for drafting (0: no history).
+    pub history_tokens: usize,
 }
 
 impl Default for EngineConfig {
@@ -40,15 +43,21 @@ impl Default for EngineConfig {
             min_match: 2,
             adaptive: true,
             beta_prior: 0.5,
+            history_tokens: 1 << 16,
         }
     }
 }
 
-/// The speculative engine. Keep one per conversation: its controller's estimates carry over.
+/// Separates requests in the history automaton, so no match spans two of them. Never a token.
+const SEPARATOR: Token = -1;
+
+/// The speculative engine. Keep one per conversation: its controller's estimates and its
+/// history of earlier requests and answers carry over.
 #[derive(Debug)]
 pub struct Engine {
     cfg: EngineConfig,
     control: Controller,
+    history: SuffixAutomaton,
     /// Seconds spent drafting (building trees) in the last generation.
     pub draft_seconds: f64,
 }
@@ -73,6 +82,7 @@ impl Engine {
         Self {
             cfg,
             control,
+            history: SuffixAutomaton::new(),
             draft_seconds: 0.0,
         }
     }
@@ -82,10 +92,30 @@ impl Engine {
         &self.cfg
     }
 
-    /// Build this step's tree from the automaton of everything accepted so far.
+    /// Remember a finished request (prompt and answer) for drafting in later ones; the oldest
+    /// half is dropped when the history outgrows its budget.
+    fn remember(&mut self, prompt: &[Token], answer: &[Token]) {
+        if self.cfg.history_tokens == 0 {
+            return;
+        }
+        let incoming = prompt.len() + answer.len() + 1;
+        if self.history.len() + incoming > self.cfg.history_tokens {
+            let text = self.history.text();
+            let keep = text[text.len().saturating_sub(self.cfg.history_tokens / 2)..].to_vec();
+            self.history = SuffixAutomaton::with_capacity(keep.len() + incoming);
+            self.history.extend(&keep);
+        }
+        self.history.extend(prompt);
+        self.history.extend(answer);
+        self.history.push(SEPARATOR);
+    }
+
+    /// Build this step's tree from the automaton of everything accepted so far and from the
+    /// history's longest match of the current text.
     fn draft(
         &self,
         sam: &SuffixAutomaton,
+        hist: Option<crate::sam::Match>,
         id_last: Token,
         remaining: usize,
         n_seq: usize,
@@ -97,8 +127,25 @@ impl Engine {
         }
         let branches = self.cfg.max_branches.min(n_seq).max(1);
         let mut first_match = 0;
-        for m in sam.repeats(self.cfg.min_match, branches) {
-            let cont = sam.continuation(m, budget);
+        let local = sam
+            .repeats(self.cfg.min_match, branches)
+            .into_iter()
+            .map(|m| (m, sam));
+        let from_history = hist
+            .filter(|m| m.len >= self.cfg.min_match)
+            .map(|m| (m, &self.history));
+        // Longest match first, wherever it comes from.
+        let mut candidates: Vec<_> = local.chain(from_history).collect();
+        candidates.sort_by_key(|c| std::cmp::Reverse(c.0.len));
+        for (m, text) in candidates {
+            let cont = text.continuation(m, budget);
+            let cont = &cont[..cont
+                .iter()
+                .position(|&t| t == SEPARATOR)
+                .unwrap_or(cont.len())];
+            if cont.is_empty() {
+                continue;
+            }
             let g = if self.cfg.adaptive {
                 self.control.draft_len(m.len, cont.len())
             } else {
@@ -155,10 +202,15 @@ impl Engine {
 
         let mut sam = SuffixAutomaton::with_capacity(prompt.len() + max_tokens);
         sam.extend(prompt);
+        let mut matcher = Matcher::new();
+        for &t in prompt {
+            matcher.push(&self.history, t);
+        }
         let mut pos0 = prompt.len() as i32;
         let first = argmax(ctx.logits(-1)?);
         g.tokens.push(first);
         sam.push(first);
+        matcher.push(&self.history, first);
         let mut id_last = first;
         let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
         let mut batch = Batch::new(
@@ -168,7 +220,9 @@ impl Engine {
 
         while !done {
             let td = Instant::now();
-            let (tree, match_len) = self.draft(&sam, id_last, max_tokens - g.tokens.len(), n_seq);
+            let hist = matcher.current(&self.history);
+            let (tree, match_len) =
+                self.draft(&sam, hist, id_last, max_tokens - g.tokens.len(), n_seq);
             self.draft_seconds += td.elapsed().as_secs_f64();
 
             apply(ctx, &tree.prepare(pos0, 0))?;
@@ -205,6 +259,7 @@ impl Engine {
                 }
                 g.tokens.push(t);
                 sam.push(t);
+                matcher.push(&self.history, t);
                 if model.is_eog(t) || !on_token(t) || g.tokens.len() >= max_tokens {
                     done = true;
                     break;
@@ -217,6 +272,7 @@ impl Engine {
         }
         g.decode_seconds = t1.elapsed().as_secs_f64();
         g.decode_cpu_seconds = cpu_seconds() - cpu0;
+        self.remember(prompt, &g.tokens);
         Ok(g)
     }
 }

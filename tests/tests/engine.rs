@@ -176,3 +176,54 @@ fn cost_curve_measures_every_requested_row_count() {
     // Every measurement was rolled back: the cache holds exactly the context again.
     assert_eq!(c.seq_pos_max(0), 199);
 }
+
+#[test]
+fn history_drafts_a_repeated_request_from_the_earlier_answer() {
+    let m = model(SMOLLM);
+    let toks = m
+        .tokenize(
+            "Once upon a time, in a small village by the sea, there lived",
+            true,
+            false,
+        )
+        .unwrap();
+    let mut c = ctx(SMOLLM, 1);
+    let want = plain::plain(
+        &mut c,
+        &toks,
+        64,
+        &SamplingParams::default(),
+        512,
+        &mut |_| true,
+    )
+    .unwrap();
+    let mut engine = Engine::new(EngineConfig::default());
+    let first = engine
+        .generate(&mut c, &toks, 64, 512, &mut |_| true)
+        .unwrap();
+    let second = engine
+        .generate(&mut c, &toks, 64, 512, &mut |_| true)
+        .unwrap();
+    assert_eq!(want.tokens.len(), 64, "the prompt must not end at once");
+    assert_eq!(first.tokens, want.tokens);
+    assert_eq!(second.tokens, want.tokens);
+    let per_call = |g: &plain::Generation| g.tokens.len() as f64 / g.target_calls.max(1) as f64;
+    assert!(
+        per_call(&second) > 2.0 * per_call(&first).max(1.0),
+        "{} vs {}",
+        per_call(&second),
+        per_call(&first)
+    );
+    // Without history the second run is no better than the first.
+    let mut forgetful = Engine::new(EngineConfig {
+        history_tokens: 0,
+        ..Default::default()
+    });
+    forgetful
+        .generate(&mut c, &toks, 64, 512, &mut |_| true)
+        .unwrap();
+    let again = forgetful
+        .generate(&mut c, &toks, 64, 512, &mut |_| true)
+        .unwrap();
+    assert!(per_call(&again) < per_call(&second));
+}

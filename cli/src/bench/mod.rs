@@ -51,7 +51,7 @@ pub enum ModeKind {
 }
 
 /// Leap's named configurations (`leap:NAME`); `leap` is the recommended one.
-pub const LEAP_CONFIGS: &[&str] = &["sam", "sam-fixed", "tree"];
+pub const LEAP_CONFIGS: &[&str] = &["sam", "sam-fixed", "tree", "no-history"];
 
 /// The engine configuration of `leap` (`None`) or `leap:NAME`.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
@@ -61,6 +61,10 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
         Some("sam-fixed") => EngineConfig {
             adaptive: false,
             max_draft: 8,
+            ..base
+        },
+        Some("no-history") => EngineConfig {
+            history_tokens: 0,
             ..base
         },
         Some("tree") => EngineConfig {
