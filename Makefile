@@ -22,10 +22,10 @@ run: models
 test: models
 	$(CARGO) test --release --workspace
 
-# The issue-2 benchmark: plain decoding against llama.cpp's n-gram modes on the dev workload.
+# Plain decoding, llama.cpp's n-gram modes and Leap's engine on the dev workload.
 bench: models
-	$(LEAP) bench --model gemma3-270m --workload ../shared/workloads/dev-all.jsonl --limit 12 \
-	  --modes plain,llama:ngram-simple,llama:ngram-mod,llama:ngram-cache --out bench.json
+	$(LEAP) bench --model gemma3-270m --workload ../shared/workloads/dev-all.jsonl --limit 24 \
+	  --modes plain,llama:ngram-simple,llama:ngram-mod,leap,leap:no-history,leap:tree --out bench.json
 
 fmt:
 	$(CARGO) fmt --all
