@@ -58,8 +58,6 @@ pub struct Engine {
     cfg: EngineConfig,
     control: Controller,
     history: SuffixAutomaton,
-    /// Seconds spent drafting (building trees) in the last generation.
-    pub draft_seconds: f64,
 }
 
 fn apply(ctx: &mut Context, ops: &[KvOp]) -> Result<()> {
@@ -83,7 +81,6 @@ impl Engine {
             cfg,
             control,
             history: SuffixAutomaton::new(),
-            draft_seconds: 0.0,
         }
     }
 
@@ -198,7 +195,6 @@ impl Engine {
         let n_seq = ctx.n_seq_max() as usize;
         let cpu0 = cpu_seconds();
         let t1 = Instant::now();
-        self.draft_seconds = 0.0;
 
         let mut sam = SuffixAutomaton::with_capacity(prompt.len() + max_tokens);
         sam.extend(prompt);
@@ -223,7 +219,7 @@ impl Engine {
             let hist = matcher.current(&self.history);
             let (tree, match_len) =
                 self.draft(&sam, hist, id_last, max_tokens - g.tokens.len(), n_seq);
-            self.draft_seconds += td.elapsed().as_secs_f64();
+            g.draft_seconds += td.elapsed().as_secs_f64();
 
             apply(ctx, &tree.prepare(pos0, 0))?;
             batch.clear();

@@ -22,6 +22,8 @@ pub struct Generation {
     pub target_calls: u64,
     /// Tokens proposed by a drafter (0 for plain decoding).
     pub drafted_tokens: u64,
+    /// Wall time spent drafting (building token trees), part of `decode_seconds`.
+    pub draft_seconds: f64,
 }
 
 /// Run the prompt through the target (sequence 0 from position 0), logits for the last token

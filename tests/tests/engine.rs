@@ -71,6 +71,17 @@ fn compare(name: &str, cfg: EngineConfig) -> (usize, u64, u64) {
 fn chain_output_is_plain_greedy_on_smollm() {
     let (differ, drafted, saved) = compare(SMOLLM, EngineConfig::default());
     assert_eq!(differ, 0);
+    let m = model(SMOLLM);
+    let toks = m.tokenize(PROMPTS[0], true, false).unwrap();
+    let g = Engine::new(EngineConfig::default())
+        .generate(&mut ctx(SMOLLM, 1), &toks, 32, 512, &mut |_| true)
+        .unwrap();
+    assert!(
+        g.draft_seconds > 0.0 && g.draft_seconds < g.decode_seconds,
+        "{} of {}",
+        g.draft_seconds,
+        g.decode_seconds
+    );
     assert!(
         drafted > 0 && saved > 0,
         "drafted {drafted}, target calls saved {saved}"

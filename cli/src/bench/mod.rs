@@ -321,6 +321,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 prefill_seconds: g.prefill_seconds,
                 target_calls: g.target_calls,
                 drafted_tokens: g.drafted_tokens,
+                draft_seconds: g.draft_seconds,
                 output_sha256: report::tokens_sha256(&g.tokens),
             });
             outputs[i].push(g.tokens);
@@ -383,8 +384,8 @@ pub fn table(report: &Report, order: &[String]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>10}",
-        "mode", "tok/s", "vs plain", "acc/call", "cpu s", "identical"
+        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>9} {:>10}",
+        "mode", "tok/s", "vs plain", "acc/call", "draft ms", "cpu s", "identical"
     );
     for name in order {
         let Some(m) = report.modes.get(name) else {
@@ -400,8 +401,14 @@ pub fn table(report: &Report, order: &[String]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.2} {:>10}",
-            name, m.decode_tokens_per_s, speed, m.mean_accepted_per_call, m.cpu_seconds, ident
+            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.3} {:>9.2} {:>10}",
+            name,
+            m.decode_tokens_per_s,
+            speed,
+            m.mean_accepted_per_call,
+            m.draft_ms_per_call,
+            m.cpu_seconds,
+            ident
         );
     }
     let _ = write!(

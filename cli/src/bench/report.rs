@@ -43,6 +43,9 @@ pub struct ModeReport {
     pub peak_rss_bytes: u64,
     pub storage_read_bytes: Option<u64>,
     pub identical_to_plain: Option<bool>,
+    /// Mean wall time of drafting per target call, in milliseconds. Added field.
+    #[serde(default)]
+    pub draft_ms_per_call: f64,
     /// Requests whose output differs from `plain` (ids). Added field.
     #[serde(default)]
     pub differing_requests: Vec<String>,
@@ -66,6 +69,9 @@ pub struct RequestReport {
     /// Added field.
     #[serde(default)]
     pub drafted_tokens: u64,
+    /// Added field: wall time spent drafting.
+    #[serde(default)]
+    pub draft_seconds: f64,
     pub output_sha256: String,
 }
 
@@ -83,6 +89,8 @@ impl ModeReport {
         self.drafted_tokens = self.requests.iter().map(|r| r.drafted_tokens).sum();
         self.decode_tokens_per_s = ratio(self.generated_tokens as f64, self.decode_seconds);
         self.mean_accepted_per_call = ratio(self.generated_tokens as f64, self.target_calls as f64);
+        let draft: f64 = self.requests.iter().map(|r| r.draft_seconds).sum();
+        self.draft_ms_per_call = ratio(draft * 1e3, self.target_calls as f64);
     }
 }
 
@@ -230,6 +238,7 @@ mod tests {
             generated_tokens: 10,
             decode_seconds: 0.5,
             target_calls: 5,
+            draft_seconds: 0.01,
             output_sha256: tokens_sha256(&[1, 2, 3]),
             ..Default::default()
         });
@@ -258,6 +267,7 @@ mod tests {
         assert_eq!(m.generated_tokens, 10);
         assert!((m.decode_tokens_per_s - 20.0).abs() < 1e-9);
         assert!((m.mean_accepted_per_call - 2.0).abs() < 1e-9);
+        assert!((m.draft_ms_per_call - 2.0).abs() < 1e-9);
     }
 
     #[test]
