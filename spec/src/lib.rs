@@ -13,8 +13,8 @@
 //! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
 //! | [`tree`] | token trees, the rows of their one-call verification (leaf sequence ids), KV rollback plans |
 //!
-//! Not yet: in-context calibration, draft reuse, draft models, the history store, Lever's
-//! gain/cost tree construction, sampled speculative decoding. The crate is safe Rust on
+//! Not yet: in-context calibration, draft reuse, draft models, Lever's gain/cost tree
+//! construction, sampled speculative decoding in the engine. The crate is safe Rust on
 //! `leap-host`.
 
 #![forbid(unsafe_code)]
