@@ -4,7 +4,9 @@
 //! | module | owns |
 //! |---|---|
 //! | [`models`] | the models Leap fetches from PyPI packages, the cache, `--model` resolution |
+//! | [`progress`] | progress bars on stderr (terminal only) |
 //! | [`bench`] | `leap bench`: workloads, modes run interleaved per request, the `leap-bench/1` report |
 
 pub mod bench;
 pub mod models;
+pub mod progress;

