@@ -222,8 +222,9 @@ impl Engine {
             g.draft_seconds += td.elapsed().as_secs_f64();
 
             apply(ctx, &tree.prepare(pos0, 0))?;
+            let rows = tree.rows(pos0, 0);
             batch.clear();
-            for r in tree.rows(pos0, 0) {
+            for r in &rows {
                 batch.add(r.token, r.pos, &r.seq_ids, true)?;
             }
             let tc = Instant::now();
@@ -246,7 +247,7 @@ impl Engine {
                     .unwrap_or(0);
                 self.control.record_acceptance(match_len, chain, path_len);
             }
-            apply(ctx, &tree.rollback(acc.node, pos0, 0))?;
+            apply(ctx, &tree.rollback(&rows, acc.node, 0))?;
             pos0 += acc.tokens.len() as i32;
 
             for &t in &acc.tokens {

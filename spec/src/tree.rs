@@ -187,11 +187,11 @@ impl TokenTree {
     }
 
     /// KV operations after acceptance: keep the context and the path root..`accepted` (the
-    /// last accepted tree node), as sequence `seq0`, and nothing else.
-    pub fn rollback(&self, accepted: NodeId, pos0: i32, seq0: i32) -> Vec<KvOp> {
-        let rows = self.rows(pos0, seq0);
+    /// last accepted tree node), as sequence `seq0`, and nothing else. `rows` are the rows
+    /// this tree was verified with ([`TokenTree::rows`] with the same `seq0`).
+    pub fn rollback(&self, rows: &[Row], accepted: NodeId, seq0: i32) -> Vec<KvOp> {
         let own = rows[accepted].seq_ids[0];
-        let end = pos0 + self.nodes[accepted].depth as i32 + 1;
+        let end = rows[accepted].pos + 1;
         let mut ops = vec![
             KvOp::Keep { seq: own },
             KvOp::Remove {
@@ -338,7 +338,7 @@ mod tests {
         }
         // Accept root -> 1 -> 4: sequence 0 must hold the context and exactly that path.
         let accepted = t.child(t.child(0, 1).unwrap(), 4).unwrap();
-        for op in t.rollback(accepted, pos0, 0) {
+        for op in t.rollback(&rows, accepted, 0) {
             cells.apply(op);
         }
         assert_eq!(cells.seq(0), vec![70, 71, 72, 9, 1, 4]);
@@ -347,7 +347,7 @@ mod tests {
         let mut cells2 = Cells::default();
         cells2.0.push((0, BTreeSet::from([0, 1, 2]), 9));
         cells2.0.push((1, BTreeSet::from([2]), 5));
-        for op in t.rollback(0, 0, 0) {
+        for op in t.rollback(&t.rows(0, 0), 0, 0) {
             cells2.apply(op);
         }
         assert_eq!(cells2.seq(0), vec![9]);
