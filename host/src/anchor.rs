@@ -139,7 +139,7 @@ impl LlamaSpeculative {
         if kind == "draft-simple" && draft.is_none() {
             return Err(Error::Speculative {
                 kind: kind.into(),
-                reason: "draft-simple needs a draft model (--draft)".into(),
+                reason: "draft-simple needs a draft context".into(),
             });
         }
         let p = AnchorParams {

@@ -81,12 +81,3 @@ fn emit(level: u32, line: &str) {
     }
     log::log!(target: "llama.cpp", lvl, "{line}");
 }
-
-/// llama.cpp's description of the CPU features its ggml was built with.
-pub fn system_info() -> String {
-    init();
-    // SAFETY: returns a pointer to a static NUL-terminated string owned by llama.cpp.
-    unsafe { CStr::from_ptr(sys::llama_print_system_info()) }
-        .to_string_lossy()
-        .into_owned()
-}

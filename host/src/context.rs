@@ -87,19 +87,6 @@ impl Default for ContextParams {
     }
 }
 
-/// Timings llama.cpp keeps for a context.
-#[derive(Debug, Clone, Copy)]
-pub struct Perf {
-    /// Milliseconds spent on prompt batches.
-    pub prompt_ms: f64,
-    /// Tokens in prompt batches.
-    pub prompt_tokens: i32,
-    /// Milliseconds spent on generation calls.
-    pub eval_ms: f64,
-    /// Generation calls.
-    pub eval_calls: i32,
-}
-
 /// A llama.cpp context on a shared [`Model`].
 pub struct Context {
     raw: NonNull<sys::llama_context>,
@@ -334,18 +321,6 @@ impl Context {
     pub fn clear(&mut self, data: bool) {
         // SAFETY: live memory.
         unsafe { sys::llama_memory_clear(self.mem(), data) }
-    }
-
-    /// llama.cpp's own timing counters.
-    pub fn perf(&self) -> Perf {
-        // SAFETY: live context.
-        let p = unsafe { sys::llama_perf_context(self.raw()) };
-        Perf {
-            prompt_ms: p.t_p_eval_ms,
-            prompt_tokens: p.n_p_eval,
-            eval_ms: p.t_eval_ms,
-            eval_calls: p.n_eval,
-        }
     }
 }
 

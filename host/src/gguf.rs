@@ -137,14 +137,6 @@ impl GgufInfo {
         }
     }
 
-    /// An integer value by key.
-    pub fn get_int(&self, key: &str) -> Option<i64> {
-        match self.get(key)? {
-            GgufValue::Int(v) => Some(*v),
-            _ => None,
-        }
-    }
-
     /// `general.architecture`, e.g. `gemma3`.
     pub fn architecture(&self) -> Option<&str> {
         self.get_str("general.architecture")

@@ -97,10 +97,4 @@ impl Sampler {
         // SAFETY: live sampler and context; llama.cpp reads the row's logits.
         unsafe { sys::llama_sampler_sample(self.raw.as_ptr(), ctx.raw(), row) }
     }
-
-    /// Reset the chain's state (penalties, RNG position stays).
-    pub fn reset(&mut self) {
-        // SAFETY: live sampler.
-        unsafe { sys::llama_sampler_reset(self.raw.as_ptr()) }
-    }
 }
