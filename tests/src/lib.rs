@@ -35,3 +35,40 @@ pub fn model(name: &str) -> Arc<Model> {
 pub fn threads() -> i32 {
     std::thread::available_parallelism().map_or(2, |n| n.get() as i32)
 }
+
+/// Plain greedy decoding of up to `n` tokens after `prompt`.
+pub fn plain_greedy(
+    ctx: &mut leap_host::Context,
+    prompt: &[i32],
+    n: usize,
+) -> leap_spec::plain::Generation {
+    let greedy = leap_host::sampler::SamplingParams::default();
+    leap_spec::plain::plain(ctx, prompt, n, &greedy, 512, &mut |_| true).expect("plain decoding")
+}
+
+/// Leap's engine generating up to `n` tokens after `prompt`.
+pub fn leap_greedy(
+    engine: &mut leap_spec::engine::Engine,
+    ctx: &mut leap_host::Context,
+    prompt: &[i32],
+    n: usize,
+) -> leap_spec::plain::Generation {
+    engine
+        .generate(ctx, prompt, n, 512, &mut |_| true)
+        .expect("engine generation")
+}
+
+/// A context on `name` with `n_ctx` tokens and `n_seq_max` sequences, on all cores.
+pub fn context(name: &str, n_ctx: u32, n_seq_max: u32) -> leap_host::Context {
+    leap_host::Context::new(
+        &model(name),
+        &leap_host::ContextParams {
+            n_ctx,
+            n_seq_max,
+            n_threads: threads(),
+            n_threads_batch: threads(),
+            ..Default::default()
+        },
+    )
+    .expect("context")
+}

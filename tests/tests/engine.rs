@@ -6,11 +6,10 @@
 //! length, a k-row verification rounds differently from a 1-row call, and greedy output can
 //! part ways at a near-tie; the tests check that it does so only there (see the README).
 
-use leap_host::sampler::SamplingParams;
-use leap_host::{Context, ContextParams};
+use leap_host::Context;
 use leap_spec::engine::{Engine, EngineConfig};
 use leap_spec::plain;
-use leap_tests::{model, threads, GEMMA, SMOLLM};
+use leap_tests::{context, leap_greedy, model, plain_greedy, GEMMA, SMOLLM};
 
 const PROMPTS: &[&str] = &[
     "The apt-get command installs packages. The apt-get command removes packages. The apt-get \
@@ -20,17 +19,7 @@ const PROMPTS: &[&str] = &[
 ];
 
 fn ctx(name: &str, n_seq: u32) -> Context {
-    Context::new(
-        &model(name),
-        &ContextParams {
-            n_ctx: 2048,
-            n_seq_max: n_seq,
-            n_threads: threads(),
-            n_threads_batch: threads(),
-            ..Default::default()
-        },
-    )
-    .unwrap()
+    context(name, 2048, n_seq)
 }
 
 /// Runs every prompt in plain and in the engine; returns (differing requests, accepted drafts).
@@ -42,18 +31,8 @@ fn compare(name: &str, cfg: EngineConfig) -> (usize, u64, u64) {
     let (mut differ, mut drafted, mut saved) = (0, 0, 0);
     for p in PROMPTS {
         let toks = m.tokenize(p, true, false).unwrap();
-        let want = plain::plain(
-            &mut pc,
-            &toks,
-            48,
-            &SamplingParams::default(),
-            512,
-            &mut |_| true,
-        )
-        .unwrap();
-        let got = engine
-            .generate(&mut ec, &toks, 48, 512, &mut |_| true)
-            .unwrap();
+        let want = plain_greedy(&mut pc, &toks, 48);
+        let got = leap_greedy(&mut engine, &mut ec, &toks, 48);
         if got.tokens != want.tokens {
             differ += 1;
         }
@@ -73,9 +52,12 @@ fn chain_output_is_plain_greedy_on_smollm() {
     assert_eq!(differ, 0);
     let m = model(SMOLLM);
     let toks = m.tokenize(PROMPTS[0], true, false).unwrap();
-    let g = Engine::new(EngineConfig::default())
-        .generate(&mut ctx(SMOLLM, 1), &toks, 32, 512, &mut |_| true)
-        .unwrap();
+    let g = leap_greedy(
+        &mut Engine::new(EngineConfig::default()),
+        &mut ctx(SMOLLM, 1),
+        &toks,
+        32,
+    );
     assert!(
         g.draft_seconds > 0.0 && g.draft_seconds < g.decode_seconds,
         "{} of {}",
@@ -138,19 +120,9 @@ fn long_context_divergence_happens_only_at_near_ties() {
         let toks = m.tokenize(&long_prompt(), true, false).unwrap();
         assert!(toks.len() > 600, "{}", toks.len());
         let mut c = ctx(name, 1);
-        let want = plain::plain(
-            &mut c,
-            &toks,
-            96,
-            &SamplingParams::default(),
-            512,
-            &mut |_| true,
-        )
-        .unwrap();
+        let want = plain_greedy(&mut c, &toks, 96);
         let mut engine = Engine::new(EngineConfig::default());
-        let got = engine
-            .generate(&mut c, &toks, 96, 512, &mut |_| true)
-            .unwrap();
+        let got = leap_greedy(&mut engine, &mut c, &toks, 96);
         assert!(got.drafted_tokens > 0, "{name}: nothing drafted");
         let Some(i) = want
             .tokens
@@ -199,22 +171,10 @@ fn history_drafts_a_repeated_request_from_the_earlier_answer() {
         )
         .unwrap();
     let mut c = ctx(SMOLLM, 1);
-    let want = plain::plain(
-        &mut c,
-        &toks,
-        64,
-        &SamplingParams::default(),
-        512,
-        &mut |_| true,
-    )
-    .unwrap();
+    let want = plain_greedy(&mut c, &toks, 64);
     let mut engine = Engine::new(EngineConfig::default());
-    let first = engine
-        .generate(&mut c, &toks, 64, 512, &mut |_| true)
-        .unwrap();
-    let second = engine
-        .generate(&mut c, &toks, 64, 512, &mut |_| true)
-        .unwrap();
+    let first = leap_greedy(&mut engine, &mut c, &toks, 64);
+    let second = leap_greedy(&mut engine, &mut c, &toks, 64);
     assert_eq!(want.tokens.len(), 64, "the prompt must not end at once");
     assert_eq!(first.tokens, want.tokens);
     assert_eq!(second.tokens, want.tokens);
@@ -230,11 +190,7 @@ fn history_drafts_a_repeated_request_from_the_earlier_answer() {
         history_tokens: 0,
         ..Default::default()
     });
-    forgetful
-        .generate(&mut c, &toks, 64, 512, &mut |_| true)
-        .unwrap();
-    let again = forgetful
-        .generate(&mut c, &toks, 64, 512, &mut |_| true)
-        .unwrap();
+    leap_greedy(&mut forgetful, &mut c, &toks, 64);
+    let again = leap_greedy(&mut forgetful, &mut c, &toks, 64);
     assert!(per_call(&again) < per_call(&second));
 }

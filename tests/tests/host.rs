@@ -7,20 +7,10 @@ use leap_host::{
     TensorView,
 };
 use leap_spec::plain::{self as decode, argmax};
-use leap_tests::{model, model_path, threads, GEMMA, SMOLLM};
+use leap_tests::{context, model, model_path, plain_greedy, threads, GEMMA, SMOLLM};
 
 fn ctx(name: &str, n_seq_max: u32) -> Context {
-    Context::new(
-        &model(name),
-        &ContextParams {
-            n_ctx: 1024,
-            n_seq_max,
-            n_threads: threads(),
-            n_threads_batch: threads(),
-            ..Default::default()
-        },
-    )
-    .unwrap()
+    context(name, 1024, n_seq_max)
 }
 
 #[test]
@@ -67,12 +57,11 @@ fn greedy_generation_is_deterministic() {
             false,
         )
         .unwrap();
-    let greedy = SamplingParams::default();
     let mut c1 = ctx(GEMMA, 1);
-    let a = decode::plain(&mut c1, &prompt, 24, &greedy, 512, &mut |_| true).unwrap();
-    let b = decode::plain(&mut c1, &prompt, 24, &greedy, 512, &mut |_| true).unwrap();
+    let a = plain_greedy(&mut c1, &prompt, 24);
+    let b = plain_greedy(&mut c1, &prompt, 24);
     let mut c2 = ctx(GEMMA, 1);
-    let c = decode::plain(&mut c2, &prompt, 24, &greedy, 512, &mut |_| true).unwrap();
+    let c = plain_greedy(&mut c2, &prompt, 24);
     assert_eq!(a.tokens.len(), 24);
     assert_eq!(a.tokens, b.tokens, "same context, second run");
     assert_eq!(a.tokens, c.tokens, "fresh context");
