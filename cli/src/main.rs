@@ -65,8 +65,9 @@ struct RuntimeArgs {
     /// Context length in tokens.
     #[arg(long, default_value_t = 4096)]
     ctx: u32,
-    /// llama.cpp's flash attention: on, off or auto.
-    #[arg(long, default_value = "auto")]
+    /// llama.cpp's flash attention: on, off or auto. Off keeps speculative output identical
+    /// to plain decoding (ggml's CPU flash attention rounds a batch otherwise than one row).
+    #[arg(long, default_value = "off")]
     flash_attn: FlashAttn,
 }
 
@@ -118,9 +119,10 @@ struct GenerateArgs {
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     chat: bool,
-    /// Decoding: `plain` (one target call per token) or `leap` (Leap's speculative engine,
-    /// greedy only so far).
-    #[arg(long, default_value = "plain", value_parser = ["plain", "leap"])]
+    /// Decoding: `leap` (Leap's speculative engine: the same tokens as plain greedy decoding,
+    /// or with --temp the same distribution as plain sampling, in fewer target calls) or
+    /// `plain` (llama.cpp, one target call per token).
+    #[arg(long, default_value = "leap", value_parser = ["plain", "leap"])]
     mode: String,
     #[command(flatten)]
     runtime: RuntimeArgs,
@@ -252,14 +254,15 @@ fn generate(a: GenerateArgs) -> Result<()> {
         flash_attn: a.runtime.flash_attn,
         ..Default::default()
     };
-    let mut ctx = Context::new(&model, &params)?;
+    let (mut ctx, od) = if a.mode == "leap" {
+        leap_host::project::OnDemand::context(&model, &params)?
+    } else {
+        (Context::new(&model, &params)?, None)
+    };
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut pending: Vec<u8> = Vec::new();
     let mut io_err: Option<std::io::Error> = None;
-    if a.mode == "leap" && a.sampling.temp > 0.0 {
-        bail!("--mode leap decodes greedily so far; drop --temp or use --mode plain");
-    }
     let mut on_token = |tok| {
         if model.is_eog(tok) {
             return false;
@@ -282,13 +285,16 @@ fn generate(a: GenerateArgs) -> Result<()> {
         true
     };
     let g = if a.mode == "leap" {
-        Engine::new(EngineConfig::default()).generate(
-            &mut ctx,
-            &prompt,
-            a.max_tokens,
-            512,
-            &mut on_token,
-        )?
+        Engine::new(EngineConfig::default())
+            .with_on_demand(od)
+            .generate_with(
+                &mut ctx,
+                &prompt,
+                a.max_tokens,
+                512,
+                &a.sampling.params(),
+                &mut on_token,
+            )?
     } else {
         plain::plain(
             &mut ctx,

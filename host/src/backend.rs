@@ -15,10 +15,25 @@ static PENDING: Mutex<(u32, String)> = Mutex::new((0, String::new()));
 /// The last complete WARN or ERROR line, for error messages.
 static LAST_PROBLEM: Mutex<String> = Mutex::new(String::new());
 
+/// ggml's switch for its tiled K-quant matmul. That path takes batches of 8 or more rows and
+/// rounds differently from the one-row dot products a single decoded token goes through, so
+/// a token verified in a batch of 8 got other logits than the same token decoded alone, and a
+/// near-tie could flip a greedy token. Off, each output of a matmul is one ggml dot product
+/// whatever the batch (with the build's `GGML_LLAMAFILE=OFF`, no weight repacking and no flash
+/// attention: [`crate::ModelParams`], [`crate::ContextParams`]), and speculative decoding gives
+/// exactly plain decoding's tokens. Prefill pays ~5% on Q4_K/Q6_K models.
+pub const BATCH_INVARIANT_ENV: &str = "GGML_CPU_TILED_MM";
+
 /// Initialise llama.cpp's backends and route its log. Idempotent and thread-safe; every
 /// constructor in this crate calls it, so callers need not.
+///
+/// It also keeps ggml's CPU matmuls batch-invariant (see [`BATCH_INVARIANT_ENV`]): unless the
+/// process already set `GGML_CPU_TILED_MM`, init sets it to 0 before ggml reads it.
 pub fn init() {
     INIT.call_once(|| {
+        if std::env::var_os(BATCH_INVARIANT_ENV).is_none() {
+            std::env::set_var(BATCH_INVARIANT_ENV, "0");
+        }
         // SAFETY: `log_callback` is a plain `extern "C"` function that never unwinds (its body
         // is wrapped in `catch_unwind`) and ignores `user_data`, so a null pointer is fine.
         unsafe {

@@ -123,6 +123,12 @@ impl Batch {
         Ok(())
     }
 
+    /// Whether token `i` has an output row.
+    pub fn wants_logits(&self, i: usize) -> bool {
+        // SAFETY: `i < n_tokens <= capacity`.
+        i < self.len() && unsafe { *self.raw.logits.add(i) } != 0
+    }
+
     /// Ask for (or drop) the output row of token `i`.
     pub fn set_logits(&mut self, i: usize, on: bool) {
         if i < self.len() {

@@ -62,11 +62,16 @@ pub struct ContextParams {
     pub n_threads: i32,
     /// Threads for batches (prefill).
     pub n_threads_batch: i32,
-    /// Flash attention.
+    /// Flash attention; off by default. ggml's CPU flash attention splits the KV cache for a
+    /// single query row (from 512 cells) and tiles several rows, so it is not batch-invariant;
+    /// without it a token's logits do not depend on how many rows its batch had.
     pub flash_attn: FlashAttn,
     /// One KV buffer shared by all sequences (what tree verification needs: shared prefixes).
     pub kv_unified: bool,
-    /// Full-size cache for sliding-window layers (needed to roll back across the window).
+    /// Full-size cache for sliding-window layers (on by default). Needed to roll back across
+    /// the window, and for exactness: a window-sized cache is a ring whose cell order depends
+    /// on the batch shapes and on the number of sequences (its size does), and the attention
+    /// sums over cells in SIMD lanes by cell index, so a token's logits would depend on them.
     pub swa_full: bool,
 }
 
@@ -80,9 +85,9 @@ impl Default for ContextParams {
             n_seq_max: 1,
             n_threads: threads,
             n_threads_batch: threads,
-            flash_attn: FlashAttn::Auto,
+            flash_attn: FlashAttn::Off,
             kv_unified: true,
-            swa_full: false,
+            swa_full: true,
         }
     }
 }

@@ -28,6 +28,7 @@ mod error;
 pub mod eval;
 pub mod gguf;
 pub mod model;
+pub mod project;
 pub mod sampler;
 pub mod usage;
 

@@ -30,9 +30,17 @@ pub fn expected_tokens(a: f64, g: usize) -> f64 {
     (1.0 - a.powi(g as i32 + 1)) / (1.0 - a)
 }
 
+/// Row counts the latency profile keeps one estimate for each (more rows: the linear fit).
+const PROFILE_ROWS: usize = 65;
+
 /// Online acceptance and cost estimates, and the draft-length decision.
 #[derive(Debug, Clone)]
 pub struct Controller {
+    /// Latency profile (Lever §4.2): seconds of a call of `r` rows (EMA), 0 if never seen.
+    profile: [f64; PROFILE_ROWS],
+    /// Reliability factor: observed accepted drafts over the expected (EMA), scaling the
+    /// per-token acceptance estimates of trees.
+    reliability: f64,
     /// Accepted draft tokens per bucket (with a prior).
     accepted: [f64; BUCKETS],
     /// Rejections per bucket (at most one per verified draft), with a prior.
@@ -54,6 +62,8 @@ impl Controller {
         const PRIOR: [f64; BUCKETS] = [0.6, 0.7, 0.75, 0.8, 0.85, 0.9];
         const WEIGHT: f64 = 4.0;
         Self {
+            profile: [0.0; PROFILE_ROWS],
+            reliability: 1.0,
             accepted: PRIOR.map(|a| a * WEIGHT),
             rejected: PRIOR.map(|a| WEIGHT * (1.0 - a)),
             t1: 0.0,
@@ -74,9 +84,44 @@ impl Controller {
         (self.sxy / self.sxx).max(0.01)
     }
 
-    /// Relative cost of a call of `rows` rows.
+    /// Relative cost of a call of `rows` rows (a 1-row call is 1): from the latency profile
+    /// where this row count was measured, else from the fitted slope with a 10% penalty for
+    /// the unseen shape.
     pub fn cost(&self, rows: usize) -> f64 {
-        1.0 + self.beta() * (rows.max(1) - 1) as f64
+        let rows = rows.max(1);
+        let linear = 1.0 + self.beta() * (rows - 1) as f64;
+        if rows == 1 {
+            return 1.0;
+        }
+        match self.profile.get(rows) {
+            Some(&t) if t > 0.0 && self.t1 > 0.0 => t / self.t1,
+            _ => linear * 1.1,
+        }
+    }
+
+    /// The reliability factor (1: acceptance estimates are borne out).
+    pub fn reliability(&self) -> f64 {
+        self.reliability
+    }
+
+    /// Record one tree verification: `expected` accepted drafts were predicted, `got` came.
+    pub fn record_reliability(&mut self, expected: f64, got: usize) {
+        if expected <= 0.0 {
+            return;
+        }
+        let r = (got as f64 / expected).clamp(0.25, 2.0);
+        self.reliability = (0.9 * self.reliability + 0.1 * r).clamp(0.3, 1.5);
+    }
+
+    /// Record that a drafted token from a match of `match_len` was checked (its parent was
+    /// reached) and whether the target took it.
+    pub fn record_token(&mut self, match_len: usize, accepted: bool) {
+        let b = bucket(match_len);
+        if accepted {
+            self.accepted[b] += 1.0;
+        } else {
+            self.rejected[b] += 1.0;
+        }
     }
 
     /// Record a verified draft: `drafted` tokens from a match of `match_len`, of which the
@@ -94,6 +139,13 @@ impl Controller {
 
     /// Record the wall time of a call of `rows` rows.
     pub fn record_cost(&mut self, rows: usize, seconds: f64) {
+        if let Some(t) = self.profile.get_mut(rows) {
+            *t = if *t == 0.0 {
+                seconds
+            } else {
+                0.8 * *t + 0.2 * seconds
+            };
+        }
         if rows <= 1 {
             self.t1 = if self.t1 == 0.0 {
                 seconds

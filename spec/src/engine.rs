@@ -1,7 +1,7 @@
-//! The speculative engine: drafts from a suffix automaton of the prompt and the output so far
-//! and from one of the conversation's earlier requests and answers, verifies a token tree in
-//! one target call, accepts greedily and rolls the KV cache back to
-//! the accepted path. Greedy only for now; sampled decoding stays on [`crate::plain`].
+//! The speculative engine: drafts from the request (prompt and output so far), from the
+//! conversation's earlier requests and answers and from segments of rejected drafts (see
+//! [`crate::draft`]), verifies a token tree in one target call, accepts greedily (or by
+//! speculative sampling) and rolls the KV cache back to the accepted path.
 //!
 //! The context's KV memory holds every accepted token but the last (`id_last`), as in
 //! llama-server; each step puts `id_last` and the drafts in one batch, so even a step with
@@ -9,14 +9,18 @@
 
 use std::time::Instant;
 
+use leap_host::project::OnDemand;
+use leap_host::sampler::SamplingParams;
 use leap_host::usage::cpu_seconds;
 use leap_host::{Batch, Context, Error, Result, Token};
 
-use crate::accept;
+use crate::accept::{self, SplitMix64, Uniform};
 use crate::control::Controller;
+use crate::dist::Truncation;
+use crate::draft::{ContextDrafter, Drafter, HistoryDrafter, Proposal, ReuseDrafter};
+use crate::lever;
 use crate::plain::{argmax, prefill, Generation};
-use crate::sam::{Matcher, SuffixAutomaton};
-use crate::tree::{KvOp, TokenTree};
+use crate::tree::{KvOp, NodeId, TokenTree};
 
 /// How the engine drafts.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,6 +29,8 @@ pub struct EngineConfig {
     pub max_draft: usize,
     /// Most leaves (KV sequences) in a tree; 1 drafts chains.
     pub max_branches: usize,
+    /// Most rows (root included) of one verification call.
+    pub max_rows: usize,
     /// Shortest suffix match to draft from.
     pub min_match: usize,
     /// Let the controller choose draft lengths (else always the longest available).
@@ -33,6 +39,10 @@ pub struct EngineConfig {
     pub beta_prior: f64,
     /// Tokens of earlier requests and answers kept for drafting (0: no history).
     pub history_tokens: usize,
+    /// Steps a reusable segment of a rejected draft is offered again (0: no reuse).
+    pub reuse_lifetime: usize,
+    /// Project only the rows acceptance reads (when the engine has an [`OnDemand`]).
+    pub on_demand: bool,
 }
 
 impl Default for EngineConfig {
@@ -40,16 +50,16 @@ impl Default for EngineConfig {
         Self {
             max_draft: 16,
             max_branches: 1,
+            max_rows: 17,
             min_match: 2,
             adaptive: true,
             beta_prior: 0.5,
             history_tokens: 1 << 16,
+            reuse_lifetime: 3,
+            on_demand: true,
         }
     }
 }
-
-/// Separates requests in the history automaton, so no match spans two of them. Never a token.
-const SEPARATOR: Token = -1;
 
 /// The speculative engine. Keep one per conversation: its controller's estimates and its
 /// history of earlier requests and answers carry over.
@@ -57,7 +67,11 @@ const SEPARATOR: Token = -1;
 pub struct Engine {
     cfg: EngineConfig,
     control: Controller,
-    history: SuffixAutomaton,
+    history: HistoryDrafter,
+    reuse: ReuseDrafter,
+    /// On-demand output projection for the context this engine decodes with, and whether it
+    /// was checked against llama.cpp's logits there (`None`: not yet).
+    on_demand: Option<(OnDemand, Option<bool>)>,
 }
 
 fn apply(ctx: &mut Context, ops: &[KvOp]) -> Result<()> {
@@ -78,10 +92,27 @@ impl Engine {
     pub fn new(cfg: EngineConfig) -> Self {
         let control = Controller::new(cfg.max_draft, cfg.beta_prior);
         Self {
+            history: HistoryDrafter::new(cfg.min_match, cfg.history_tokens),
+            reuse: ReuseDrafter::new(cfg.reuse_lifetime, 2),
             cfg,
             control,
-            history: SuffixAutomaton::new(),
+            on_demand: None,
         }
+    }
+
+    /// Verify with on-demand output projection (Lever §4.4): verification calls stop before
+    /// the output projection and only rows acceptance reads are projected. `od` must belong
+    /// to the context passed to [`Engine::generate_with`] ([`OnDemand::context`]); the first
+    /// verification checks that its logits are llama.cpp's bit for bit and falls back to
+    /// llama.cpp's logits for good if not (a log warning says so).
+    pub fn with_on_demand(mut self, od: Option<OnDemand>) -> Self {
+        self.on_demand = od.map(|o| (o, None));
+        self
+    }
+
+    /// Whether on-demand projection is in use (`None`: not checked yet).
+    pub fn on_demand_ok(&self) -> Option<bool> {
+        self.on_demand.as_ref().and_then(|o| o.1)
     }
 
     /// The configuration.
@@ -89,83 +120,72 @@ impl Engine {
         &self.cfg
     }
 
-    /// Remember a finished request (prompt and answer) for drafting in later ones; the oldest
-    /// half is dropped when the history outgrows its budget.
-    fn remember(&mut self, prompt: &[Token], answer: &[Token]) {
-        if self.cfg.history_tokens == 0 {
-            return;
+    /// The drafters this configuration uses, for the current request.
+    fn drafters<'a>(&'a mut self, local: &'a mut ContextDrafter) -> Vec<&'a mut dyn Drafter> {
+        let mut d: Vec<&mut dyn Drafter> = vec![local];
+        if self.cfg.history_tokens > 0 {
+            d.push(&mut self.history);
         }
-        let incoming = prompt.len() + answer.len() + 1;
-        if self.history.len() + incoming > self.cfg.history_tokens {
-            let text = self.history.text();
-            let keep = text[text.len().saturating_sub(self.cfg.history_tokens / 2)..].to_vec();
-            self.history = SuffixAutomaton::with_capacity(keep.len() + incoming);
-            self.history.extend(&keep);
+        if self.cfg.reuse_lifetime > 0 {
+            d.push(&mut self.reuse);
         }
-        self.history.extend(prompt);
-        self.history.extend(answer);
-        self.history.push(SEPARATOR);
+        d
     }
 
-    /// Build this step's tree from the automaton of everything accepted so far and from the
-    /// history's longest match of the current text.
-    fn draft(
+    /// Build this step's tree: first what the last step accepted off the trunk (`carry`),
+    /// then the drafters' proposals, best-backed first, each cut to the length the controller
+    /// finds worth verifying.
+    fn build_tree(
         &self,
-        sam: &SuffixAutomaton,
-        hist: Option<crate::sam::Match>,
+        proposals: &mut Vec<Proposal>,
         id_last: Token,
-        remaining: usize,
-        n_seq: usize,
-    ) -> (TokenTree, usize) {
-        let mut tree = TokenTree::new(id_last);
-        let budget = remaining.saturating_sub(1).min(self.cfg.max_draft);
-        if budget == 0 {
-            return (tree, 0);
+        carry: &[Token],
+        budget: usize,
+        branches: usize,
+    ) -> (TokenTree, Vec<usize>, f64) {
+        if self.cfg.adaptive {
+            if !carry.is_empty() {
+                proposals.push(Proposal {
+                    tokens: carry.to_vec(),
+                    match_len: lever::CARRY_MATCH,
+                });
+            }
+            let b = lever::build(
+                id_last,
+                proposals,
+                &self.control,
+                self.cfg.max_rows,
+                branches,
+                budget,
+            );
+            return (b.tree, b.match_len, b.expected);
         }
-        let branches = self.cfg.max_branches.min(n_seq).max(1);
-        let mut first_match = 0;
-        let local = sam
-            .repeats(self.cfg.min_match, branches)
-            .into_iter()
-            .map(|m| (m, sam));
-        let from_history = hist
-            .filter(|m| m.len >= self.cfg.min_match)
-            .map(|m| (m, &self.history));
-        // Longest match first, wherever it comes from.
-        let mut candidates: Vec<_> = local.chain(from_history).collect();
-        candidates.sort_by_key(|c| std::cmp::Reverse(c.0.len));
-        for (m, text) in candidates {
-            let cont = text.continuation(m, budget);
-            let cont = &cont[..cont
-                .iter()
-                .position(|&t| t == SEPARATOR)
-                .unwrap_or(cont.len())];
-            if cont.is_empty() {
-                continue;
-            }
-            let g = if self.cfg.adaptive {
-                self.control.draft_len(m.len, cont.len())
-            } else {
-                cont.len()
-            };
-            if g == 0 || tree.child(0, cont[0]).is_some() {
-                continue;
-            }
-            if first_match == 0 {
-                first_match = m.len;
-            }
-            tree.add_path(0, &cont[..g]);
-            if tree.n_seqs() >= branches {
+        let mut tree = TokenTree::new(id_last);
+        let mut lens = vec![0];
+        if budget == 0 {
+            return (tree, lens, 0.0);
+        }
+        if !carry.is_empty() {
+            tree.add_path(0, &carry[..carry.len().min(budget)]);
+        }
+        proposals.sort_by_key(|p| std::cmp::Reverse(p.match_len));
+        for p in proposals.iter() {
+            if tree.n_seqs() >= branches && !tree.is_empty() {
                 break;
             }
+            if tree.child(0, p.tokens[0]).is_some() {
+                continue;
+            }
+            tree.add_path(0, &p.tokens[..p.tokens.len().min(budget)]);
         }
-        (tree, first_match)
+        lens.resize(tree.len(), 0);
+        (tree, lens, 0.0)
     }
 
     /// Greedy generation: prefill `prompt` (sequence 0 of an empty context), then speculative
     /// steps until `max_tokens`, an end-of-generation token (kept), or `on_token` returning
-    /// false. The output is what plain greedy decoding produces, up to llama.cpp's batch-shape
-    /// numerics (see the README).
+    /// false. The output is token for token what plain greedy decoding produces, given the
+    /// host's batch-invariant configuration (see `leap_host::backend::BATCH_INVARIANT_ENV`).
     ///
     /// # Errors
     /// Decode failures; a context with fewer sequences than `max_branches` is used with fewer
@@ -178,6 +198,31 @@ impl Engine {
         n_batch: usize,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
+        let greedy = SamplingParams::default();
+        self.generate_with(ctx, prompt, max_tokens, n_batch, &greedy, on_token)
+    }
+
+    /// Generation with `sampling`: greedy when `sampling.temp <= 0` (as [`Engine::generate`]),
+    /// else speculative sampling: each step's tree is accepted by multi-round rejection
+    /// ([`accept::stochastic`]) against the distribution llama.cpp's sampler chain with the
+    /// same parameters draws from ([`Truncation`]), so every token is distributed exactly as
+    /// plain sampling's (not the same tokens: the random streams differ). Seeded by
+    /// `sampling.seed`.
+    ///
+    /// # Errors
+    /// As [`Engine::generate`].
+    pub fn generate_with(
+        &mut self,
+        ctx: &mut Context,
+        prompt: &[Token],
+        max_tokens: usize,
+        n_batch: usize,
+        sampling: &SamplingParams,
+        on_token: &mut dyn FnMut(Token) -> bool,
+    ) -> Result<Generation> {
+        let sampled = sampling.temp > 0.0;
+        let trunc = Truncation::from(sampling);
+        let mut rng = SplitMix64(u64::from(sampling.seed) ^ 0x1EA9_5EED_0000_0000);
         if prompt.is_empty() {
             return Err(Error::InvalidBatch {
                 n_tokens: 0,
@@ -196,29 +241,45 @@ impl Engine {
         let cpu0 = cpu_seconds();
         let t1 = Instant::now();
 
-        let mut sam = SuffixAutomaton::with_capacity(prompt.len() + max_tokens);
-        sam.extend(prompt);
-        let mut matcher = Matcher::new();
-        for &t in prompt {
-            matcher.push(&self.history, t);
+        let mut local = ContextDrafter::new(self.cfg.min_match);
+        for d in self.drafters(&mut local) {
+            d.begin(prompt);
         }
         let mut pos0 = prompt.len() as i32;
-        let first = argmax(ctx.logits(-1)?);
+        let n_vocab = model.n_vocab() as usize;
+        let first = if sampled {
+            draw(&trunc, ctx.logits(-1)?, &mut rng)
+        } else {
+            argmax(ctx.logits(-1)?)
+        };
         g.tokens.push(first);
-        sam.push(first);
-        matcher.push(&self.history, first);
+        for d in self.drafters(&mut local) {
+            d.accepted(first);
+        }
         let mut id_last = first;
+        // Accepted off the trunk in the last step, verified again in this one.
+        let mut carry: Vec<Token> = Vec::new();
         let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
         let mut batch = Batch::new(
-            self.cfg.max_draft * self.cfg.max_branches.max(1) + 1,
+            (self.cfg.max_draft * self.cfg.max_branches.max(1) + 1).max(self.cfg.max_rows),
             n_seq.max(1),
         );
 
+        let branches = self.cfg.max_branches.min(n_seq).max(1);
+        let mut proposals = Vec::new();
         while !done {
             let td = Instant::now();
-            let hist = matcher.current(&self.history);
-            let (tree, match_len) =
-                self.draft(&sam, hist, id_last, max_tokens - g.tokens.len(), n_seq);
+            let budget = (max_tokens - g.tokens.len())
+                .saturating_sub(1)
+                .min(self.cfg.max_draft);
+            proposals.clear();
+            if budget > 0 {
+                for d in self.drafters(&mut local) {
+                    d.propose(budget, branches, &mut proposals);
+                }
+            }
+            let (tree, match_len, expected) =
+                self.build_tree(&mut proposals, id_last, &carry, budget, branches);
             g.draft_seconds += td.elapsed().as_secs_f64();
 
             apply(ctx, &tree.prepare(pos0, 0))?;
@@ -228,48 +289,183 @@ impl Engine {
                 batch.add(r.token, r.pos, &r.seq_ids, true)?;
             }
             let tc = Instant::now();
-            ctx.decode(&batch)?;
-            let acc = accept::greedy(&tree, |node| {
-                ctx.logits(node as i32).map(argmax).unwrap_or(-1)
-            });
+            // Hidden states of every row when the output projection is done on demand.
+            let mut hidden: Option<Vec<f32>> = None;
+            match &mut self.on_demand {
+                Some((od, checked)) if tree.len() > 1 && *checked != Some(false) => {
+                    if checked.is_none() {
+                        let ok = od.check(ctx, &batch, 0)?;
+                        if !ok {
+                            log::warn!(
+                                "on-demand output projection does not reproduce llama.cpp's \
+                                 logits for this model; verifying with llama.cpp's logits"
+                            );
+                        }
+                        *checked = Some(ok);
+                    } else {
+                        od.arm(true);
+                        let r = ctx.decode(&batch);
+                        od.disarm();
+                        r?;
+                        hidden = Some(od.hidden()?);
+                    }
+                }
+                _ => ctx.decode(&batch)?,
+            }
+            // The target's logits after a node: projected on demand, or llama.cpp's.
+            let mut row = Vec::new();
+            let mut predicted: Vec<Option<Token>> = vec![None; tree.len()];
+            let od = self.on_demand.as_ref().map(|o| &o.0);
+            let mut logits_of = |node: NodeId, f: &mut dyn FnMut(&[f32])| -> bool {
+                match (&hidden, od) {
+                    (Some(h), Some(od)) => {
+                        let n = od.n_embd();
+                        od.logits(&h[node * n..(node + 1) * n], &mut row);
+                        f(&row);
+                        true
+                    }
+                    _ => match ctx.logits(node as i32) {
+                        Ok(l) => {
+                            f(l);
+                            true
+                        }
+                        Err(_) => false,
+                    },
+                }
+            };
+            let acc = if sampled {
+                accept::stochastic(
+                    &tree,
+                    |node| {
+                        let mut d = Vec::new();
+                        logits_of(node, &mut |l| d = trunc.apply(l).dense(n_vocab));
+                        d
+                    },
+                    &mut rng,
+                )
+            } else {
+                accept::greedy(&tree, |node| {
+                    let mut t = -1;
+                    logits_of(node, &mut |l| t = argmax(l));
+                    predicted[node] = Some(t);
+                    t
+                })
+            };
             self.control
                 .record_cost(tree.len(), tc.elapsed().as_secs_f64());
             g.target_calls += 1;
             let drafted = tree.len() - 1;
             g.drafted_tokens += drafted as u64;
-            if drafted > 0 {
-                let path_len = tree.nodes()[acc.node].depth;
-                let chain = tree
-                    .leaves()
-                    .iter()
-                    .map(|&l| tree.nodes()[l].depth)
-                    .max()
-                    .unwrap_or(0);
-                self.control.record_acceptance(match_len, chain, path_len);
+            if drafted > 0 && self.cfg.adaptive {
+                // Every drafted node whose parent verification reached was checked: taken if
+                // it is on the accepted path.
+                let on_path = path_nodes(&tree, acc.node);
+                for (n, node) in tree.nodes().iter().enumerate().skip(1) {
+                    if let Some(p) = node.parent {
+                        if on_path.contains(&p) {
+                            self.control
+                                .record_token(match_len[n], on_path.contains(&n));
+                        }
+                    }
+                }
+                self.control
+                    .record_reliability(expected, tree.nodes()[acc.node].depth);
             }
-            apply(ctx, &tree.rollback(&rows, acc.node, 0))?;
-            pos0 += acc.tokens.len() as i32;
+            // Keep the trunk part of the accepted path and the target's token after it; the
+            // rest of the path is drafted again first thing next step (see `trunk_end`).
+            // Sampling keeps the whole path: rounding does not change whose distribution a
+            // token follows, and accepting a token twice would.
+            let trunk = if sampled {
+                acc.node
+            } else {
+                tree.trunk_end(acc.node)
+            };
+            if drafted > 0 && !sampled {
+                // Rows acceptance did not read have no logits under on-demand projection;
+                // they count as disagreeing.
+                let (draft, predicted) = checked_path(&tree, acc.node, |n| {
+                    predicted[n].unwrap_or_else(|| match hidden {
+                        Some(_) => -1,
+                        None => ctx.logits(n as i32).map(argmax).unwrap_or(-1),
+                    })
+                });
+                let accepted = tree.nodes()[acc.node].depth;
+                for d in self.drafters(&mut local) {
+                    d.verified(&draft, &predicted, accepted);
+                }
+            }
+            let keep = tree.nodes()[trunk].depth + 1;
+            carry = acc.tokens[keep..].to_vec();
+            let acc_tokens = &acc.tokens[..keep];
+            apply(ctx, &tree.rollback(&rows, trunk, 0))?;
+            pos0 += acc_tokens.len() as i32;
 
-            for &t in &acc.tokens {
+            for &t in acc_tokens {
                 if t < 0 {
                     return Err(Error::NoLogits { row: -1 });
                 }
                 g.tokens.push(t);
-                sam.push(t);
-                matcher.push(&self.history, t);
+                for d in self.drafters(&mut local) {
+                    d.accepted(t);
+                }
                 if model.is_eog(t) || !on_token(t) || g.tokens.len() >= max_tokens {
                     done = true;
                     break;
                 }
             }
-            id_last = *acc
-                .tokens
+            id_last = *acc_tokens
                 .last()
                 .expect("acceptance yields at least one token");
         }
         g.decode_seconds = t1.elapsed().as_secs_f64();
         g.decode_cpu_seconds = cpu_seconds() - cpu0;
-        self.remember(prompt, &g.tokens);
+        for d in self.drafters(&mut local) {
+            d.end(prompt, &g.tokens);
+        }
         Ok(g)
     }
+}
+
+/// One token from the chain's distribution after `logits`.
+fn draw(trunc: &Truncation, logits: &[f32], rng: &mut impl Uniform) -> Token {
+    let d = trunc.apply(logits);
+    let mut r = rng.uniform();
+    for &(t, p) in &d.entries {
+        r -= f64::from(p);
+        if r < 0.0 {
+            return t;
+        }
+    }
+    d.entries.last().map_or(0, |e| e.0)
+}
+
+/// The nodes from the root to `node`.
+fn path_nodes(tree: &TokenTree, node: NodeId) -> Vec<NodeId> {
+    let mut nodes = Vec::new();
+    let mut at = Some(node);
+    while let Some(n) = at {
+        nodes.push(n);
+        at = tree.nodes()[n].parent;
+    }
+    nodes.reverse();
+    nodes
+}
+
+/// The drafted path verification checked furthest: root to `accepted`, then on along first
+/// children to a leaf; with the target's token after each prefix of it (`predicted[i]` after
+/// `draft[..i]`).
+fn checked_path(
+    tree: &TokenTree,
+    accepted: NodeId,
+    mut argmax: impl FnMut(NodeId) -> Token,
+) -> (Vec<Token>, Vec<Token>) {
+    let mut nodes = path_nodes(tree, accepted);
+    let mut last = accepted;
+    while let Some(&c) = tree.nodes()[last].children.first() {
+        nodes.push(c);
+        last = c;
+    }
+    let draft = nodes[1..].iter().map(|&n| tree.nodes()[n].token).collect();
+    let predicted = nodes.iter().map(|&n| argmax(n)).collect();
+    (draft, predicted)
 }

@@ -21,7 +21,10 @@
 
 pub mod accept;
 pub mod control;
+pub mod dist;
+pub mod draft;
 pub mod engine;
+pub mod lever;
 pub mod plain;
 pub mod sam;
 pub mod tree;

@@ -144,6 +144,21 @@ impl TokenTree {
         out
     }
 
+    /// The deepest node on the path from the root to `node` that lies on the trunk: the chain
+    /// of the first nodes added (ids 0, 1, 2, ... with id = depth). Rows go into the batch in
+    /// node order, so the trunk's KV cells follow the context's without a gap, exactly where
+    /// plain decoding puts them; a node off the trunk sits after other branches' cells, and
+    /// ggml's attention sums over cells in SIMD lanes by cell index, so its logits may round
+    /// differently from plain decoding's. Greedy verification keeps only the trunk part of an
+    /// accepted path and verifies the rest again in the next step.
+    pub fn trunk_end(&self, node: NodeId) -> NodeId {
+        let mut at = node;
+        while at != self.nodes[at].depth {
+            at = self.nodes[at].parent.expect("the root is on the trunk");
+        }
+        at
+    }
+
     /// Leaf `i` (in [`TokenTree::leaves`] order) owns sequence `seq0 + i`. Sequence `seq0`
     /// is the one whose cells hold the context.
     pub fn rows(&self, pos0: i32, seq0: i32) -> Vec<Row> {
@@ -231,6 +246,15 @@ mod tests {
         t.add_path(0, &[1, 4]);
         t.add_path(0, &[5]);
         t
+    }
+
+    #[test]
+    fn trunk_is_the_first_chain_added() {
+        let t = sample();
+        // Nodes 1, 2, 3 are the first path (tokens 1 2 3); node 4 (token 4) hangs off node 1,
+        // node 5 (token 5) off the root.
+        let ends: Vec<NodeId> = (0..t.len()).map(|n| t.trunk_end(n)).collect();
+        assert_eq!(ends, [0, 1, 2, 3, 1, 0]);
     }
 
     #[test]

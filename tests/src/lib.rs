@@ -72,3 +72,22 @@ pub fn context(name: &str, n_ctx: u32, n_seq_max: u32) -> leap_host::Context {
     )
     .expect("context")
 }
+
+/// A context for Leap's engine on `name` (as [`context`]) with its on-demand output projection.
+pub fn leap_context(
+    name: &str,
+    n_ctx: u32,
+    n_seq_max: u32,
+) -> (leap_host::Context, Option<leap_host::project::OnDemand>) {
+    leap_host::project::OnDemand::context(
+        &model(name),
+        &leap_host::ContextParams {
+            n_ctx,
+            n_seq_max,
+            n_threads: threads(),
+            n_threads_batch: threads(),
+            ..Default::default()
+        },
+    )
+    .expect("context")
+}

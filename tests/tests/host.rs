@@ -113,28 +113,28 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// How close "the same logits" must be. SmolLM2 (Q4_1) is computed bit-for-bit alike whatever
-/// the batch shape, so coupling sequences must not move its logits at all beyond float noise.
-/// Gemma 3 is not batch-invariant in llama.cpp's CPU kernels: the same single sequence gives
-/// logits up to ~1.0 apart (max logit ~18) depending on how many rows the batch that computed
-/// its early tokens had (measured: a first batch of >= 12 rows vs fewer). For Gemma the test
-/// therefore bounds the difference by that measured batch-shape effect, and allows another
-/// greedy token only at a near-tie (reference margin within twice the difference); a mixed-up
-/// sequence moves logits by several units.
-const TOL_SMOLLM: f32 = 1e-3;
-const TOL_GEMMA: f32 = 1.5;
+/// Coupling sequences in one batch, and the KV operations that move them, must not mix them
+/// up. With Leap's batch-invariant configuration (no repacking, no flash attention, ggml's
+/// tiled matmul off) a sequence whose cells directly follow its context gets exactly the logits
+/// it gets decoded alone, whatever else is in the batch. A sequence whose cells come after
+/// another sequence's is summed over in other SIMD lanes by ggml's attention: SmolLM2 stays
+/// bit-identical, Gemma 3's logits move by up to ~1 (max logit ~18), and the greedy token may
+/// change only at a near-tie (margin within twice the difference); a mixed-up sequence moves
+/// logits by several units. (This is why the engine keeps only the trunk of a token tree.)
+const SHIFTED_TOL_SMOLLM: f32 = 0.0;
+const SHIFTED_TOL_GEMMA: f32 = 1.5;
 
 #[test]
 fn coupled_sequences_and_kv_ops_match_decoding_alone_smollm() {
-    coupled_sequences_and_kv_ops(SMOLLM, TOL_SMOLLM);
+    coupled_sequences_and_kv_ops(SMOLLM, SHIFTED_TOL_SMOLLM);
 }
 
 #[test]
 fn coupled_sequences_and_kv_ops_match_decoding_alone_gemma() {
-    coupled_sequences_and_kv_ops(GEMMA, TOL_GEMMA);
+    coupled_sequences_and_kv_ops(GEMMA, SHIFTED_TOL_GEMMA);
 }
 
-fn coupled_sequences_and_kv_ops(name: &str, tol: f32) {
+fn coupled_sequences_and_kv_ops(name: &str, shifted_tol: f32) {
     let m = model(name);
     let prefix = m
         .tokenize(
@@ -156,22 +156,23 @@ fn coupled_sequences_and_kv_ops(name: &str, tol: f32) {
     let la = alone(&mut reference, &cat(&sa));
     let lb = alone(&mut reference, &cat(&sb));
     let lc = alone(&mut reference, &cat(&sc));
-    let check = |what: &str, got: &[f32], want: &[f32]| {
+    let exact = |what: &str, got: &[f32], want: &[f32]| {
+        let d = max_abs_diff(got, want);
+        assert!(d == 0.0, "{name} {what}: logits differ by up to {d}");
+    };
+    // Cells after another sequence's cells.
+    let shifted = |what: &str, got: &[f32], want: &[f32]| {
         let d = max_abs_diff(got, want);
         assert!(
-            d < tol,
-            "{name} {what}: logits differ by {d} (tolerance {tol})"
+            d <= shifted_tol,
+            "{name} {what}: logits differ by {d} (tolerance {shifted_tol})"
         );
-        // The greedy token may differ only at a near-tie that the difference explains.
         let (g, w) = (argmax(got) as usize, argmax(want) as usize);
         let margin = want[w] - want[g];
         assert!(
             g == w || margin <= 2.0 * d,
             "{name} {what}: greedy token {g} vs {w} with a margin of {margin}"
         );
-        if g != w {
-            eprintln!("{name} {what}: near-tie flipped the greedy token (margin {margin:.3}, difference {d:.3})");
-        }
     };
 
     let mut c = ctx(name, 2);
@@ -197,8 +198,8 @@ fn coupled_sequences_and_kv_ops(name: &str, tol: f32) {
         .last()
         .unwrap();
     c.decode(&b).unwrap();
-    check("coupled seq 0", c.logits(ra).unwrap(), &la);
-    check("coupled seq 1", c.logits(rb).unwrap(), &lb);
+    exact("coupled seq 0", c.logits(ra).unwrap(), &la);
+    shifted("coupled seq 1", c.logits(rb).unwrap(), &lb);
     assert!(c.logits(0).is_err(), "a row without output has no logits");
 
     // Roll sequence 1 back to the prefix, then continue it differently: seq_rm.
@@ -212,7 +213,7 @@ fn coupled_sequences_and_kv_ops(name: &str, tol: f32) {
     b.clear();
     b.add_sequence(&sc, p0, 1, true).unwrap();
     c.decode(&b).unwrap();
-    check("after seq_rm", c.logits(-1).unwrap(), &lc);
+    shifted("after seq_rm", c.logits(-1).unwrap(), &lc);
 
     // seq_keep(0) drops sequence 1; seq_cp(0 -> 1) of the prefix lets sequence 1 continue again.
     c.seq_keep(0).unwrap();
@@ -222,7 +223,7 @@ fn coupled_sequences_and_kv_ops(name: &str, tol: f32) {
     b.clear();
     b.add_sequence(&sb, p0, 1, true).unwrap();
     c.decode(&b).unwrap();
-    check("after seq_cp", c.logits(-1).unwrap(), &lb);
+    shifted("after seq_cp", c.logits(-1).unwrap(), &lb);
     assert!(c.seq_cp(0, 2, 0, -1).is_err(), "sequence 2 is out of range");
 }
 
@@ -344,4 +345,42 @@ fn bad_gguf_files_are_typed_errors() {
     assert_eq!(ok.architecture(), Some("llama"));
     assert!(ok.tensors.iter().any(|t| t.block() == Some(0)));
     assert!(ok.tensor_bytes() <= ok.file_size);
+}
+
+/// The on-demand output projection reproduces llama.cpp's logits bit for bit on every row of
+/// a multi-row batch, for both models (Gemma 3's tied Q8_0 embedding, SmolLM2's head).
+#[test]
+fn on_demand_projection_is_llama_cpp_logits_bit_for_bit() {
+    for name in [SMOLLM, GEMMA] {
+        let m = model(name);
+        let (mut c, od) = leap_tests::leap_context(name, 512, 1);
+        let od = od.expect("applies to this model");
+        let toks = m
+            .tokenize(
+                "The apt-get command installs packages and their dependencies.",
+                true,
+                false,
+            )
+            .unwrap();
+        let mut b = Batch::new(toks.len(), 1);
+        for (i, &t) in toks.iter().enumerate() {
+            b.add(t, i as i32, &[0], i % 3 == 0 || i + 1 == toks.len())
+                .unwrap();
+        }
+        for row in (0..toks.len()).filter(|&i| b.wants_logits(i)) {
+            c.clear(false);
+            assert!(
+                od.check(&mut c, &b, row as i32).unwrap(),
+                "{name} row {row}"
+            );
+        }
+        // Cut at the hidden states, the decode leaves the cache as a full one does.
+        c.clear(false);
+        od.arm(true);
+        c.decode(&b).unwrap();
+        od.disarm();
+        let rows = b.len().div_ceil(3);
+        assert!(od.hidden().unwrap().len() >= rows * od.n_embd());
+        assert_eq!(c.seq_pos_max(0), toks.len() as i32 - 1);
+    }
 }

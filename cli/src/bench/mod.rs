@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
 use leap_host::anchor::{AnchorConfig, LlamaSpeculative, TYPES};
+use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
 use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams, Token};
 
@@ -50,24 +51,40 @@ pub enum ModeKind {
 }
 
 /// Leap's named configurations (`leap:NAME`); `leap` is the recommended one.
-pub const LEAP_CONFIGS: &[&str] = &["sam", "sam-fixed", "tree", "no-history"];
+pub const LEAP_CONFIGS: &[&str] = &["sam", "sam-fixed", "history", "reuse", "tree", "eager"];
 
-/// The engine configuration of `leap` (`None`) or `leap:NAME`.
+/// The engine configuration of `leap` (`None`) or `leap:NAME`. The named ones add one
+/// technique at a time, so a bench run shows each one's contribution:
+/// `sam` (retrieval from the request only, controller on), `sam-fixed` (the same drafting the
+/// longest continuation every step), `history` (+ earlier requests and answers), `reuse`
+/// (+ draft reuse), `tree` (+ up to 4 branches per step); `eager` is `leap` with llama.cpp
+/// computing logits for every verified row instead of on-demand output projection.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     let base = EngineConfig::default();
+    let sam = EngineConfig {
+        history_tokens: 0,
+        reuse_lifetime: 0,
+        ..base.clone()
+    };
     Some(match name {
-        None | Some("sam") => base,
+        None => base,
+        Some("sam") => sam,
         Some("sam-fixed") => EngineConfig {
             adaptive: false,
             max_draft: 8,
+            ..sam
+        },
+        Some("history") => EngineConfig {
+            reuse_lifetime: 0,
             ..base
         },
-        Some("no-history") => EngineConfig {
-            history_tokens: 0,
-            ..base
-        },
+        Some("reuse") => base,
         Some("tree") => EngineConfig {
             max_branches: 4,
+            ..base
+        },
+        Some("eager") => EngineConfig {
+            on_demand: false,
             ..base
         },
         Some(_) => return None,
@@ -140,9 +157,14 @@ impl Runner {
                 &mut |_| true,
             )?),
             Runner::Llama(spec) => run_anchor(spec, prompt, max_tokens),
-            Runner::Leap(ctx, engine) => {
-                Ok(engine.generate(ctx, prompt, max_tokens, 512, &mut |_| true)?)
-            }
+            Runner::Leap(ctx, engine) => Ok(engine.generate_with(
+                ctx,
+                prompt,
+                max_tokens,
+                512,
+                &cfg.sampling,
+                &mut |_| true,
+            )?),
         }
     }
 }
@@ -243,20 +265,25 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         flash_attn: cfg.flash_attn,
         ..Default::default()
     };
-    if cfg.sampling.temp > 0.0 && kinds.iter().any(|k| matches!(k, ModeKind::Leap(_))) {
-        bail!("Leap's modes decode greedily so far; drop --temp or the leap modes");
-    }
     let mut runners = Vec::new();
     for (name, kind) in cfg.modes.iter().zip(&kinds) {
         let mut params = cparams.clone();
         if let ModeKind::Leap(ec) = kind {
             params.n_seq_max = ec.max_branches as u32;
         }
+        if let ModeKind::Leap(ec) = kind {
+            let (target, od) = OnDemand::context(&model, &params)
+                .with_context(|| format!("creating the context for mode {name}"))?;
+            let od = od.filter(|_| ec.on_demand);
+            let engine = Engine::new(ec.clone()).with_on_demand(od);
+            runners.push(Runner::Leap(target, Box::new(engine)));
+            continue;
+        }
         let target = Context::new(&model, &params)
             .with_context(|| format!("creating the context for mode {name}"))?;
         let runner = match kind {
             ModeKind::Plain => Runner::Plain(target),
-            ModeKind::Leap(ec) => Runner::Leap(target, Box::new(Engine::new(ec.clone()))),
+            ModeKind::Leap(_) => unreachable!("created above"),
             ModeKind::Llama(t) => {
                 let dctx = match (&draft_model, t.as_str()) {
                     (Some(dm), "draft-simple") => Some(Context::new(dm, &cparams)?),

@@ -1,0 +1,342 @@
+//! On-demand output projection (Lever §4.4) without patching llama.cpp.
+//!
+//! A verification call of k rows normally pays the output projection (for Gemma 3 270M a
+//! 262144 x 640 matrix, ~10 ms a row on 2 cores here) for every row, though acceptance only
+//! ever reads the rows on the accepted path and the one after it. [`OnDemand`] cuts the graph
+//! at `result_norm` (the final normalised hidden states, just before the projection) through
+//! llama.cpp's eval callback: when armed, the callback copies those hidden states out and
+//! stops the computation there. [`OnDemand::logits`] then projects one row at a time with
+//! ggml's own CPU kernels (the type's `from_float` and `vec_dot`, exactly what ggml's
+//! `mul_mat` runs per output element), so a projected row is bit-identical to the logits
+//! llama.cpp computes; [`OnDemand::check`] proves that on the model at hand before use.
+//!
+//! The weights are the GGUF's `output.weight` (or the tied `token_embd.weight`), memory-mapped
+//! read-only from the model file: the page cache is shared with llama.cpp's own mapping.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use llama_cpp_sys_2 as sys;
+
+use crate::eval::{EvalObserver, TensorView};
+use crate::{Context, ContextParams, Error, GgufInfo, Model, Result};
+
+/// The tensor llama.cpp names the final normalised hidden states.
+const HIDDEN: &str = "result_norm";
+
+#[derive(Debug, Default)]
+struct Shared {
+    /// Cut the next decode at `result_norm` (else let it run to the end).
+    armed: bool,
+    /// Stop after copying (else copy and continue: for the self-check).
+    stop: bool,
+    /// Hidden states of the last armed decode, one row of `n_embd` per output row.
+    hidden: Vec<f32>,
+    /// Rows in `hidden`.
+    rows: usize,
+}
+
+/// The eval-callback half: lives in the context.
+struct Capture(Arc<Mutex<Shared>>);
+
+impl EvalObserver for Capture {
+    fn wants(&mut self, t: &TensorView<'_>) -> bool {
+        let s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.armed && t.name() == HIDDEN
+    }
+
+    fn observe(&mut self, t: &TensorView<'_>) -> bool {
+        let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(v) = t.read_f32() {
+            s.rows = t.ne()[1] as usize;
+            s.hidden = v;
+        }
+        !s.stop
+    }
+}
+
+/// A read-only memory map of a byte range of a file.
+struct Mapped {
+    base: *mut c_void,
+    len: usize,
+    /// Where the wanted range starts inside the mapping (page alignment).
+    skip: usize,
+}
+
+// SAFETY: the mapping is read-only and never unmapped while shared.
+unsafe impl Send for Mapped {}
+unsafe impl Sync for Mapped {}
+
+impl Mapped {
+    fn new(path: &std::path::Path, offset: u64, size: usize) -> Result<Self> {
+        use std::os::unix::io::AsRawFd;
+        let f = std::fs::File::open(path).map_err(|_| Error::ModelNotFound {
+            path: path.to_path_buf(),
+        })?;
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+        let start = offset / page * page;
+        let skip = (offset - start) as usize;
+        let len = skip + size;
+        // SAFETY: a fresh read-only shared mapping of an open file; checked below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                start as libc::off_t,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::InvalidGguf {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "cannot map the output weights: {}",
+                    std::io::Error::last_os_error()
+                ),
+            });
+        }
+        Ok(Self { base, len, skip })
+    }
+
+    fn bytes(&self) -> *const u8 {
+        // SAFETY: `skip < len`, inside the mapping.
+        unsafe { (self.base as *const u8).add(self.skip) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are this mapping's.
+        unsafe { libc::munmap(self.base, self.len) };
+    }
+}
+
+/// The output weights and ggml's kernels for them.
+struct Projection {
+    weights: Mapped,
+    ty: sys::ggml_type,
+    vec_dot_type: sys::ggml_type,
+    n_embd: usize,
+    n_vocab: usize,
+    row_bytes: usize,
+    traits: *const sys::ggml_type_traits_cpu,
+    threads: usize,
+}
+
+// SAFETY: `traits` points at ggml's static, immutable type-traits table.
+unsafe impl Send for Projection {}
+unsafe impl Sync for Projection {}
+
+/// On-demand output projection for one context (see the module docs). Cheap to clone.
+#[derive(Clone)]
+pub struct OnDemand {
+    shared: Arc<Mutex<Shared>>,
+    proj: Arc<Projection>,
+}
+
+impl std::fmt::Debug for OnDemand {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnDemand")
+            .field("n_embd", &self.proj.n_embd)
+            .field("n_vocab", &self.proj.n_vocab)
+            .finish()
+    }
+}
+
+fn type_by_name(name: &str) -> Option<sys::ggml_type> {
+    (0..sys::GGML_TYPE_COUNT).find(|&t| {
+        // SAFETY: any value below GGML_TYPE_COUNT is a valid type id; names are static.
+        let n = unsafe { sys::ggml_type_name(t) };
+        !n.is_null() && unsafe { std::ffi::CStr::from_ptr(n) }.to_str() == Ok(name)
+    })
+}
+
+impl OnDemand {
+    /// A context on `model` with `params` whose decodes can be cut before the output
+    /// projection, and the projection itself. `None` when the model's head is not a plain
+    /// matrix product Leap can reproduce (logit soft-capping, an unknown weight type).
+    ///
+    /// # Errors
+    /// Context creation; a model file that cannot be read or mapped.
+    pub fn context(model: &Arc<Model>, params: &ContextParams) -> Result<(Context, Option<Self>)> {
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let ctx = Context::with_observer(model, params, Some(Box::new(Capture(shared.clone()))))?;
+        let proj = Projection::for_model(model, params.n_threads.max(1) as usize)?;
+        Ok((
+            ctx,
+            proj.map(|p| Self {
+                shared,
+                proj: Arc::new(p),
+            }),
+        ))
+    }
+
+    /// Embedding width (hidden state length).
+    pub fn n_embd(&self) -> usize {
+        self.proj.n_embd
+    }
+
+    /// Cut the next decodes at the hidden states (`stop`), or copy them and let the decode
+    /// finish (`!stop`: llama.cpp's logits are computed too). Disarmed by [`OnDemand::disarm`].
+    pub fn arm(&self, stop: bool) {
+        let mut s = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        s.armed = true;
+        s.stop = stop;
+        s.rows = 0;
+    }
+
+    /// Let decodes run normally again.
+    pub fn disarm(&self) {
+        self.shared.lock().unwrap_or_else(|e| e.into_inner()).armed = false;
+    }
+
+    /// The hidden states of the last armed decode: `rows x n_embd`, in output-row order.
+    ///
+    /// # Errors
+    /// [`Error::NoLogits`] when the last armed decode did not reach them.
+    pub fn hidden(&self) -> Result<Vec<f32>> {
+        let s = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        if s.rows == 0 || s.hidden.len() != s.rows * self.proj.n_embd {
+            return Err(Error::NoLogits { row: -1 });
+        }
+        Ok(s.hidden.clone())
+    }
+
+    /// The logits after hidden state `h` (`n_embd` values), bit-identical to llama.cpp's.
+    pub fn logits(&self, h: &[f32], out: &mut Vec<f32>) {
+        self.proj.logits(h, out);
+    }
+
+    /// Check on this context that projecting row `row` of the hidden states reproduces
+    /// llama.cpp's logits bit for bit. Decodes `batch` once, hidden states copied and the
+    /// graph run to the end. Returns whether they matched.
+    ///
+    /// # Errors
+    /// Decode failures.
+    pub fn check(&self, ctx: &mut Context, batch: &crate::Batch, row: i32) -> Result<bool> {
+        self.arm(false);
+        let r = ctx.decode(batch);
+        self.disarm();
+        r?;
+        let hidden = self.hidden()?;
+        let want = ctx.logits(row)?.to_vec();
+        let n = self.proj.n_embd;
+        let outputs: Vec<usize> = (0..batch.len())
+            .filter(|&i| batch.wants_logits(i))
+            .collect();
+        let Some(k) = outputs.iter().position(|&i| i as i32 == row) else {
+            return Ok(false);
+        };
+        let mut got = Vec::new();
+        self.logits(&hidden[k * n..(k + 1) * n], &mut got);
+        Ok(got.len() == want.len()
+            && got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()))
+    }
+}
+
+impl Projection {
+    fn for_model(model: &Model, threads: usize) -> Result<Option<Self>> {
+        let info = GgufInfo::open(model.path())?;
+        let arch = info.architecture().unwrap_or("").to_string();
+        let softcap =
+            info.get(&format!("{arch}.final_logit_softcapping"))
+                .map_or(0.0, |v| match v {
+                    crate::gguf::GgufValue::Float(x) => *x,
+                    crate::gguf::GgufValue::Int(x) => *x as f64,
+                    _ => 0.0,
+                });
+        if softcap != 0.0 {
+            return Ok(None);
+        }
+        let t = info
+            .tensors
+            .iter()
+            .find(|t| t.name == "output.weight")
+            .or_else(|| info.tensors.iter().find(|t| t.name == "token_embd.weight"));
+        let Some(t) = t else { return Ok(None) };
+        let Some(ty) = type_by_name(&t.ggml_type) else {
+            return Ok(None);
+        };
+        crate::backend::init();
+        // SAFETY: ggml_cpu_init is idempotent; the traits table is static.
+        let traits = unsafe {
+            sys::ggml_cpu_init();
+            sys::ggml_get_type_traits_cpu(ty)
+        };
+        // SAFETY: non-null pointers into ggml's static table.
+        let Some(tr) = (unsafe { traits.as_ref() }) else {
+            return Ok(None);
+        };
+        if tr.vec_dot.is_none() {
+            return Ok(None);
+        }
+        let vdt = tr.vec_dot_type;
+        // SAFETY: as above, for the activation type.
+        let from = unsafe { sys::ggml_get_type_traits_cpu(vdt).as_ref() };
+        if vdt != sys::GGML_TYPE_F32 && from.and_then(|f| f.from_float).is_none() {
+            return Ok(None);
+        }
+        let (n_embd, n_vocab) = (t.ne[0] as usize, t.ne[1] as usize);
+        // SAFETY: plain size arithmetic on a valid type.
+        let row_bytes = unsafe { sys::ggml_row_size(ty, n_embd as i64) };
+        if row_bytes * n_vocab != t.size as usize || n_embd != model.n_embd() as usize {
+            return Ok(None);
+        }
+        let weights = Mapped::new(model.path(), t.offset, t.size as usize)?;
+        Ok(Some(Self {
+            weights,
+            ty,
+            vec_dot_type: vdt,
+            n_embd,
+            n_vocab,
+            row_bytes,
+            traits,
+            threads: threads.max(1),
+        }))
+    }
+
+    fn logits(&self, h: &[f32], out: &mut Vec<f32>) {
+        assert_eq!(h.len(), self.n_embd, "hidden state of the wrong width");
+        // Quantize the activations as ggml's mul_mat does (from_float of the vec_dot type).
+        // SAFETY: static traits table (see `for_model`).
+        let act: Vec<u8> = if self.vec_dot_type == sys::GGML_TYPE_F32 {
+            h.iter().flat_map(|x| x.to_ne_bytes()).collect()
+        } else {
+            let size = unsafe { sys::ggml_row_size(self.vec_dot_type, self.n_embd as i64) };
+            let mut q = vec![0u8; size];
+            let from = unsafe { (*sys::ggml_get_type_traits_cpu(self.vec_dot_type)).from_float }
+                .expect("checked in for_model");
+            // SAFETY: `q` has room for one row of the vec_dot type; `h` has n_embd floats.
+            unsafe { from(h.as_ptr(), q.as_mut_ptr().cast(), self.n_embd as i64) };
+            q
+        };
+        // SAFETY: static traits table.
+        let vec_dot = unsafe { (*self.traits).vec_dot }.expect("checked in for_model");
+        let _ = self.ty;
+        out.clear();
+        out.resize(self.n_vocab, 0.0);
+        let per = self.n_vocab.div_ceil(self.threads);
+        let w = self.weights.bytes() as usize;
+        let (n, rb, act) = (self.n_embd as i32, self.row_bytes, &act);
+        std::thread::scope(|s| {
+            for (c, chunk) in out.chunks_mut(per).enumerate() {
+                s.spawn(move || {
+                    let first = c * per;
+                    for (i, o) in chunk.iter_mut().enumerate() {
+                        let row = (w + (first + i) * rb) as *const c_void;
+                        // SAFETY: `row` is one full weight row inside the mapping; `act` one
+                        // row of the vec_dot type; one output float; nrc = 1 as ggml's mul_mat
+                        // calls it on x86 (strides unused then).
+                        unsafe { vec_dot(n, o, 0, row, 0, act.as_ptr().cast(), 0, 1) };
+                    }
+                });
+            }
+        });
+    }
+}

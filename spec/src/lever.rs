@@ -1,0 +1,272 @@
+//! Gain/cost token-tree construction (Lever §4.2, Eq. 1-6, Algorithm 1) for retrieval drafts.
+//!
+//! The drafters' proposals are merged into a candidate trie. Each candidate child `c` of a
+//! node `n` gets the estimated probability that the target takes it once verification has
+//! reached `n` (Eq. 3): `rho * a(c) * a(c) / sum_j a(j)` over the siblings `j`, where `a` is
+//! the controller's per-token acceptance for the evidence behind `c` (the length of the
+//! suffix match its proposal continues) and `rho` the online reliability factor. That
+//! keeps the ranking among siblings and lets a lone candidate keep its full estimate. The
+//! reach probability `R(c)` is the product along the path; the gain of a tree is
+//! `G = 1 + sum R` (Eq. 2), its cost `C = c(rows)` from the controller's online latency
+//! profile of this machine (Eq. 4; drafting costs microseconds and is left out).
+//!
+//! Greedy expansion (Algorithm 1) inserts the frontier node with the largest `R / dC` (Eq. 5);
+//! with a cost indexed by rows, `dC` is the same for every candidate, so that is the largest
+//! `R`. Eq. 6 stops at the first node that does not raise `G / C`. On a CPU the cost curve
+//! has steps (a 3-row call can cost more than a 4-row one), where that rule stops one node
+//! short of a better tree, so Leap follows the greedy order up to the row cap and keeps the
+//! prefix with the best `G / C`; and no tree at all unless it beats a plain step.
+
+use crate::control::Controller;
+use crate::draft::Proposal;
+use crate::sam::Token;
+use crate::tree::TokenTree;
+
+/// Match length credited to tokens carried over from the last step (accepted there, off the
+/// trunk): as reliable as the longest matches.
+pub const CARRY_MATCH: usize = 64;
+
+/// One candidate node of the trie.
+#[derive(Debug, Clone)]
+struct Cand {
+    token: Token,
+    parent: usize,
+    children: Vec<usize>,
+    /// Longest suffix match behind a proposal through this node.
+    match_len: usize,
+    /// Reach probability.
+    reach: f64,
+}
+
+/// A built tree with what the construction expected of it.
+#[derive(Debug, Clone)]
+pub struct Built {
+    /// The tree (root = the last accepted token).
+    pub tree: TokenTree,
+    /// Match length behind each tree node (0 for the root), for the controller's feedback.
+    pub match_len: Vec<usize>,
+    /// Expected accepted drafts, `sum R` over the tree's nodes.
+    pub expected: f64,
+}
+
+/// Build the tree after `root` from `proposals` with at most `max_rows` rows (root
+/// included), `max_leaves` leaves (KV sequences) and paths of at most `max_depth` drafted
+/// tokens.
+pub fn build(
+    root: Token,
+    proposals: &[Proposal],
+    control: &Controller,
+    max_rows: usize,
+    max_leaves: usize,
+    max_depth: usize,
+) -> Built {
+    // The candidate trie; node 0 is the root.
+    let mut trie = vec![Cand {
+        token: root,
+        parent: usize::MAX,
+        children: Vec::new(),
+        match_len: 0,
+        reach: 1.0,
+    }];
+    for p in proposals {
+        let mut at = 0;
+        for &t in p.tokens.iter().take(max_depth) {
+            let next = trie[at]
+                .children
+                .iter()
+                .copied()
+                .find(|&c| trie[c].token == t);
+            at = match next {
+                Some(c) => {
+                    trie[c].match_len = trie[c].match_len.max(p.match_len);
+                    c
+                }
+                None => {
+                    let id = trie.len();
+                    trie.push(Cand {
+                        token: t,
+                        parent: at,
+                        children: Vec::new(),
+                        match_len: p.match_len,
+                        reach: 0.0,
+                    });
+                    trie[at].children.push(id);
+                    id
+                }
+            };
+        }
+    }
+    // Reach probabilities, parents before children (ids grow with depth along a path).
+    let rho = control.reliability();
+    for n in 0..trie.len() {
+        let kids = trie[n].children.clone();
+        let a: Vec<f64> = kids
+            .iter()
+            .map(|&c| control.acceptance(trie[c].match_len))
+            .collect();
+        let sum: f64 = a.iter().sum();
+        for (&c, &ac) in kids.iter().zip(&a) {
+            trie[c].reach = (trie[n].reach * rho * ac * ac / sum).min(trie[n].reach);
+        }
+    }
+    // Greedy order: the frontier node with the largest reach first.
+    // A node added under a parent that already has a child in the tree opens a new leaf.
+    let mut order = Vec::new();
+    let mut has_child = vec![false; trie.len()];
+    let mut leaves = 1;
+    let mut frontier: Vec<usize> = trie[0].children.clone();
+    while order.len() + 1 < max_rows && !frontier.is_empty() {
+        let (i, _) = frontier
+            .iter()
+            .enumerate()
+            .max_by(|a, b| trie[*a.1].reach.total_cmp(&trie[*b.1].reach))
+            .expect("frontier is not empty");
+        let n = frontier.swap_remove(i);
+        let parent = trie[n].parent;
+        if has_child[parent] {
+            if leaves >= max_leaves {
+                continue;
+            }
+            leaves += 1;
+        }
+        has_child[parent] = true;
+        order.push(n);
+        frontier.extend(trie[n].children.iter().copied());
+    }
+    // The prefix of that order with the best gain per cost; the empty prefix is a plain step
+    // (rate 1 / cost(1) = 1), and a tree must beat it by 2%.
+    let (mut best_len, mut best_rate) = (0usize, 1.0f64);
+    let mut gain = 1.0;
+    for (k, &n) in order.iter().enumerate() {
+        gain += trie[n].reach;
+        let rate = gain / control.cost(k + 2);
+        if rate > best_rate * 1.02 {
+            best_rate = rate;
+            best_len = k + 1;
+        }
+    }
+    // Insert depth-first, most likely child first: every node after its parent, and the
+    // first chain inserted (the tree's trunk, see `TokenTree::trunk_end`) is the most likely
+    // path.
+    let mut chosen = vec![false; trie.len()];
+    for &n in &order[..best_len] {
+        chosen[n] = true;
+    }
+    insert_dfs(&trie, &chosen, root)
+}
+
+/// The chosen trie nodes as a tree, inserted depth-first with the most likely child first.
+fn insert_dfs(trie: &[Cand], chosen: &[bool], root: Token) -> Built {
+    let mut b = Built {
+        tree: TokenTree::new(root),
+        match_len: vec![0],
+        expected: 0.0,
+    };
+    fn visit(trie: &[Cand], chosen: &[bool], n: usize, at: usize, b: &mut Built) {
+        let mut kids: Vec<usize> = trie[n]
+            .children
+            .iter()
+            .copied()
+            .filter(|&c| chosen[c])
+            .collect();
+        kids.sort_by(|x, y| trie[*y].reach.total_cmp(&trie[*x].reach));
+        for c in kids {
+            let id = b.tree.add(at, trie[c].token, None);
+            b.match_len.push(trie[c].match_len);
+            b.expected += trie[c].reach;
+            visit(trie, chosen, c, id, b);
+        }
+    }
+    visit(trie, chosen, 0, 0, &mut b);
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prop(tokens: &[Token], match_len: usize) -> Proposal {
+        Proposal {
+            tokens: tokens.to_vec(),
+            match_len,
+        }
+    }
+
+    /// A controller that has seen per-token acceptance `acc` at every match length and a
+    /// linear cost curve of slope `slope`.
+    fn trained(acc: f64, slope: f64) -> Controller {
+        let mut c = Controller::new(16, slope);
+        for m in [1, 2, 4, 8, 16, 32, CARRY_MATCH] {
+            for i in 0..1000 {
+                c.record_token(m, (i as f64) < acc * 1000.0);
+            }
+        }
+        for _ in 0..50 {
+            c.record_cost(1, 0.02);
+            for r in 2..=17 {
+                c.record_cost(r, 0.02 * (1.0 + slope * (r - 1) as f64));
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn a_reliable_lone_proposal_is_a_chain_as_long_as_it_pays() {
+        let cheap = trained(0.9, 0.05);
+        let b = build(0, &[prop(&[1, 2, 3, 4, 5, 6, 7, 8], 20)], &cheap, 17, 4, 16);
+        assert_eq!(b.tree.n_seqs(), 1);
+        assert_eq!(b.tree.len(), 9, "cheap rows: the whole chain");
+        let dear = trained(0.9, 0.9);
+        let b = build(0, &[prop(&[1, 2, 3, 4, 5, 6, 7, 8], 20)], &dear, 17, 4, 16);
+        assert!(b.tree.len() <= 3, "dear rows: {} rows", b.tree.len());
+    }
+
+    #[test]
+    fn unreliable_drafts_are_not_verified() {
+        let c = trained(0.1, 0.5);
+        let b = build(0, &[prop(&[1, 2, 3], 2)], &c, 17, 4, 16);
+        assert!(b.tree.is_empty());
+        assert_eq!(b.expected, 0.0);
+    }
+
+    #[test]
+    fn alternatives_branch_and_the_most_likely_chain_is_the_trunk() {
+        let c = trained(0.9, 0.05);
+        let b = build(
+            0,
+            &[prop(&[7, 8], 3), prop(&[1, 2, 3, 4], 30), prop(&[1, 5], 2)],
+            &c,
+            17,
+            4,
+            16,
+        );
+        let chain = build(
+            0,
+            &[prop(&[7, 8], 3), prop(&[1, 2, 3, 4], 30), prop(&[1, 5], 2)],
+            &c,
+            17,
+            1,
+            16,
+        );
+        assert_eq!(chain.tree.n_seqs(), 1, "one leaf allowed: a chain");
+        assert_eq!(chain.tree.path(chain.tree.len() - 1), [1, 2, 3, 4]);
+        let t = &b.tree;
+        // The trunk (nodes 1, 2, 3, ...) follows the best-backed proposal.
+        let trunk: Vec<Token> = (1..4).map(|i| t.nodes()[i].token).collect();
+        assert_eq!(trunk, [1, 2, 3]);
+        assert_eq!(t.trunk_end(3), 3);
+        assert!(t.n_seqs() >= 2, "{t:?}");
+        // Every node's parent comes before it.
+        for (i, n) in t.nodes().iter().enumerate().skip(1) {
+            assert!(n.parent.unwrap() < i);
+        }
+        assert_eq!(b.match_len.len(), t.len());
+    }
+
+    #[test]
+    fn the_row_cap_bounds_the_tree() {
+        let c = trained(0.95, 0.01);
+        let b = build(0, &[prop(&[1; 30], 30)], &c, 5, 4, 16);
+        assert_eq!(b.tree.len(), 5);
+    }
+}
