@@ -117,7 +117,6 @@ impl Drop for Mapped {
 /// The output weights and ggml's kernels for them.
 struct Projection {
     weights: Mapped,
-    ty: sys::ggml_type,
     vec_dot_type: sys::ggml_type,
     n_embd: usize,
     n_vocab: usize,
@@ -210,6 +209,19 @@ impl OnDemand {
         self.proj.logits(h, out);
     }
 
+    /// The logits of just `tokens` after hidden state `h` (one thread; for calibration, which
+    /// ranks a few hundred candidates at every prompt position).
+    pub fn logits_of(&self, h: &[f32], tokens: &[i32], out: &mut Vec<f32>) {
+        let act = self.proj.quantize(h);
+        out.clear();
+        out.resize(tokens.len(), f32::NEG_INFINITY);
+        for (o, &t) in out.iter_mut().zip(tokens) {
+            if t >= 0 && (t as usize) < self.proj.n_vocab {
+                self.proj.dot(t as usize, &act, o);
+            }
+        }
+    }
+
     /// Check on this context that projecting row `row` of the hidden states reproduces
     /// llama.cpp's logits bit for bit. Decodes `batch` once, hidden states copied and the
     /// graph run to the end. Returns whether they matched.
@@ -291,7 +303,6 @@ impl Projection {
         let weights = Mapped::new(model.path(), t.offset, t.size as usize)?;
         Ok(Some(Self {
             weights,
-            ty,
             vec_dot_type: vdt,
             n_embd,
             n_vocab,
@@ -301,39 +312,55 @@ impl Projection {
         }))
     }
 
-    fn logits(&self, h: &[f32], out: &mut Vec<f32>) {
-        assert_eq!(h.len(), self.n_embd, "hidden state of the wrong width");
-        // Quantize the activations as ggml's mul_mat does (from_float of the vec_dot type).
+    /// One output row (`vocab` entry) against quantized activations.
+    fn dot(&self, vocab: usize, act: &[u8], out: &mut f32) {
         // SAFETY: static traits table (see `for_model`).
-        let act: Vec<u8> = if self.vec_dot_type == sys::GGML_TYPE_F32 {
-            h.iter().flat_map(|x| x.to_ne_bytes()).collect()
-        } else {
-            let size = unsafe { sys::ggml_row_size(self.vec_dot_type, self.n_embd as i64) };
-            let mut q = vec![0u8; size];
-            let from = unsafe { (*sys::ggml_get_type_traits_cpu(self.vec_dot_type)).from_float }
-                .expect("checked in for_model");
-            // SAFETY: `q` has room for one row of the vec_dot type; `h` has n_embd floats.
-            unsafe { from(h.as_ptr(), q.as_mut_ptr().cast(), self.n_embd as i64) };
-            q
-        };
-        // SAFETY: static traits table.
         let vec_dot = unsafe { (*self.traits).vec_dot }.expect("checked in for_model");
-        let _ = self.ty;
+        let row = (self.weights.bytes() as usize + vocab * self.row_bytes) as *const c_void;
+        // SAFETY: `row` is one full weight row inside the mapping (vocab < n_vocab); `act` one
+        // row of the vec_dot type; nrc = 1 as ggml's mul_mat calls it on x86 (strides unused).
+        unsafe {
+            vec_dot(
+                self.n_embd as i32,
+                out,
+                0,
+                row,
+                0,
+                act.as_ptr().cast(),
+                0,
+                1,
+            )
+        };
+    }
+
+    /// The activations in the kernel's type, quantized as ggml's mul_mat does (from_float of
+    /// the vec_dot type).
+    fn quantize(&self, h: &[f32]) -> Vec<u8> {
+        assert_eq!(h.len(), self.n_embd, "hidden state of the wrong width");
+        if self.vec_dot_type == sys::GGML_TYPE_F32 {
+            return h.iter().flat_map(|x| x.to_ne_bytes()).collect();
+        }
+        // SAFETY: plain size arithmetic; static traits table (checked in `for_model`).
+        let size = unsafe { sys::ggml_row_size(self.vec_dot_type, self.n_embd as i64) };
+        let mut q = vec![0u8; size];
+        let from = unsafe { (*sys::ggml_get_type_traits_cpu(self.vec_dot_type)).from_float }
+            .expect("checked in for_model");
+        // SAFETY: `q` has room for one row of the vec_dot type; `h` has n_embd floats.
+        unsafe { from(h.as_ptr(), q.as_mut_ptr().cast(), self.n_embd as i64) };
+        q
+    }
+
+    fn logits(&self, h: &[f32], out: &mut Vec<f32>) {
+        let act = self.quantize(h);
         out.clear();
         out.resize(self.n_vocab, 0.0);
         let per = self.n_vocab.div_ceil(self.threads);
-        let w = self.weights.bytes() as usize;
-        let (n, rb, act) = (self.n_embd as i32, self.row_bytes, &act);
+        let act = &act;
         std::thread::scope(|s| {
             for (c, chunk) in out.chunks_mut(per).enumerate() {
                 s.spawn(move || {
-                    let first = c * per;
                     for (i, o) in chunk.iter_mut().enumerate() {
-                        let row = (w + (first + i) * rb) as *const c_void;
-                        // SAFETY: `row` is one full weight row inside the mapping; `act` one
-                        // row of the vec_dot type; one output float; nrc = 1 as ggml's mul_mat
-                        // calls it on x86 (strides unused then).
-                        unsafe { vec_dot(n, o, 0, row, 0, act.as_ptr().cast(), 0, 1) };
+                        self.dot(c * per + i, act, o);
                     }
                 });
             }

@@ -15,6 +15,7 @@ use leap_host::usage::cpu_seconds;
 use leap_host::{Batch, Context, Error, Result, Token};
 
 use crate::accept::{self, SplitMix64, Uniform};
+use crate::calib::{self, CalibratedDrafter, Calibration};
 use crate::control::Controller;
 use crate::dist::Truncation;
 use crate::draft::{ContextDrafter, Drafter, HistoryDrafter, Proposal, ReuseDrafter};
@@ -43,6 +44,8 @@ pub struct EngineConfig {
     pub reuse_lifetime: usize,
     /// Project only the rows acceptance reads (when the engine has an [`OnDemand`]).
     pub on_demand: bool,
+    /// In-context calibration from the prompt's prefill (needs an [`OnDemand`]).
+    pub calibrate: bool,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +60,7 @@ impl Default for EngineConfig {
             history_tokens: 1 << 16,
             reuse_lifetime: 3,
             on_demand: true,
+            calibrate: true,
         }
     }
 }
@@ -69,6 +73,7 @@ pub struct Engine {
     control: Controller,
     history: HistoryDrafter,
     reuse: ReuseDrafter,
+    calibrated: CalibratedDrafter,
     /// On-demand output projection for the context this engine decodes with, and whether it
     /// was checked against llama.cpp's logits there (`None`: not yet).
     on_demand: Option<(OnDemand, Option<bool>)>,
@@ -94,6 +99,7 @@ impl Engine {
         Self {
             history: HistoryDrafter::new(cfg.min_match, cfg.history_tokens),
             reuse: ReuseDrafter::new(cfg.reuse_lifetime, 2),
+            calibrated: CalibratedDrafter::new(cfg.min_match),
             cfg,
             control,
             on_demand: None,
@@ -128,6 +134,9 @@ impl Engine {
         }
         if self.cfg.reuse_lifetime > 0 {
             d.push(&mut self.reuse);
+        }
+        if self.cfg.calibrate {
+            d.push(&mut self.calibrated);
         }
         d
     }
@@ -231,9 +240,33 @@ impl Engine {
         }
         ctx.clear(false);
         let t0 = Instant::now();
-        prefill(ctx, prompt, n_batch)?;
+        // With calibration, the prompt's logits come from the calibrating prefill.
+        let mut first_logits: Option<Vec<f32>> = None;
+        let mut calib_seconds = 0.0;
+        match &mut self.on_demand {
+            Some((od, checked)) if self.cfg.calibrate && *checked != Some(false) => {
+                let p = calib::prefill(ctx, od, prompt, n_batch)?;
+                if checked.is_none() {
+                    if !p.exact {
+                        log::warn!(
+                            "on-demand output projection does not reproduce llama.cpp's \
+                             logits for this model; verifying with llama.cpp's logits"
+                        );
+                    }
+                    *checked = Some(p.exact);
+                }
+                self.calibrated.set(&p.calib);
+                calib_seconds = p.calib.seconds;
+                first_logits = Some(p.logits);
+            }
+            _ => {
+                prefill(ctx, prompt, n_batch)?;
+                self.calibrated.set(&Calibration::default());
+            }
+        }
         let mut g = Generation {
             prefill_seconds: t0.elapsed().as_secs_f64(),
+            calib_seconds,
             ..Default::default()
         };
         let model = ctx.model().clone();
@@ -247,10 +280,14 @@ impl Engine {
         }
         let mut pos0 = prompt.len() as i32;
         let n_vocab = model.n_vocab() as usize;
+        let prompt_logits = match &first_logits {
+            Some(l) => l.as_slice(),
+            None => ctx.logits(-1)?,
+        };
         let first = if sampled {
-            draw(&trunc, ctx.logits(-1)?, &mut rng)
+            draw(&trunc, prompt_logits, &mut rng)
         } else {
-            argmax(ctx.logits(-1)?)
+            argmax(prompt_logits)
         };
         g.tokens.push(first);
         for d in self.drafters(&mut local) {

@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod accept;
+pub mod calib;
 pub mod control;
 pub mod dist;
 pub mod draft;

@@ -24,6 +24,8 @@ pub struct Generation {
     pub drafted_tokens: u64,
     /// Wall time spent drafting (building token trees), part of `decode_seconds`.
     pub draft_seconds: f64,
+    /// Wall time of in-context calibration, part of `prefill_seconds`.
+    pub calib_seconds: f64,
 }
 
 /// Run the prompt through the target (sequence 0 from position 0), logits for the last token

@@ -15,6 +15,17 @@ const PROMPTS: &[&str] = &[
     "Question: What is the capital of France?\nAnswer: Paris.\nQuestion: What is the capital of Italy?\nAnswer:",
 ];
 
+/// The engine drafting whatever it finds, up to 8 tokens, whatever the measured costs: tests
+/// that count drafts must not depend on timings (the controller's decisions do, and tests run
+/// in parallel on 2 cores).
+fn eager_drafting() -> EngineConfig {
+    EngineConfig {
+        adaptive: false,
+        max_draft: 8,
+        ..Default::default()
+    }
+}
+
 fn ctx(name: &str, n_seq: u32) -> Context {
     context(name, 2048, n_seq)
 }
@@ -56,12 +67,12 @@ fn compare(name: &str, cfg: EngineConfig) -> (usize, u64, u64) {
 
 #[test]
 fn chain_output_is_plain_greedy_on_smollm() {
-    let (differ, drafted, saved) = compare(SMOLLM, EngineConfig::default());
+    let (differ, drafted, saved) = compare(SMOLLM, eager_drafting());
     assert_eq!(differ, 0);
     let m = model(SMOLLM);
     let toks = m.tokenize(PROMPTS[0], true, false).unwrap();
     let g = leap_greedy(
-        &mut Engine::new(EngineConfig::default()),
+        &mut Engine::new(eager_drafting()),
         &mut ctx(SMOLLM, 1),
         &toks,
         32,
@@ -96,7 +107,7 @@ fn tree_output_is_plain_greedy_on_smollm() {
 
 #[test]
 fn chain_output_is_plain_greedy_on_gemma() {
-    let (differ, drafted, saved) = compare(GEMMA, EngineConfig::default());
+    let (differ, drafted, saved) = compare(GEMMA, eager_drafting());
     assert_eq!(differ, 0);
     assert!(drafted > 0 && saved > 0, "drafted {drafted}, saved {saved}");
 }
@@ -141,14 +152,24 @@ fn long_context_output_is_plain_greedy() {
         assert!(toks.len() > 600, "{}", toks.len());
         let (mut c, od) = leap_context(name, 2048, 4);
         let want = plain_greedy(&mut c, &toks, 96);
-        for branches in [1, 4] {
-            let mut engine = Engine::new(EngineConfig {
-                max_branches: branches,
+        // Drafting everything it finds (chain, tree), then Leap's own configuration (Lever
+        // trees, calibration; how much it drafts depends on measured costs).
+        let configs = [
+            eager_drafting(),
+            EngineConfig {
+                max_branches: 4,
+                ..eager_drafting()
+            },
+            EngineConfig {
+                max_branches: 4,
                 ..Default::default()
-            })
-            .with_on_demand(od.clone());
+            },
+        ];
+        for (k, cfg) in configs.into_iter().enumerate() {
+            let branches = cfg.max_branches;
+            let mut engine = Engine::new(cfg).with_on_demand(od.clone());
             let got = leap_greedy(&mut engine, &mut c, &toks, 96);
-            assert!(got.drafted_tokens > 0, "{name}: nothing drafted");
+            assert!(k == 2 || got.drafted_tokens > 0, "{name}: nothing drafted");
             let Some(i) = want
                 .tokens
                 .iter()
@@ -195,7 +216,7 @@ fn history_drafts_a_repeated_request_from_the_earlier_answer() {
         .unwrap();
     let mut c = ctx(SMOLLM, 1);
     let want = plain_greedy(&mut c, &toks, 64);
-    let mut engine = Engine::new(EngineConfig::default());
+    let mut engine = Engine::new(eager_drafting());
     let first = leap_greedy(&mut engine, &mut c, &toks, 64);
     let second = leap_greedy(&mut engine, &mut c, &toks, 64);
     assert_eq!(want.tokens.len(), 64, "the prompt must not end at once");
@@ -211,7 +232,7 @@ fn history_drafts_a_repeated_request_from_the_earlier_answer() {
     // Without history the second run is no better than the first.
     let mut forgetful = Engine::new(EngineConfig {
         history_tokens: 0,
-        ..Default::default()
+        ..eager_drafting()
     });
     leap_greedy(&mut forgetful, &mut c, &toks, 64);
     let again = leap_greedy(&mut forgetful, &mut c, &toks, 64);
@@ -305,4 +326,58 @@ fn sampled_output_follows_the_target_distribution() {
         chi2 < bound,
         "chi2 {chi2:.2} over {cells} cells: {want:?} vs {pairs:?}"
     );
+}
+
+/// In-context calibration: the calibrating prefill leaves llama.cpp's own logits for the last
+/// prompt token (bit for bit), and its prediction at every prompt position is the model's
+/// most likely next token among the prompt's tokens, as llama.cpp's full logits there say.
+#[test]
+fn calibration_predicts_the_models_choice_among_the_prompts_tokens() {
+    use leap_host::Batch;
+    use leap_spec::calib;
+    for name in [SMOLLM, GEMMA] {
+        let m = model(name);
+        let toks = m
+            .tokenize(
+                "Packages are installed with apt. Packages are removed with apt. Packages are",
+                true,
+                false,
+            )
+            .unwrap();
+        let (mut c, od) = leap_context(name, 512, 1);
+        let od = od.unwrap();
+        // Small chunks, so the cut-at-hidden-states path runs several times.
+        let p = calib::prefill(&mut c, &od, &toks, 7).unwrap();
+        assert!(p.exact, "{name}: on-demand projection is bit-exact");
+        assert_eq!(p.calib.pred.len(), toks.len());
+
+        // Reference: llama.cpp's logits at every position, in one plain batch.
+        let mut r = ctx(name, 1);
+        let mut b = Batch::new(toks.len(), 1);
+        for (i, &t) in toks.iter().enumerate() {
+            b.add(t, i as i32, &[0], true).unwrap();
+        }
+        r.decode(&b).unwrap();
+        assert_eq!(
+            p.logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            r.logits(toks.len() as i32 - 1)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>(),
+            "{name}: the last prompt token's logits"
+        );
+        for (i, &pred) in p.calib.pred.iter().enumerate() {
+            let l = r.logits(i as i32).unwrap();
+            let best = toks
+                .iter()
+                .copied()
+                .max_by(|&a, &b| l[a as usize].total_cmp(&l[b as usize]).then(b.cmp(&a)))
+                .unwrap();
+            assert_eq!(
+                l[pred as usize], l[best as usize],
+                "{name} position {i}: predicted {pred}, the model prefers {best} there"
+            );
+        }
+    }
 }

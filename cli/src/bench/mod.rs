@@ -51,19 +51,29 @@ pub enum ModeKind {
 }
 
 /// Leap's named configurations (`leap:NAME`); `leap` is the recommended one.
-pub const LEAP_CONFIGS: &[&str] = &["sam", "sam-fixed", "history", "reuse", "tree", "eager"];
+pub const LEAP_CONFIGS: &[&str] = &[
+    "sam",
+    "sam-fixed",
+    "history",
+    "reuse",
+    "calib",
+    "tree",
+    "eager",
+];
 
 /// The engine configuration of `leap` (`None`) or `leap:NAME`. The named ones add one
 /// technique at a time, so a bench run shows each one's contribution:
-/// `sam` (retrieval from the request only, controller on), `sam-fixed` (the same drafting the
-/// longest continuation every step), `history` (+ earlier requests and answers), `reuse`
-/// (+ draft reuse), `tree` (+ up to 4 branches per step); `eager` is `leap` with llama.cpp
-/// computing logits for every verified row instead of on-demand output projection.
+/// `sam` (retrieval from the request only, Lever trees of one leaf), `sam-fixed` (the same
+/// drafting the longest continuation every step), `history` (+ earlier requests and answers),
+/// `reuse` (+ draft reuse), `calib` (+ in-context calibration = `leap`), `tree` (+ up to 4
+/// leaves per step); `eager` is `leap` with llama.cpp computing logits for every verified row
+/// instead of on-demand output projection.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     let base = EngineConfig::default();
     let sam = EngineConfig {
         history_tokens: 0,
         reuse_lifetime: 0,
+        calibrate: false,
         ..base.clone()
     };
     Some(match name {
@@ -76,9 +86,14 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
         },
         Some("history") => EngineConfig {
             reuse_lifetime: 0,
+            calibrate: false,
             ..base
         },
-        Some("reuse") => base,
+        Some("reuse") => EngineConfig {
+            calibrate: false,
+            ..base
+        },
+        Some("calib") => base,
         Some("tree") => EngineConfig {
             max_branches: 4,
             ..base
@@ -351,6 +366,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 target_calls: g.target_calls,
                 drafted_tokens: g.drafted_tokens,
                 draft_seconds: g.draft_seconds,
+                calib_seconds: g.calib_seconds,
                 output_sha256: report::tokens_sha256(&g.tokens),
             });
             bar.inc(1);
@@ -406,8 +422,8 @@ pub fn table(report: &Report, order: &[String]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>9} {:>10}",
-        "mode", "tok/s", "vs plain", "acc/call", "draft ms", "cpu s", "identical"
+        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>11} {:>9} {:>10}",
+        "mode", "tok/s", "vs plain", "acc/call", "draft ms", "calib ms/t", "cpu s", "identical"
     );
     for name in order {
         let Some(m) = report.modes.get(name) else {
@@ -423,12 +439,13 @@ pub fn table(report: &Report, order: &[String]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.3} {:>9.2} {:>10}",
+            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.3} {:>11.4} {:>9.2} {:>10}",
             name,
             m.decode_tokens_per_s,
             speed,
             m.mean_accepted_per_call,
             m.draft_ms_per_call,
+            m.calib_ms_per_prompt_token,
             m.cpu_seconds,
             ident
         );

@@ -46,6 +46,10 @@ pub struct ModeReport {
     /// Mean wall time of drafting per target call, in milliseconds. Added field.
     #[serde(default)]
     pub draft_ms_per_call: f64,
+    /// Mean calibration time per prompt token, in milliseconds (Leap's in-context
+    /// calibration; 0 without it). Added field.
+    #[serde(default)]
+    pub calib_ms_per_prompt_token: f64,
     /// Requests whose output differs from `plain` (ids). Added field.
     #[serde(default)]
     pub differing_requests: Vec<String>,
@@ -72,6 +76,10 @@ pub struct RequestReport {
     /// Added field: wall time spent drafting.
     #[serde(default)]
     pub draft_seconds: f64,
+    /// Added field: wall time of in-context calibration beyond the prefill, part of
+    /// `prefill_seconds`.
+    #[serde(default)]
+    pub calib_seconds: f64,
     pub output_sha256: String,
 }
 
@@ -91,6 +99,9 @@ impl ModeReport {
         self.mean_accepted_per_call = ratio(self.generated_tokens as f64, self.target_calls as f64);
         let draft: f64 = self.requests.iter().map(|r| r.draft_seconds).sum();
         self.draft_ms_per_call = ratio(draft * 1e3, self.target_calls as f64);
+        let calib: f64 = self.requests.iter().map(|r| r.calib_seconds).sum();
+        let prompt: usize = self.requests.iter().map(|r| r.prompt_tokens).sum();
+        self.calib_ms_per_prompt_token = ratio(calib * 1e3, prompt as f64);
     }
 }
 
