@@ -22,10 +22,12 @@ run: models
 test: models
 	$(CARGO) test --release --workspace
 
-# Plain decoding, llama.cpp's n-gram modes and Leap's engine on the dev workload.
+# The ablation: plain decoding, llama.cpp's n-gram modes and Leap's engine one technique at a
+# time, on the dev workload (about 20 minutes on 2 cores).
 bench: models
-	$(LEAP) bench --model gemma3-270m --workload ../shared/workloads/dev-all.jsonl --limit 24 \
-	  --modes plain,llama:ngram-simple,llama:ngram-mod,leap,leap:no-history,leap:tree --out bench.json
+	$(LEAP) bench --model gemma3-270m --workload ../shared/workloads/dev-all.jsonl --limit 12 \
+	  --modes plain,llama:ngram-mod,llama:ngram-simple,leap:sam,leap:history,leap:reuse,leap,leap:tree,leap:eager \
+	  --out bench.json
 
 fmt:
 	$(CARGO) fmt --all

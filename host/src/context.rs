@@ -214,6 +214,15 @@ impl Context {
     /// # Errors
     /// [`Error::KvCacheFull`], [`Error::Aborted`], [`Error::InvalidBatch`], [`Error::Decode`].
     pub fn decode(&mut self, batch: &Batch) -> Result<()> {
+        // llama.cpp asserts (aborts the process) on a batch larger than n_batch.
+        // SAFETY: live context.
+        let n_batch = unsafe { sys::llama_n_batch(self.raw()) } as usize;
+        if batch.len() > n_batch {
+            return Err(Error::InvalidBatch {
+                n_tokens: batch.len(),
+                reason: format!("more tokens than the context's batch size ({n_batch})"),
+            });
+        }
         backend::take_last_problem();
         // SAFETY: live context; the batch's arrays are valid for `n_tokens` entries.
         let rc = unsafe { sys::llama_decode(self.raw(), batch.raw()) };

@@ -216,6 +216,9 @@ mod tests {
         let b = build(0, &[prop(&[1, 2, 3, 4, 5, 6, 7, 8], 20)], &cheap, 17, 4, 16);
         assert_eq!(b.tree.n_seqs(), 1);
         assert_eq!(b.tree.len(), 9, "cheap rows: the whole chain");
+        // A chain's gain is the thesis' closed form (003 Eq. 4.1).
+        let a = cheap.acceptance(20) * cheap.reliability();
+        assert!((1.0 + b.expected - crate::control::expected_tokens(a, 8)).abs() < 1e-9);
         let dear = trained(0.9, 0.9);
         let b = build(0, &[prop(&[1, 2, 3, 4, 5, 6, 7, 8], 20)], &dear, 17, 4, 16);
         assert!(b.tree.len() <= 3, "dear rows: {} rows", b.tree.len());

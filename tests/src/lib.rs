@@ -58,19 +58,20 @@ pub fn leap_greedy(
         .expect("engine generation")
 }
 
+/// Context parameters: `n_ctx` tokens, `n_seq_max` sequences, all cores, Leap's defaults.
+pub fn params(n_ctx: u32, n_seq_max: u32) -> leap_host::ContextParams {
+    leap_host::ContextParams {
+        n_ctx,
+        n_seq_max,
+        n_threads: threads(),
+        n_threads_batch: threads(),
+        ..Default::default()
+    }
+}
+
 /// A context on `name` with `n_ctx` tokens and `n_seq_max` sequences, on all cores.
 pub fn context(name: &str, n_ctx: u32, n_seq_max: u32) -> leap_host::Context {
-    leap_host::Context::new(
-        &model(name),
-        &leap_host::ContextParams {
-            n_ctx,
-            n_seq_max,
-            n_threads: threads(),
-            n_threads_batch: threads(),
-            ..Default::default()
-        },
-    )
-    .expect("context")
+    leap_host::Context::new(&model(name), &params(n_ctx, n_seq_max)).expect("context")
 }
 
 /// A context for Leap's engine on `name` (as [`context`]) with its on-demand output projection.
@@ -79,15 +80,5 @@ pub fn leap_context(
     n_ctx: u32,
     n_seq_max: u32,
 ) -> (leap_host::Context, Option<leap_host::project::OnDemand>) {
-    leap_host::project::OnDemand::context(
-        &model(name),
-        &leap_host::ContextParams {
-            n_ctx,
-            n_seq_max,
-            n_threads: threads(),
-            n_threads_batch: threads(),
-            ..Default::default()
-        },
-    )
-    .expect("context")
+    leap_host::project::OnDemand::context(&model(name), &params(n_ctx, n_seq_max)).expect("context")
 }

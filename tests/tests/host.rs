@@ -384,3 +384,32 @@ fn on_demand_projection_is_llama_cpp_logits_bit_for_bit() {
         assert_eq!(c.seq_pos_max(0), toks.len() as i32 - 1);
     }
 }
+
+/// A batch larger than the context's batch size is a typed error (llama.cpp would abort the
+/// process on an assertion).
+#[test]
+fn a_batch_larger_than_n_batch_is_an_error_not_an_abort() {
+    let mut c = leap_host::Context::new(
+        &model(SMOLLM),
+        &leap_host::ContextParams {
+            n_ctx: 512,
+            n_batch: 16,
+            n_ubatch: 16,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut b = Batch::new(17, 1);
+    for i in 0..17 {
+        b.add(1, i, &[0], i == 16).unwrap();
+    }
+    assert!(matches!(
+        c.decode(&b),
+        Err(leap_host::Error::InvalidBatch { n_tokens: 17, .. })
+    ));
+    b.clear();
+    for i in 0..16 {
+        b.add(1, i, &[0], i == 15).unwrap();
+    }
+    c.decode(&b).unwrap();
+}
