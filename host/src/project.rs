@@ -101,6 +101,26 @@ impl Mapped {
         Ok(Self { base, len, skip })
     }
 
+    /// One mapping per file range for the whole process: every context's projection shares
+    /// it (each mapping's resident pages count again in the process's RSS).
+    fn shared(path: &std::path::Path, offset: u64, size: usize) -> Result<Arc<Self>> {
+        type Key = (std::path::PathBuf, u64);
+        static MAPS: Mutex<Vec<(Key, std::sync::Weak<Mapped>)>> = Mutex::new(Vec::new());
+        let mut maps = MAPS.lock().unwrap_or_else(|e| e.into_inner());
+        maps.retain(|(_, w)| w.strong_count() > 0);
+        let key = (path.to_path_buf(), offset);
+        if let Some(m) = maps
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Ok(m);
+        }
+        let m = Arc::new(Self::new(path, offset, size)?);
+        maps.push((key, Arc::downgrade(&m)));
+        Ok(m)
+    }
+
     fn bytes(&self) -> *const u8 {
         // SAFETY: `skip < len`, inside the mapping.
         unsafe { (self.base as *const u8).add(self.skip) }
@@ -116,7 +136,7 @@ impl Drop for Mapped {
 
 /// The output weights and ggml's kernels for them.
 struct Projection {
-    weights: Mapped,
+    weights: Arc<Mapped>,
     vec_dot_type: sys::ggml_type,
     n_embd: usize,
     n_vocab: usize,
@@ -300,7 +320,7 @@ impl Projection {
         if row_bytes * n_vocab != t.size as usize || n_embd != model.n_embd() as usize {
             return Ok(None);
         }
-        let weights = Mapped::new(model.path(), t.offset, t.size as usize)?;
+        let weights = Mapped::shared(model.path(), t.offset, t.size as usize)?;
         Ok(Some(Self {
             weights,
             vec_dot_type: vdt,

@@ -47,8 +47,15 @@ pub struct Prefilled {
     pub exact: bool,
 }
 
+/// Rows per calibration chunk. Every row of a chunk is an output row, and llama.cpp sizes (and
+/// fills) its logits buffer for the most output rows a batch had: 32 rows of Gemma 3's 262144
+/// logits are 32 MB, 512 would be 512 MB. With Leap's one-row kernels a bigger chunk would not
+/// be faster.
+pub const CHUNK: usize = 32;
+
 /// Prefill `prompt` (sequence 0 of an empty context) and calibrate on it. All but the last
-/// token go through in `n_batch` chunks cut at the hidden states; the last one alone, run to
+/// token go through in chunks of at most `n_batch` and [`CHUNK`] tokens, cut at the hidden
+/// states; the last one alone, run to
 /// the end so its logits are llama.cpp's (the KV cache and those logits are what a plain
 /// prefill leaves: a row's results do not depend on its batch here), which also checks the
 /// on-demand projection against them.
@@ -67,7 +74,8 @@ pub fn prefill(
     let n = od.n_embd();
     let mut pred = Vec::with_capacity(prompt.len());
     let mut scores = Vec::new();
-    let mut batch = Batch::new(n_batch.max(1), 1);
+    let n_batch = n_batch.clamp(1, CHUNK);
+    let mut batch = Batch::new(n_batch, 1);
     let mut seconds = 0.0;
     let mut score = |hidden: &[f32], pred: &mut Vec<Token>| {
         let t0 = Instant::now();
@@ -89,7 +97,7 @@ pub fn prefill(
         seconds += t0.elapsed().as_secs_f64();
     };
     let (body, last) = prompt.split_at(prompt.len().saturating_sub(1));
-    for (c, chunk) in body.chunks(n_batch.max(1)).enumerate() {
+    for (c, chunk) in body.chunks(n_batch).enumerate() {
         batch.clear();
         for (k, &t) in chunk.iter().enumerate() {
             batch.add(t, (c * n_batch + k) as i32, &[0], true)?;
