@@ -212,16 +212,17 @@ impl OnDemand {
         self.shared.lock().unwrap_or_else(|e| e.into_inner()).armed = false;
     }
 
-    /// The hidden states of the last armed decode: `rows x n_embd`, in output-row order.
+    /// Take the hidden states of the last armed decode: `rows x n_embd`, in output-row order.
     ///
     /// # Errors
-    /// [`Error::NoLogits`] when the last armed decode did not reach them.
-    pub fn hidden(&self) -> Result<Vec<f32>> {
-        let s = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+    /// [`Error::NoLogits`] when the last armed decode did not reach them (or they were taken).
+    pub fn take_hidden(&self) -> Result<Vec<f32>> {
+        let mut s = self.shared.lock().unwrap_or_else(|e| e.into_inner());
         if s.rows == 0 || s.hidden.len() != s.rows * self.proj.n_embd {
             return Err(Error::NoLogits { row: -1 });
         }
-        Ok(s.hidden.clone())
+        s.rows = 0;
+        Ok(std::mem::take(&mut s.hidden))
     }
 
     /// The logits after hidden state `h` (`n_embd` values), bit-identical to llama.cpp's.
@@ -253,22 +254,27 @@ impl OnDemand {
         let r = ctx.decode(batch);
         self.disarm();
         r?;
-        let hidden = self.hidden()?;
-        let want = ctx.logits(row)?.to_vec();
+        let hidden = self.take_hidden()?;
         let n = self.proj.n_embd;
-        let outputs: Vec<usize> = (0..batch.len())
+        // The row's place among the output rows.
+        let Some(k) = (0..batch.len())
             .filter(|&i| batch.wants_logits(i))
-            .collect();
-        let Some(k) = outputs.iter().position(|&i| i as i32 == row) else {
+            .position(|i| i as i32 == row)
+        else {
             return Ok(false);
         };
+        Ok(self.reproduces(&hidden[k * n..(k + 1) * n], ctx.logits(row)?))
+    }
+
+    /// Whether projecting hidden state `h` gives exactly `want` (llama.cpp's logits), bit for bit.
+    pub fn reproduces(&self, h: &[f32], want: &[f32]) -> bool {
         let mut got = Vec::new();
-        self.logits(&hidden[k * n..(k + 1) * n], &mut got);
-        Ok(got.len() == want.len()
+        self.logits(h, &mut got);
+        got.len() == want.len()
             && got
                 .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits()))
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
     }
 }
 

@@ -36,15 +36,15 @@ pub struct Calibration {
     pub seconds: f64,
 }
 
-/// What [`prefill`] returns.
+/// What [`prefill`] returns. The context's logits after the last prompt token are
+/// llama.cpp's own (`Context::logits(-1)`), as after a plain prefill.
 #[derive(Debug, Clone)]
 pub struct Prefilled {
     /// The calibration.
     pub calib: Calibration,
-    /// llama.cpp's logits after the last prompt token.
-    pub logits: Vec<f32>,
-    /// Whether projecting the last row on demand reproduced those logits bit for bit.
-    pub exact: bool,
+    /// With `check`: whether projecting the last row on demand reproduced llama.cpp's logits
+    /// bit for bit.
+    pub exact: Option<bool>,
 }
 
 /// Rows per calibration chunk. Every row of a chunk is an output row, and llama.cpp sizes (and
@@ -57,8 +57,8 @@ pub const CHUNK: usize = 32;
 /// token go through in chunks of at most `n_batch` and [`CHUNK`] tokens, cut at the hidden
 /// states; the last one alone, run to
 /// the end so its logits are llama.cpp's (the KV cache and those logits are what a plain
-/// prefill leaves: a row's results do not depend on its batch here), which also checks the
-/// on-demand projection against them.
+/// prefill leaves: a row's results do not depend on its batch here); with `check` the
+/// on-demand projection of that row is compared with them (one full projection).
 ///
 /// # Errors
 /// Decode failures; hidden states missing (an `od` that does not belong to `ctx`).
@@ -67,6 +67,7 @@ pub fn prefill(
     od: &OnDemand,
     prompt: &[Token],
     n_batch: usize,
+    check: bool,
 ) -> Result<Prefilled> {
     let mut vocab: Vec<Token> = prompt.to_vec();
     vocab.sort_unstable();
@@ -106,7 +107,7 @@ pub fn prefill(
         let r = ctx.decode(&batch);
         od.disarm();
         r?;
-        score(&od.hidden()?, &mut pred);
+        score(&od.take_hidden()?, &mut pred);
     }
     batch.clear();
     for &t in last {
@@ -116,19 +117,15 @@ pub fn prefill(
     let r = ctx.decode(&batch);
     od.disarm();
     r?;
-    let hidden = od.hidden()?;
+    let hidden = od.take_hidden()?;
     score(&hidden, &mut pred);
-    let logits = ctx.logits(-1)?.to_vec();
-    let mut mine = Vec::new();
-    od.logits(&hidden, &mut mine);
-    let exact = mine.len() == logits.len()
-        && mine
-            .iter()
-            .zip(&logits)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
+    let exact = if check {
+        Some(od.reproduces(&hidden, ctx.logits(-1)?))
+    } else {
+        None
+    };
     Ok(Prefilled {
         calib: Calibration { pred, seconds },
-        logits,
         exact,
     })
 }

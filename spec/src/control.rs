@@ -52,15 +52,13 @@ pub struct Controller {
     /// Least-squares sums for beta: sum x*y and sum x*x with x = k-1, y = t/t1 - 1.
     sxy: f64,
     sxx: f64,
-    /// Most tokens per draft.
-    pub max_draft: usize,
 }
 
 impl Controller {
     /// A controller with weak, optimistic priors: acceptance rising with the match length
     /// (0.6 for one token to 0.9 for 17+; a controller that never drafts never learns), worth
     /// four observations, and cost slope `beta_prior`.
-    pub fn new(max_draft: usize, beta_prior: f64) -> Self {
+    pub fn new(beta_prior: f64) -> Self {
         const PRIOR: [f64; BUCKETS] = [0.6, 0.7, 0.75, 0.8, 0.85, 0.9];
         const WEIGHT: f64 = 4.0;
         Self {
@@ -71,7 +69,6 @@ impl Controller {
             t1: 0.0,
             sxy: beta_prior * 4.0,
             sxx: 4.0,
-            max_draft,
         }
     }
 
@@ -179,7 +176,7 @@ mod tests {
 
     #[test]
     fn learns_the_cost_slope_from_call_times() {
-        let mut c = Controller::new(16, 0.1);
+        let mut c = Controller::new(0.1);
         for _ in 0..200 {
             c.record_cost(1, 0.020);
             for k in [2usize, 4, 8] {

@@ -95,7 +95,7 @@ fn apply(ctx: &mut Context, ops: &[KvOp]) -> Result<()> {
 impl Engine {
     /// An engine with `cfg`.
     pub fn new(cfg: EngineConfig) -> Self {
-        let control = Controller::new(cfg.max_draft, cfg.beta_prior);
+        let control = Controller::new(cfg.beta_prior);
         Self {
             history: HistoryDrafter::new(cfg.min_match, cfg.history_tokens),
             reuse: ReuseDrafter::new(cfg.reuse_lifetime, 2),
@@ -240,24 +240,21 @@ impl Engine {
         }
         ctx.clear(false);
         let t0 = Instant::now();
-        // With calibration, the prompt's logits come from the calibrating prefill.
-        let mut first_logits: Option<Vec<f32>> = None;
         let mut calib_seconds = 0.0;
         match &mut self.on_demand {
             Some((od, checked)) if self.cfg.calibrate && *checked != Some(false) => {
-                let p = calib::prefill(ctx, od, prompt, n_batch)?;
-                if checked.is_none() {
-                    if !p.exact {
+                let p = calib::prefill(ctx, od, prompt, n_batch, checked.is_none())?;
+                if let Some(exact) = p.exact {
+                    if !exact {
                         log::warn!(
                             "on-demand output projection does not reproduce llama.cpp's \
                              logits for this model; verifying with llama.cpp's logits"
                         );
                     }
-                    *checked = Some(p.exact);
+                    *checked = Some(exact);
                 }
                 self.calibrated.set(&p.calib);
                 calib_seconds = p.calib.seconds;
-                first_logits = Some(p.logits);
             }
             _ => {
                 prefill(ctx, prompt, n_batch)?;
@@ -280,14 +277,10 @@ impl Engine {
         }
         let mut pos0 = prompt.len() as i32;
         let n_vocab = model.n_vocab() as usize;
-        let prompt_logits = match &first_logits {
-            Some(l) => l.as_slice(),
-            None => ctx.logits(-1)?,
-        };
         let first = if sampled {
-            draw(&trunc, prompt_logits, &mut rng)
+            draw(&trunc, ctx.logits(-1)?, &mut rng)
         } else {
-            argmax(prompt_logits)
+            argmax(ctx.logits(-1)?)
         };
         g.tokens.push(first);
         for d in self.drafters(&mut local) {
@@ -304,6 +297,8 @@ impl Engine {
 
         let branches = self.cfg.max_branches.min(n_seq).max(1);
         let mut proposals = Vec::new();
+        // One vocabulary-sized buffer for projected logits, reused by every step.
+        let mut row = Vec::new();
         while !done {
             let td = Instant::now();
             let budget = (max_tokens - g.tokens.len())
@@ -344,30 +339,25 @@ impl Engine {
                         let r = ctx.decode(&batch);
                         od.disarm();
                         r?;
-                        hidden = Some(od.hidden()?);
+                        hidden = Some(od.take_hidden()?);
                     }
                 }
                 _ => ctx.decode(&batch)?,
             }
-            // The target's logits after a node: projected on demand, or llama.cpp's.
-            let mut row = Vec::new();
+            // The target's logits after a node: projected on demand (into `row`), or
+            // llama.cpp's. A node without logits leaves `f` uncalled.
             let mut predicted: Vec<Option<Token>> = vec![None; tree.len()];
             let od = self.on_demand.as_ref().map(|o| &o.0);
-            let mut logits_of = |node: NodeId, f: &mut dyn FnMut(&[f32])| -> bool {
-                match (&hidden, od) {
-                    (Some(h), Some(od)) => {
-                        let n = od.n_embd();
-                        od.logits(&h[node * n..(node + 1) * n], &mut row);
-                        f(&row);
-                        true
+            let mut logits_of = |node: NodeId, f: &mut dyn FnMut(&[f32])| match (&hidden, od) {
+                (Some(h), Some(od)) => {
+                    let n = od.n_embd();
+                    od.logits(&h[node * n..(node + 1) * n], &mut row);
+                    f(&row);
+                }
+                _ => {
+                    if let Ok(l) = ctx.logits(node as i32) {
+                        f(l);
                     }
-                    _ => match ctx.logits(node as i32) {
-                        Ok(l) => {
-                            f(l);
-                            true
-                        }
-                        Err(_) => false,
-                    },
                 }
             };
             let acc = if sampled {

@@ -195,7 +195,7 @@ mod tests {
     /// A controller that has seen per-token acceptance `acc` at every match length and a
     /// linear cost curve of slope `slope`.
     fn trained(acc: f64, slope: f64) -> Controller {
-        let mut c = Controller::new(16, slope);
+        let mut c = Controller::new(slope);
         for m in [1, 2, 4, 8, 16, 32, CARRY_MATCH] {
             for i in 0..1000 {
                 c.record_token(m, (i as f64) < acc * 1000.0);

@@ -340,8 +340,12 @@ fn calibration_predicts_the_models_choice_among_the_prompts_tokens() {
         let (mut c, od) = leap_context(name, 512, 1);
         let od = od.unwrap();
         // Small chunks, so the cut-at-hidden-states path runs several times.
-        let p = calib::prefill(&mut c, &od, &toks, 7).unwrap();
-        assert!(p.exact, "{name}: on-demand projection is bit-exact");
+        let p = calib::prefill(&mut c, &od, &toks, 7, true).unwrap();
+        assert_eq!(
+            p.exact,
+            Some(true),
+            "{name}: on-demand projection is bit-exact"
+        );
         assert_eq!(p.calib.pred.len(), toks.len());
 
         // Reference: llama.cpp's logits at every position, in one plain batch.
@@ -352,7 +356,11 @@ fn calibration_predicts_the_models_choice_among_the_prompts_tokens() {
         }
         r.decode(&b).unwrap();
         assert_eq!(
-            p.logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            c.logits(-1)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>(),
             r.logits(toks.len() as i32 - 1)
                 .unwrap()
                 .iter()

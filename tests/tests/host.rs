@@ -380,7 +380,7 @@ fn on_demand_projection_is_llama_cpp_logits_bit_for_bit() {
         c.decode(&b).unwrap();
         od.disarm();
         let rows = b.len().div_ceil(3);
-        assert!(od.hidden().unwrap().len() >= rows * od.n_embd());
+        assert!(od.take_hidden().unwrap().len() >= rows * od.n_embd());
         assert_eq!(c.seq_pos_max(0), toks.len() as i32 - 1);
     }
 }
