@@ -7,6 +7,8 @@ fn main() {
     println!("cargo:rerun-if-changed=shim/anchor.cpp");
     println!("cargo:rerun-if-changed=shim/anchor.h");
     let src = llama_source_dir();
+    // For the backend plugin's bindgen of ggml's backend interface (same tree).
+    println!("cargo:srcdir={}", src.display());
     let mut b = cc::Build::new();
     b.cpp(true)
         .std("c++17")

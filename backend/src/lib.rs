@@ -1,7 +1,255 @@
-//! Leap's ggml backend plugin (registry -> device -> buffer type -> buffer), registered
-//! in-process or loaded as a `.so` through `GGML_BACKEND_PATH`, with NPU-estimated sparse
-//! attention on a CPU device and an OpenCL device.
+//! Leap's ggml backend plugin: a device llama.cpp's scheduler registers like its own.
 //!
-//! **Nothing is implemented here yet.** Foundation facts it will rely on: llama.cpp is built
-//! as shared libraries (`dynamic-link`), so this plugin and the host link one ggml; the
-//! plugin needs its own bindgen of `ggml-backend-impl.h` from the same vendored tree.
+//! What it does today: an accelerator (`ACCEL`) device, `LEAP`, that claims the quantized
+//! matrix products of small batches (2 to 64 rows: speculative verification) whose weights
+//! are `Q8_0`, `Q5_0` or `Q4_1` in host memory, and computes them with Leap's
+//! weight-stationary kernels ([`leap_host::qdot`]): each weight block is unpacked once for all
+//! rows instead of once per row, and every row's result is bit-identical to what ggml's CPU
+//! backend computes for that row alone, so speculative output stays token-identical to plain
+//! decoding. Everything else (single rows, prefill-sized batches, other types and ops) stays
+//! on ggml's CPU backend.
+//!
+//! How it plugs in, with an unmodified llama.cpp: [`register`] adds the device to ggml's
+//! registry; every llama.cpp context created afterwards initialises an `ACCEL` backend for it
+//! (as it does for BLAS) and the scheduler gives it a matrix product when its weights' buffer
+//! (ggml's CPU buffer type, which this device accepts) and [`supports_op`](device) agree. Its
+//! buffer type *is* the CPU's, so model loading is unchanged. Threads: the same OpenMP team
+//! ggml's CPU backend uses (`GOMP_parallel`, found at run time), else scoped threads.
+//!
+//! Planned here (issue 5): NPU-estimated sparse attention on a CPU device and an OpenCL
+//! device, and loading as a `.so` through `GGML_BACKEND_PATH`.
+
+pub mod ffi;
+mod matmul;
+
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use ffi as g;
+
+/// Fewest and most rows of a batch the device claims.
+pub const MIN_ROWS: i64 = 2;
+/// See [`MIN_ROWS`].
+pub const MAX_ROWS: i64 = 64;
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+static THREADS: AtomicUsize = AtomicUsize::new(0);
+/// Matrix products computed (for tests and `leap bench` accounting).
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// Set once the device is in ggml's registry (which owns it for the rest of the process).
+static REGISTRY: OnceLock<()> = OnceLock::new();
+
+/// Add the `LEAP` device to ggml's backend registry (once per process; later calls do
+/// nothing). Contexts created afterwards use it; contexts created before do not.
+pub fn register() {
+    REGISTRY.get_or_init(|| {
+        // SAFETY: ggml_cpu_init is idempotent (the kernels' type traits need it).
+        unsafe { g::ggml_cpu_init() };
+        let reg = Box::into_raw(Box::new(g::ggml_backend_reg {
+            api_version: g::GGML_BACKEND_API_VERSION as i32,
+            iface: g::ggml_backend_reg_i {
+                get_name: Some(reg_name),
+                get_device_count: Some(reg_device_count),
+                get_device: Some(reg_device),
+                get_proc_address: Some(reg_proc_address),
+            },
+            context: std::ptr::null_mut(),
+        }));
+        let dev = Box::into_raw(Box::new(g::ggml_backend_device {
+            iface: g::ggml_backend_device_i {
+                get_name: Some(dev_name),
+                get_description: Some(dev_description),
+                get_memory: Some(dev_memory),
+                get_type: Some(dev_type),
+                get_props: Some(dev_props),
+                init_backend: Some(dev_init_backend),
+                get_buffer_type: Some(dev_buffer_type),
+                get_host_buffer_type: None,
+                buffer_from_host_ptr: None,
+                supports_op: Some(dev_supports_op),
+                supports_buft: Some(dev_supports_buft),
+                offload_op: None,
+                event_new: None,
+                event_free: None,
+                event_synchronize: None,
+            },
+            reg,
+            context: std::ptr::null_mut(),
+        }));
+        // SAFETY: both leaked above, not shared yet.
+        unsafe { (*reg).context = dev.cast() };
+        // SAFETY: `reg` is a complete, leaked registry whose device outlives the process.
+        unsafe { g::ggml_backend_register(reg) };
+        log::info!("registered ggml device LEAP (small-batch quantized matrix products)");
+    });
+}
+
+/// Whether [`register`] has run.
+pub fn registered() -> bool {
+    REGISTRY.get().is_some()
+}
+
+/// Let the device claim work (default) or not: with `false`, every context computes as
+/// llama.cpp alone would (the baselines in `leap bench`). Takes effect at the next decode.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_enabled`].
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Matrix products the device has computed in this process.
+pub fn calls() -> usize {
+    CALLS.load(Ordering::Relaxed)
+}
+
+const NAME: &CStr = c"LEAP";
+const DESCRIPTION: &CStr = c"Leap small-batch quantized matrix products (CPU)";
+
+unsafe extern "C" fn reg_name(_: g::ggml_backend_reg_t) -> *const c_char {
+    NAME.as_ptr()
+}
+
+unsafe extern "C" fn reg_device_count(_: g::ggml_backend_reg_t) -> usize {
+    1
+}
+
+unsafe extern "C" fn reg_device(reg: g::ggml_backend_reg_t, i: usize) -> g::ggml_backend_dev_t {
+    // The registry's context is its one device (ggml asks while `register` still runs).
+    match i {
+        0 => (*reg).context.cast(),
+        _ => std::ptr::null_mut(),
+    }
+}
+
+unsafe extern "C" fn set_n_threads(_: g::ggml_backend_t, n: i32) {
+    THREADS.store(n.max(1) as usize, Ordering::Relaxed);
+}
+
+unsafe extern "C" fn reg_proc_address(
+    _: g::ggml_backend_reg_t,
+    name: *const c_char,
+) -> *mut c_void {
+    // SAFETY: ggml passes a NUL-terminated name.
+    if !name.is_null() && CStr::from_ptr(name).to_bytes() == b"ggml_backend_set_n_threads" {
+        let f: unsafe extern "C" fn(g::ggml_backend_t, i32) = set_n_threads;
+        return f as *mut c_void;
+    }
+    std::ptr::null_mut()
+}
+
+unsafe extern "C" fn dev_name(_: g::ggml_backend_dev_t) -> *const c_char {
+    NAME.as_ptr()
+}
+
+unsafe extern "C" fn dev_description(_: g::ggml_backend_dev_t) -> *const c_char {
+    DESCRIPTION.as_ptr()
+}
+
+unsafe extern "C" fn dev_memory(_: g::ggml_backend_dev_t, free: *mut usize, total: *mut usize) {
+    // Host memory: the device allocates nothing of its own.
+    *free = 0;
+    *total = 0;
+}
+
+unsafe extern "C" fn dev_type(_: g::ggml_backend_dev_t) -> g::ggml_backend_dev_type {
+    g::GGML_BACKEND_DEVICE_TYPE_ACCEL
+}
+
+unsafe extern "C" fn dev_props(dev: g::ggml_backend_dev_t, props: *mut g::ggml_backend_dev_props) {
+    let p = &mut *props;
+    p.name = NAME.as_ptr();
+    p.description = DESCRIPTION.as_ptr();
+    p.memory_free = 0;
+    p.memory_total = 0;
+    p.type_ = dev_type(dev);
+    p.device_id = std::ptr::null();
+    p.caps = g::ggml_backend_dev_caps {
+        async_: false,
+        host_buffer: false,
+        buffer_from_host_ptr: false,
+        events: false,
+        mmap_support: false,
+    };
+}
+
+unsafe extern "C" fn dev_buffer_type(_: g::ggml_backend_dev_t) -> g::ggml_backend_buffer_type_t {
+    g::ggml_backend_cpu_buffer_type()
+}
+
+unsafe extern "C" fn dev_supports_buft(
+    _: g::ggml_backend_dev_t,
+    buft: g::ggml_backend_buffer_type_t,
+) -> bool {
+    g::ggml_backend_buft_is_host(buft)
+}
+
+unsafe extern "C" fn dev_supports_op(_: g::ggml_backend_dev_t, op: *const g::ggml_tensor) -> bool {
+    enabled() && matmul::supports(&*op)
+}
+
+static GUID: [u8; 16] = *b"leap-small-batch";
+
+unsafe extern "C" fn backend_name(_: g::ggml_backend_t) -> *const c_char {
+    NAME.as_ptr()
+}
+
+unsafe extern "C" fn backend_free(b: g::ggml_backend_t) {
+    drop(Box::from_raw(b.cast::<g::ggml_backend>()));
+}
+
+unsafe extern "C" fn backend_graph_compute(
+    _: g::ggml_backend_t,
+    cgraph: *mut g::ggml_cgraph,
+) -> g::ggml_status {
+    let threads = THREADS.load(Ordering::Relaxed).max(1);
+    for i in 0..g::ggml_graph_n_nodes(cgraph) {
+        let node = &mut *g::ggml_graph_node(cgraph, i);
+        match node.op {
+            g::GGML_OP_NONE
+            | g::GGML_OP_VIEW
+            | g::GGML_OP_RESHAPE
+            | g::GGML_OP_PERMUTE
+            | g::GGML_OP_TRANSPOSE => {}
+            g::GGML_OP_MUL_MAT if matmul::supports(node) => {
+                matmul::compute(node, threads);
+                CALLS.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => return g::GGML_STATUS_FAILED,
+        }
+    }
+    g::GGML_STATUS_SUCCESS
+}
+
+unsafe extern "C" fn dev_init_backend(
+    dev: g::ggml_backend_dev_t,
+    _: *const c_char,
+) -> g::ggml_backend_t {
+    Box::into_raw(Box::new(g::ggml_backend {
+        guid: std::ptr::addr_of!(GUID).cast_mut().cast(),
+        iface: g::ggml_backend_i {
+            get_name: Some(backend_name),
+            free: Some(backend_free),
+            set_tensor_async: None,
+            get_tensor_async: None,
+            set_tensor_2d_async: None,
+            get_tensor_2d_async: None,
+            cpy_tensor_async: None,
+            synchronize: None,
+            graph_plan_create: None,
+            graph_plan_free: None,
+            graph_plan_update: None,
+            graph_plan_compute: None,
+            graph_compute: Some(backend_graph_compute),
+            event_record: None,
+            event_wait: None,
+            graph_optimize: None,
+        },
+        device: dev,
+        context: std::ptr::null_mut(),
+    }))
+}

@@ -69,6 +69,24 @@ struct RuntimeArgs {
     /// to plain decoding (ggml's CPU flash attention rounds a batch otherwise than one row).
     #[arg(long, default_value = "off")]
     flash_attn: FlashAttn,
+    /// Who computes the small-batch quantized matrix products of speculative verification
+    /// (2 to 64 rows): `leap` (Leap's ggml device: each weight block unpacked once for all
+    /// rows, results bit-identical to ggml's) or `ggml` (llama.cpp's CPU backend alone).
+    /// `leap bench` always runs the plain and llama:* modes on ggml's.
+    #[arg(long, default_value = "leap", value_parser = ["leap", "ggml"])]
+    kernels: String,
+}
+
+impl RuntimeArgs {
+    /// Register Leap's ggml device (before any context exists) when asked for.
+    fn setup(&self) -> bool {
+        let on = self.kernels == "leap";
+        if on {
+            leap_backend::register();
+        }
+        leap_backend::set_enabled(on);
+        on
+    }
 }
 
 #[derive(Args, Clone)]
@@ -246,6 +264,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         )?;
     }
     let prompt = model.tokenize(&text, true, a.chat)?;
+    a.runtime.setup();
     let n_ctx = a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32);
     let params = ContextParams {
         n_ctx,
@@ -328,7 +347,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn run_bench(a: BenchArgs) -> Result<()> {
+    let kernels = a.runtime.setup();
     let cfg = bench::BenchConfig {
+        kernels,
         model: models::resolve(&a.model)?,
         draft: a.draft.as_deref().map(models::resolve).transpose()?,
         workload: a.workload,
@@ -399,9 +420,11 @@ fn run_models(cmd: Option<ModelsCmd>) -> Result<()> {
 }
 
 fn profile(a: ProfileArgs) -> Result<()> {
+    a.runtime.setup();
     let path = models::resolve(&a.model)?;
     let model = Model::load(&path, &ModelParams::default())?;
-    let mut ctx = Context::new(
+    let model = std::sync::Arc::new(model);
+    let (mut ctx, od) = leap_host::project::OnDemand::context(
         &model,
         &ContextParams {
             n_ctx: a
@@ -424,30 +447,43 @@ fn profile(a: ProfileArgs) -> Result<()> {
         tokens = model.tokenize(&text, true, false)?;
     }
     tokens.truncate(a.context.max(1));
-    let curve = leap_spec::control::measure_cost_curve(&mut ctx, &tokens, &a.rows, a.reps)?;
+    let curve =
+        leap_spec::control::measure_cost_curve(&mut ctx, od.as_ref(), &tokens, &a.rows, a.reps)?;
     let base = curve
         .iter()
         .find(|p| p.rows == 1)
         .map_or(curve[0].all_logits, |p| p.all_logits);
     println!(
-        "{} | context {} | {} threads | flash-attn {}",
+        "{} | context {} | {} threads | flash-attn {} | kernels {}",
         model.desc(),
         tokens.len(),
         a.runtime.threads,
-        a.runtime.flash_attn.as_str()
+        a.runtime.flash_attn.as_str(),
+        a.runtime.kernels
     );
     println!(
-        "{:>5} {:>12} {:>10} {:>12} {:>10}",
-        "rows", "all logits", "vs 1 row", "last logits", "vs 1 row"
+        "{:>5} {:>12} {:>10} {:>12} {:>10} {:>12} {:>12}",
+        "rows", "all logits", "vs 1 row", "last logits", "vs 1 row", "hidden only", "project all"
     );
     for p in &curve {
+        let (cut, proj) = p.cut.map_or(("-".into(), "-".into()), |(c, j)| {
+            (format!("{:.2} ms", c * 1e3), format!("{:.2} ms", j * 1e3))
+        });
         println!(
-            "{:>5} {:>9.2} ms {:>9.2}x {:>9.2} ms {:>9.2}x",
+            "{:>5} {:>9.2} ms {:>9.2}x {:>9.2} ms {:>9.2}x {:>12} {:>12}",
             p.rows,
             p.all_logits * 1e3,
             p.all_logits / base,
             p.last_logits * 1e3,
-            p.last_logits / base
+            p.last_logits / base,
+            cut,
+            proj
+        );
+    }
+    if od.is_some() {
+        println!(
+            "hidden only: the call cut before the output projection (Leap's on-demand projection); \
+             project all: every row's logits in one pass afterwards"
         );
     }
     Ok(())

@@ -13,6 +13,7 @@
 //! | [`sampler`] | [`Sampler`]: llama.cpp's sampler chains (greedy, or temperature/top-k/top-p/min-p/seeded dist) |
 //! | [`eval`] | [`EvalObserver`]: llama.cpp's eval callback, for reading named intermediate tensors |
 //! | [`usage`] | CPU time and peak RSS of the process, for benchmark accounting |
+//! | [`qdot`] | weight-stationary multi-row quantized dot products, bit-identical to ggml's one-row `vec_dot` |
 //! | [`anchor`] | [`anchor::LlamaSpeculative`]: llama.cpp's own speculative decoding (`common/speculative.h`) through a small C++ shim, the baseline Leap is measured against |
 //!
 //! Ownership follows the C objects: a [`Model`] is shared through `Arc` and outlives every
@@ -29,6 +30,7 @@ pub mod eval;
 pub mod gguf;
 pub mod model;
 pub mod project;
+pub mod qdot;
 pub mod sampler;
 pub mod usage;
 

@@ -143,6 +143,9 @@ struct Projection {
     row_bytes: usize,
     traits: *const sys::ggml_type_traits_cpu,
     threads: usize,
+    /// Leap's weight-stationary kernel for several rows at once, when there is one for the
+    /// type and it reproduced ggml's `vec_dot` on this model's rows (see `qdot`).
+    kernel: Option<crate::qdot::Kernel>,
 }
 
 // SAFETY: `traits` points at ggml's static, immutable type-traits table.
@@ -228,6 +231,22 @@ impl OnDemand {
     /// The logits after hidden state `h` (`n_embd` values), bit-identical to llama.cpp's.
     pub fn logits(&self, h: &[f32], out: &mut Vec<f32>) {
         self.proj.logits(h, out);
+    }
+
+    /// The logits after each hidden state of `hs` (`n_embd` values each) into `outs` (one
+    /// vector per state), in one pass over the output weights: projecting k rows together
+    /// costs much less than k times one row. Bit-identical to llama.cpp's.
+    ///
+    /// # Panics
+    /// When `hs` and `outs` differ in length or a state is not `n_embd` long.
+    pub fn logits_rows(&self, hs: &[&[f32]], outs: &mut [Vec<f32>]) {
+        self.proj.logits_rows(hs, outs);
+    }
+
+    /// Whether several rows are projected with Leap's weight-stationary kernel (else ggml's
+    /// `vec_dot` per row and state).
+    pub fn multi_row_kernel(&self) -> bool {
+        self.proj.kernel.is_some()
     }
 
     /// The logits of just `tokens` after hidden state `h` (one thread; for calibration, which
@@ -327,7 +346,7 @@ impl Projection {
             return Ok(None);
         }
         let weights = Mapped::shared(model.path(), t.offset, t.size as usize)?;
-        Ok(Some(Self {
+        let mut p = Self {
             weights,
             vec_dot_type: vdt,
             n_embd,
@@ -335,7 +354,94 @@ impl Projection {
             row_bytes,
             traits,
             threads: threads.max(1),
-        }))
+            kernel: None,
+        };
+        p.kernel = crate::qdot::Kind::from_ggml_name(&t.ggml_type)
+            .and_then(crate::qdot::Kernel::new)
+            .filter(|k| p.kernel_agrees(k));
+        Ok(Some(p))
+    }
+
+    /// Whether `k` reproduces ggml's `vec_dot` bit for bit on a sample of this model's weight
+    /// rows against a few activation rows quantized by ggml (values of several magnitudes,
+    /// both signs, some zeros).
+    fn kernel_agrees(&self, k: &crate::qdot::Kernel) -> bool {
+        if k.kind().act_block() * (self.n_embd / 32) != self.act_bytes() {
+            return false;
+        }
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let acts: Vec<Vec<u8>> = (0..5)
+            .map(|r| {
+                let h: Vec<f32> = (0..self.n_embd)
+                    .map(|i| {
+                        let u = (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                        if (i + r) % 17 == 0 {
+                            0.0
+                        } else {
+                            u * (1 << (r * 3)) as f32
+                        }
+                    })
+                    .collect();
+                self.quantize(&h)
+            })
+            .collect();
+        let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
+        let rows: Vec<usize> = (0..64)
+            .map(|i| {
+                if i < 32 {
+                    i
+                } else {
+                    (next() % self.n_vocab as u64) as usize
+                }
+            })
+            .collect();
+        let ok = rows.iter().all(|&v| {
+            k.agrees(self.n_embd, self.row(v), &acts, |_, a| {
+                let mut o = 0.0;
+                self.dot(v, a, &mut o);
+                o
+            })
+        });
+        if !ok {
+            log::warn!(
+                "Leap's {:?} multi-row kernel does not reproduce ggml's vec_dot here; \
+                 projecting one row at a time",
+                k.kind()
+            );
+        }
+        ok
+    }
+
+    /// Bytes of one quantized activation row.
+    fn act_bytes(&self) -> usize {
+        if self.vec_dot_type == sys::GGML_TYPE_F32 {
+            return self.n_embd * 4;
+        }
+        // SAFETY: plain size arithmetic on a valid type.
+        unsafe { sys::ggml_row_size(self.vec_dot_type, self.n_embd as i64) }
+    }
+
+    /// Weight row `vocab`.
+    fn row(&self, vocab: usize) -> &[u8] {
+        self.rows(vocab, 1)
+    }
+
+    /// Weight rows `vocab..vocab + n`.
+    fn rows(&self, vocab: usize, n: usize) -> &[u8] {
+        assert!(vocab + n <= self.n_vocab);
+        // SAFETY: the rows lie inside the read-only mapping, which lives as long as `self`.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.weights.bytes().add(vocab * self.row_bytes),
+                n * self.row_bytes,
+            )
+        }
     }
 
     /// One output row (`vocab` entry) against quantized activations.
@@ -377,16 +483,60 @@ impl Projection {
     }
 
     fn logits(&self, h: &[f32], out: &mut Vec<f32>) {
-        let act = self.quantize(h);
-        out.clear();
-        out.resize(self.n_vocab, 0.0);
+        self.logits_rows(&[h], std::slice::from_mut(out));
+    }
+
+    /// The logits of several hidden states in one pass over the weights: each weight row is
+    /// read once for all of them (with the weight-stationary kernel; one `vec_dot` per row and
+    /// state without one). Vocabulary split across the threads.
+    fn logits_rows(&self, hs: &[&[f32]], outs: &mut [Vec<f32>]) {
+        assert_eq!(hs.len(), outs.len());
+        let acts: Vec<Vec<u8>> = hs.iter().map(|h| self.quantize(h)).collect();
+        let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
+        for o in outs.iter_mut() {
+            o.clear();
+            o.resize(self.n_vocab, 0.0);
+        }
         let per = self.n_vocab.div_ceil(self.threads);
-        let act = &act;
+        // Per thread, its vocabulary chunk of every output row.
+        let mut chunks: Vec<Vec<&mut [f32]>> = (0..self.threads).map(|_| Vec::new()).collect();
+        for o in outs.iter_mut() {
+            for (c, part) in o.chunks_mut(per).enumerate() {
+                chunks[c].push(part);
+            }
+        }
+        let acts = &acts;
         std::thread::scope(|s| {
-            for (c, chunk) in out.chunks_mut(per).enumerate() {
+            for (c, mut parts) in chunks.into_iter().enumerate() {
+                if parts.is_empty() {
+                    continue;
+                }
                 s.spawn(move || {
-                    for (i, o) in chunk.iter_mut().enumerate() {
-                        self.dot(c * per + i, act, o);
+                    let r = acts.len();
+                    let prepared = self.kernel.map(|k| (k, k.prepare(self.n_embd, acts)));
+                    // Weight rows a pass: their results for every state stay in cache.
+                    const TILE: usize = 256;
+                    let mut tmp = vec![0.0f32; TILE * r];
+                    let len = parts[0].len();
+                    for i0 in (0..len).step_by(TILE) {
+                        let n = TILE.min(len - i0);
+                        let v0 = c * per + i0;
+                        let tmp = &mut tmp[..n * r];
+                        match &prepared {
+                            Some((k, a)) => k.dot_many(a, self.rows(v0, n), tmp),
+                            None => {
+                                for (i, t) in tmp.chunks_exact_mut(r).enumerate() {
+                                    for (a, t) in acts.iter().zip(t) {
+                                        self.dot(v0 + i, a, t);
+                                    }
+                                }
+                            }
+                        }
+                        for (j, p) in parts.iter_mut().enumerate() {
+                            for i in 0..n {
+                                p[i0 + i] = tmp[i * r + j];
+                            }
+                        }
                     }
                 });
             }

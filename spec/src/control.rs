@@ -199,6 +199,9 @@ pub struct CostPoint {
     pub all_logits: f64,
     /// Mean seconds with logits for the last row only.
     pub last_logits: f64,
+    /// With an on-demand projection: mean seconds of the call cut at the hidden states (every
+    /// row's), and of projecting all k rows in one pass afterwards.
+    pub cut: Option<(f64, f64)>,
 }
 
 /// Measure what a target call of `k` rows costs on this machine, for each `k` in `rows`,
@@ -209,6 +212,7 @@ pub struct CostPoint {
 /// Decode failures.
 pub fn measure_cost_curve(
     ctx: &mut leap_host::Context,
+    od: Option<&leap_host::project::OnDemand>,
     context: &[crate::sam::Token],
     rows: &[usize],
     reps: usize,
@@ -218,30 +222,54 @@ pub fn measure_cost_curve(
     let pos0 = context.len() as i32;
     let max_rows = rows.iter().copied().max().unwrap_or(1);
     let mut batch = leap_host::Batch::new(max_rows, 1);
-    let mut time = |ctx: &mut leap_host::Context, k: usize, all: bool| -> leap_host::Result<f64> {
-        let mut total = 0.0;
-        for _ in 0..reps.max(1) {
-            batch.clear();
-            for i in 0..k {
-                let t = context[(i * 7919) % context.len()];
-                batch.add(t, pos0 + i as i32, &[0], all || i + 1 == k)?;
+    // `cut`: the decode stops at the hidden states (no logits to read).
+    let mut time =
+        |ctx: &mut leap_host::Context, k: usize, all: bool, cut: bool| -> leap_host::Result<f64> {
+            let mut total = 0.0;
+            for _ in 0..reps.max(1) {
+                batch.clear();
+                for i in 0..k {
+                    let t = context[(i * 7919) % context.len()];
+                    batch.add(t, pos0 + i as i32, &[0], all || i + 1 == k)?;
+                }
+                let t0 = std::time::Instant::now();
+                ctx.decode(&batch)?;
+                if !cut {
+                    ctx.logits(-1)?;
+                }
+                total += t0.elapsed().as_secs_f64();
+                ctx.seq_rm(0, pos0, -1);
             }
-            let t0 = std::time::Instant::now();
-            ctx.decode(&batch)?;
-            ctx.logits(-1)?;
-            total += t0.elapsed().as_secs_f64();
-            ctx.seq_rm(0, pos0, -1);
-        }
-        Ok(total / reps.max(1) as f64)
-    };
-    time(ctx, 1, true)?; // warm-up
-    rows.iter()
-        .map(|&k| {
-            Ok(CostPoint {
-                rows: k,
-                all_logits: time(ctx, k, true)?,
-                last_logits: time(ctx, k, false)?,
-            })
-        })
-        .collect()
+            Ok(total / reps.max(1) as f64)
+        };
+    time(ctx, 1, true, false)?; // warm-up
+    let mut out = Vec::new();
+    for &k in rows {
+        let all_logits = time(ctx, k, true, false)?;
+        let last_logits = time(ctx, k, false, false)?;
+        let cut = match od {
+            Some(od) => {
+                od.arm(true);
+                let t = time(ctx, k, true, true);
+                od.disarm();
+                let cut = t?;
+                let hidden = od.take_hidden()?;
+                let hs: Vec<&[f32]> = hidden.chunks_exact(od.n_embd()).collect();
+                let mut outs = vec![Vec::new(); hs.len()];
+                let t0 = std::time::Instant::now();
+                for _ in 0..reps.max(1) {
+                    od.logits_rows(&hs, &mut outs);
+                }
+                Some((cut, t0.elapsed().as_secs_f64() / reps.max(1) as f64))
+            }
+            None => None,
+        };
+        out.push(CostPoint {
+            rows: k,
+            all_logits,
+            last_logits,
+            cut,
+        });
+    }
+    Ok(out)
 }

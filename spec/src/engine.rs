@@ -297,8 +297,9 @@ impl Engine {
 
         let branches = self.cfg.max_branches.min(n_seq).max(1);
         let mut proposals = Vec::new();
-        // One vocabulary-sized buffer for projected logits, reused by every step.
+        // Vocabulary-sized buffers for projected logits, reused by every step.
         let mut row = Vec::new();
+        let mut projected: Vec<Vec<f32>> = Vec::new();
         while !done {
             let td = Instant::now();
             let budget = (max_tokens - g.tokens.len())
@@ -372,10 +373,28 @@ impl Engine {
                 )
             } else {
                 accept::greedy(&tree, |node| {
-                    let mut t = -1;
-                    logits_of(node, &mut |l| t = argmax(l));
-                    predicted[node] = Some(t);
-                    t
+                    if predicted[node].is_none() {
+                        match (&hidden, od) {
+                            // Project the node and the most likely path below it in one pass
+                            // over the output weights (a row more costs a fraction of a pass):
+                            // as deep as acceptance is expected to go, plus one.
+                            (Some(h), Some(od)) => {
+                                let n = od.n_embd();
+                                let depth = tree.nodes()[node].depth as f64;
+                                let ahead = (expected - depth).max(0.0).ceil() as usize + 1;
+                                let chain = trunk_chain(&tree, node, ahead.min(MAX_PROJECTED));
+                                let hs: Vec<&[f32]> =
+                                    chain.iter().map(|&c| &h[c * n..(c + 1) * n]).collect();
+                                projected.resize_with(chain.len(), Vec::new);
+                                od.logits_rows(&hs, &mut projected[..chain.len()]);
+                                for (&c, l) in chain.iter().zip(&projected) {
+                                    predicted[c] = Some(argmax(l));
+                                }
+                            }
+                            _ => logits_of(node, &mut |l| predicted[node] = Some(argmax(l))),
+                        }
+                    }
+                    predicted[node].unwrap_or(-1)
                 })
             };
             self.control
@@ -451,6 +470,24 @@ impl Engine {
         }
         Ok(g)
     }
+}
+
+/// Most rows projected together in greedy verification.
+const MAX_PROJECTED: usize = 8;
+
+/// `node` and up to `len - 1` nodes below it, each the first (most likely) child of the last.
+fn trunk_chain(tree: &TokenTree, node: NodeId, len: usize) -> Vec<NodeId> {
+    let mut chain = vec![node];
+    while chain.len() < len {
+        match tree.nodes()[*chain.last().expect("not empty")]
+            .children
+            .first()
+        {
+            Some(&c) => chain.push(c),
+            None => break,
+        }
+    }
+    chain
 }
 
 /// One token from the chain's distribution after `logits`.

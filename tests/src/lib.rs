@@ -26,9 +26,18 @@ pub fn model(name: &str) -> Arc<Model> {
     if let Some((_, m)) = c.iter().find(|(n, _)| n == name) {
         return m.clone();
     }
+    kernels();
     let m = Model::load(&model_path(name), &ModelParams::default()).expect("model loads");
     c.push((name.to_string(), m.clone()));
     m
+}
+
+/// Register Leap's ggml device for small-batch matrix products (as `leap` does by default),
+/// so every test context verifies through it. Returns whether it is on.
+pub fn kernels() -> bool {
+    leap_backend::register();
+    leap_backend::set_enabled(true);
+    true
 }
 
 /// Threads for tests: the machine's cores (2 in CI).

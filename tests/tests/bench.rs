@@ -54,6 +54,7 @@ fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
         flash_budget: None,
         sampling: SamplingParams::default(),
         progress: false,
+        kernels: leap_tests::kernels(),
     }
 }
 

@@ -374,6 +374,33 @@ fn on_demand_projection_is_llama_cpp_logits_bit_for_bit() {
                 "{name} row {row}"
             );
         }
+        // All output rows projected together (the weight-stationary kernel, in groups of 4 and
+        // a remainder) are llama.cpp's logits bit for bit too.
+        c.clear(false);
+        od.arm(false);
+        c.decode(&b).unwrap();
+        od.disarm();
+        let hidden = od.take_hidden().unwrap();
+        let out_rows: Vec<usize> = (0..toks.len()).filter(|&i| b.wants_logits(i)).collect();
+        assert!(out_rows.len() > 4, "exercise a group and a remainder");
+        let hs: Vec<&[f32]> = hidden.chunks_exact(od.n_embd()).collect();
+        let mut outs = vec![Vec::new(); hs.len()];
+        od.logits_rows(&hs, &mut outs);
+        for (k, &row) in out_rows.iter().enumerate() {
+            let want = c.logits(row as i32).unwrap();
+            assert!(
+                outs[k]
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: row {row} projected with {} others differs",
+                hs.len() - 1
+            );
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            assert!(od.multi_row_kernel(), "{name}: the kernel was turned off");
+        }
         // Cut at the hidden states, the decode leaves the cache as a full one does.
         c.clear(false);
         od.arm(true);

@@ -37,6 +37,9 @@ pub struct BenchConfig {
     pub flash_budget: Option<f64>,
     pub sampling: SamplingParams,
     pub progress: bool,
+    /// Leap's modes use Leap's ggml device for small-batch matrix products (registered by
+    /// the caller before `run`); `plain` and `llama:*` never do.
+    pub kernels: bool,
 }
 
 /// A mode, parsed from its name.
@@ -59,6 +62,7 @@ pub const LEAP_CONFIGS: &[&str] = &[
     "calib",
     "tree",
     "eager",
+    "ggml",
 ];
 
 /// The engine configuration of `leap` (`None`) or `leap:NAME`. The named ones add one
@@ -67,7 +71,8 @@ pub const LEAP_CONFIGS: &[&str] = &[
 /// drafting the longest continuation every step), `history` (+ earlier requests and answers),
 /// `reuse` (+ draft reuse), `calib` (+ in-context calibration = `leap`), `tree` (+ up to 4
 /// leaves per step); `eager` is `leap` with llama.cpp computing logits for every verified row
-/// instead of on-demand output projection.
+/// instead of on-demand output projection; `ggml` is `leap` with verification's matrix
+/// products on ggml's CPU kernels instead of Leap's device.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     let base = EngineConfig::default();
     let sam = EngineConfig {
@@ -102,6 +107,8 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
             on_demand: false,
             ..base
         },
+        // `leap` on llama.cpp's kernels alone (see `BenchConfig::kernels`).
+        Some("ggml") => base,
         Some(_) => return None,
     })
 }
@@ -351,6 +358,10 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         report.n_requests += 1;
         for (i, runner) in runners.iter_mut().enumerate() {
             bar.set_message(format!("{} {}", req.id, cfg.modes[i]));
+            // llama.cpp's own modes run on llama.cpp's kernels alone; `leap:ggml` too.
+            leap_backend::set_enabled(
+                cfg.kernels && matches!(runner, Runner::Leap(..)) && cfg.modes[i] != "leap:ggml",
+            );
             let g = runner
                 .run(&prompt, req.max_tokens, cfg)
                 .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;

@@ -1,0 +1,199 @@
+//! The device's one operation: `dst = src0 x src1` for a quantized weight matrix `src0`
+//! (`ne01` rows of `ne00`) and a small batch `src1` (`ne11` rows of `ne00` floats), with Leap's
+//! weight-stationary kernels. Activations are quantized with ggml's own `from_float` for the
+//! kernel's activation type, exactly as ggml's CPU `mul_mat` does, so each output element is
+//! the one ggml's single-row path computes.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::OnceLock;
+
+use leap_host::qdot::{self, Kind};
+
+use crate::ffi as g;
+use crate::{MAX_ROWS, MIN_ROWS};
+
+fn kind_of(t: g::ggml_type) -> Option<Kind> {
+    match t {
+        g::GGML_TYPE_Q8_0 => Some(Kind::Q8_0),
+        g::GGML_TYPE_Q5_0 => Some(Kind::Q5_0),
+        g::GGML_TYPE_Q4_1 => Some(Kind::Q4_1),
+        _ => None,
+    }
+}
+
+/// The output projection's node in llama.cpp's graphs.
+const OUTPUT: &[u8] = b"result_output";
+
+/// Whether the device computes `op` (see the crate docs for the conditions).
+pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
+    if op.op != g::GGML_OP_MUL_MAT || op.type_ != g::GGML_TYPE_F32 {
+        return false;
+    }
+    // The output projection stays in ggml's split with `result_norm`: Leap's on-demand
+    // projection stops the graph there through the eval callback, and ggml's scheduler only
+    // stops the split it is in (a split of this device's would still run after it).
+    let name: Vec<u8> = op
+        .name
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    if name == OUTPUT {
+        return false;
+    }
+    let (s0, s1) = (op.src[0], op.src[1]);
+    if s0.is_null() || s1.is_null() {
+        return false;
+    }
+    // SAFETY: ggml's sources of a node are valid tensors.
+    let (s0, s1) = unsafe { (&*s0, &*s1) };
+    let Some(kind) = kind_of(s0.type_) else {
+        return false;
+    };
+    s1.type_ == g::GGML_TYPE_F32
+        && s0.ne[2] == 1
+        && s0.ne[3] == 1
+        && s1.ne[2] == 1
+        && s1.ne[3] == 1
+        && s0.ne[0] == s1.ne[0]
+        && s0.ne[0] % 32 == 0
+        && (MIN_ROWS..=MAX_ROWS).contains(&s1.ne[1])
+        && s1.nb[0] == 4
+        && op.nb[0] == 4
+        // SAFETY: a valid tensor.
+        && unsafe { g::ggml_is_contiguous(s0) }
+        && qdot::checked(kind).is_some()
+}
+
+/// A pointer shared with the worker threads (each writes disjoint elements).
+#[derive(Clone, Copy)]
+struct Ptr(*mut u8);
+// SAFETY: see above; the node's buffers outlive the parallel region.
+unsafe impl Send for Ptr {}
+unsafe impl Sync for Ptr {}
+
+impl Ptr {
+    fn at(self, offset: usize) -> *mut u8 {
+        // SAFETY: callers stay inside the tensor's data.
+        unsafe { self.0.add(offset) }
+    }
+}
+
+/// Compute `node` (which [`supports`] accepted) with `threads` threads.
+///
+/// # Safety
+/// `node` is a valid, allocated MUL_MAT node whose sources hold their data.
+pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
+    let (s0, s1) = (&*node.src[0], &*node.src[1]);
+    let kind = kind_of(s0.type_).expect("checked in supports");
+    let k = qdot::checked(kind).expect("checked in supports");
+    let n = s0.ne[0] as usize;
+    let (n_w, m) = (s0.ne[1] as usize, s1.ne[1] as usize);
+    let tr = &*g::ggml_get_type_traits_cpu(s0.type_);
+    let from = (*g::ggml_get_type_traits_cpu(tr.vec_dot_type))
+        .from_float
+        .expect("the activation type has a quantizer");
+    let act_bytes = g::ggml_row_size(tr.vec_dot_type, n as i64);
+    let mut act = vec![0u8; act_bytes * m];
+    for (r, a) in act.chunks_exact_mut(act_bytes).enumerate() {
+        let x = (s1.data as *const u8).add(r * s1.nb[1]).cast::<f32>();
+        from(x, a.as_mut_ptr().cast(), n as i64);
+    }
+    let rows: Vec<&[u8]> = act.chunks_exact(act_bytes).collect();
+    let acts = k.prepare(n, &rows);
+    let row_bytes = s0.nb[1];
+    let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
+    let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);
+    // Weight rows per task; a task's results for every batch row fit in L1.
+    const TILE: usize = 64;
+    let tasks = n_w.div_ceil(TILE);
+    let work = |task: usize, tmp: &mut Vec<f32>| {
+        let i0 = task * TILE;
+        let len = TILE.min(n_w - i0);
+        tmp.resize(len * m, 0.0);
+        k.dot_many(&acts, &weights[i0 * row_bytes..(i0 + len) * row_bytes], tmp);
+        for r in 0..m {
+            // SAFETY: row r of dst holds n_w floats; tasks write disjoint columns.
+            let out = dst.at(r * dst_row).cast::<f32>().add(i0);
+            for i in 0..len {
+                *out.add(i) = tmp[i * m + r];
+            }
+        }
+    };
+    parallel(threads.min(tasks), &|tid, nth| {
+        let mut tmp = Vec::with_capacity(TILE * m);
+        let mut t = tid;
+        while t < tasks {
+            work(t, &mut tmp);
+            t += nth;
+        }
+    });
+}
+
+type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
+type OmpInt = unsafe extern "C" fn() -> c_int;
+
+/// libgomp's entry points when the process has them (ggml's CPU backend brings OpenMP).
+fn gomp() -> Option<(GompParallel, OmpInt, OmpInt)> {
+    static GOMP: OnceLock<Option<(GompParallel, OmpInt, OmpInt)>> = OnceLock::new();
+    *GOMP.get_or_init(|| {
+        // SAFETY: dlsym on the global namespace with NUL-terminated names; the symbols, when
+        // present, have these C signatures (libgomp's ABI, also provided by LLVM's libomp).
+        unsafe {
+            let p = libc::dlsym(libc::RTLD_DEFAULT, c"GOMP_parallel".as_ptr());
+            let t = libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_thread_num".as_ptr());
+            let n = libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_num_threads".as_ptr());
+            if p.is_null() || t.is_null() || n.is_null() {
+                return None;
+            }
+            Some((
+                std::mem::transmute::<*mut c_void, GompParallel>(p),
+                std::mem::transmute::<*mut c_void, OmpInt>(t),
+                std::mem::transmute::<*mut c_void, OmpInt>(n),
+            ))
+        }
+    })
+}
+
+type Job<'a> = &'a (dyn Fn(usize, usize) + Sync);
+
+/// Run `f(thread, threads)` on `threads` threads: the OpenMP team ggml uses when there is one
+/// (no thread of our own, and its threads are already awake), else scoped threads.
+fn parallel(threads: usize, f: Job<'_>) {
+    if threads <= 1 {
+        f(0, 1);
+        return;
+    }
+    if let Some((par, tid, nth)) = gomp() {
+        struct Data<'a> {
+            f: Job<'a>,
+            tid: OmpInt,
+            nth: OmpInt,
+        }
+        extern "C" fn trampoline(p: *mut c_void) {
+            // SAFETY: `p` is the `Data` below, alive for the whole parallel region.
+            let d = unsafe { &*(p as *const Data<'_>) };
+            // SAFETY: OpenMP runtime queries, inside a parallel region.
+            let (t, n) = unsafe { ((d.tid)(), (d.nth)()) };
+            (d.f)(t.max(0) as usize, n.max(1) as usize);
+        }
+        let d = Data { f, tid, nth };
+        // SAFETY: the region runs `trampoline` on every team thread and returns after all
+        // finished, so `d` outlives it.
+        unsafe {
+            par(
+                trampoline,
+                &d as *const Data<'_> as *mut c_void,
+                threads as c_uint,
+                0,
+            )
+        };
+        return;
+    }
+    std::thread::scope(|s| {
+        for t in 1..threads {
+            s.spawn(move || f(t, threads));
+        }
+        f(0, threads);
+    });
+}

@@ -1,0 +1,539 @@
+//! Weight-stationary dot products of one quantized weight row against several activation rows,
+//! each bit-identical to ggml's single-row `vec_dot` for the type.
+//!
+//! ggml's CPU `mul_mat` computes every output element with one `vec_dot` call: for k activation
+//! rows it unpacks each weight block k times. These kernels unpack it once and reuse it for
+//! every row. They keep ggml's arithmetic exactly, so a row's result does not depend on how many
+//! rows were computed with it (the batch invariance greedy speculation needs): per 32-weight
+//! block the integer products are summed into the same 8 lanes (elements 4m..4m+3), each lane
+//! is converted to `f32` and accumulated with one fused multiply-add by the block's scale
+//! product, block after block, and the 8 lanes are reduced in ggml's `hsum_float_8` order.
+//!
+//! x86-64 with AVX2/FMA/F16C only (what ggml's own single-row kernels use in this build);
+//! [`Kernel::new`] returns `None` elsewhere and callers fall back to ggml's `vec_dot` one row at
+//! a time. Callers check a kernel against ggml on random data ([`Kernel::agrees`]) before use.
+
+/// A weight type with a weight-stationary kernel here, and the activation type it pairs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// `Q8_0` weights x `Q8_0` activations.
+    Q8_0,
+    /// `Q5_0` weights x `Q8_0` activations.
+    Q5_0,
+    /// `Q4_1` weights x `Q8_1` activations.
+    Q4_1,
+}
+
+impl Kind {
+    /// The kernel for a ggml type name, if there is one.
+    pub fn from_ggml_name(name: &str) -> Option<Self> {
+        match name {
+            "q8_0" => Some(Self::Q8_0),
+            "q5_0" => Some(Self::Q5_0),
+            "q4_1" => Some(Self::Q4_1),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one 32-weight block.
+    pub fn weight_block(self) -> usize {
+        match self {
+            Self::Q8_0 => 34,
+            Self::Q5_0 => 22,
+            Self::Q4_1 => 20,
+        }
+    }
+
+    /// Bytes of one 32-value activation block (`Q8_0`: 34, `Q8_1`: 36).
+    pub fn act_block(self) -> usize {
+        match self {
+            Self::Q8_0 | Self::Q5_0 => 34,
+            Self::Q4_1 => 36,
+        }
+    }
+}
+
+/// Rows per pass over a weight block: enough to amortise the unpacking, few enough to keep
+/// every accumulator in a register.
+const GROUP: usize = 4;
+
+/// A checked-available kernel for one weight type.
+#[derive(Clone, Copy, Debug)]
+pub struct Kernel {
+    kind: Kind,
+    /// AVX-512 VNNI (`vpdpbusd`): the same integer lane sums in one instruction.
+    vnni: bool,
+}
+
+/// Activation rows prepared for [`Kernel::dot_many`]: the rows and their block scales as `f32`.
+pub struct Acts<'a> {
+    rows: Vec<&'a [u8]>,
+    /// `scales[r * nb + b]`: row r's block b scale.
+    scales: Vec<f32>,
+    nb: usize,
+}
+
+impl Acts<'_> {
+    /// Rows.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// No rows.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
+
+impl Kernel {
+    /// The kernel for `kind` when this CPU can run it (AVX2, FMA and F16C).
+    pub fn new(kind: Kind) -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                let vnni = std::arch::is_x86_feature_detected!("avx512vnni")
+                    && std::arch::is_x86_feature_detected!("avx512vl");
+                return Some(Self { kind, vnni });
+            }
+        }
+        let _ = kind;
+        None
+    }
+
+    /// The same kernel without AVX-512 VNNI (for comparing the two).
+    pub fn without_vnni(self) -> Self {
+        Self {
+            vnni: false,
+            ..self
+        }
+    }
+
+    /// The weight type.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Check `acts` (rows of `n` values of the activation type) and convert their scales.
+    ///
+    /// # Panics
+    /// When `n` is not a multiple of 32 or a row is shorter than `n` needs.
+    pub fn prepare<'a>(&self, n: usize, acts: &[&'a [u8]]) -> Acts<'a> {
+        assert_eq!(n % 32, 0, "row length not a multiple of 32");
+        let (nb, ab) = (n / 32, self.kind.act_block());
+        let mut scales = Vec::with_capacity(acts.len() * nb);
+        for a in acts {
+            assert!(a.len() >= nb * ab, "activation row too short");
+            scales.extend(
+                (0..nb).map(|b| f16_to_f32(u16::from_le_bytes([a[b * ab], a[b * ab + 1]]))),
+            );
+        }
+        Acts {
+            rows: acts.to_vec(),
+            scales,
+            nb,
+        }
+    }
+
+    /// Dot products of every weight row in `w` (consecutive rows of `acts`' length) with every
+    /// activation row: `out[i * acts.len() + r]` for weight row i and activation row r.
+    ///
+    /// # Panics
+    /// When `w` is not whole rows or `out` has the wrong length.
+    pub fn dot_many(&self, acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
+        let row = acts.nb * self.kind.weight_block();
+        assert!(row > 0 && w.len() % row == 0, "not whole weight rows");
+        assert_eq!(out.len(), w.len() / row * acts.len());
+        if acts.is_empty() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `new` checked the CPU features; lengths checked above and in `prepare`.
+        unsafe {
+            if self.vnni {
+                x86::vnni::many(self.kind, acts, w, out)
+            } else {
+                x86::avx2::many(self.kind, acts, w, out)
+            }
+        };
+    }
+
+    /// `out[r]` = weight row `w` . activation row `acts[r]`, for every r (`n` values each).
+    ///
+    /// # Panics
+    /// As [`Kernel::prepare`] and [`Kernel::dot_many`].
+    pub fn dot_rows(&self, n: usize, w: &[u8], acts: &[&[u8]], out: &mut [f32]) {
+        let a = self.prepare(n, acts);
+        self.dot_many(&a, &w[..n / 32 * self.kind.weight_block()], out);
+    }
+
+    /// Whether this kernel reproduces `reference` (ggml's single-row `vec_dot`) bit for bit on
+    /// every weight row of `weights` against every row of `acts` (made by the caller with
+    /// ggml's own quantizers), computed together.
+    pub fn agrees(
+        &self,
+        n: usize,
+        weights: &[u8],
+        acts: &[&[u8]],
+        mut reference: impl FnMut(&[u8], &[u8]) -> f32,
+    ) -> bool {
+        let row = n / 32 * self.kind.weight_block();
+        let a = self.prepare(n, acts);
+        let mut out = vec![0.0f32; weights.len() / row * acts.len()];
+        self.dot_many(
+            &a,
+            &weights[..out.len() / acts.len().max(1) * row],
+            &mut out,
+        );
+        weights
+            .chunks_exact(row)
+            .zip(out.chunks_exact(acts.len().max(1)))
+            .all(|(w, o)| {
+                acts.iter()
+                    .zip(o)
+                    .all(|(a, o)| reference(w, a).to_bits() == o.to_bits())
+            })
+    }
+}
+
+/// IEEE half to single (exact).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, _) => {
+            // Subnormal: value = man * 2^-24.
+            let v = man as f32 * (1.0 / 16_777_216.0);
+            return if sign != 0 { -v } else { v };
+        }
+        (0x1f, 0) => sign | 0x7f80_0000,
+        (0x1f, _) => sign | 0x7fc0_0000 | (man << 13),
+        _ => sign | ((exp + 112) << 23) | (man << 13),
+    };
+    f32::from_bits(bits)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    /// The kernels, once per instruction set: `$lanes(ax, sy)` sums u8 x i8 products of 4
+    /// consecutive bytes into 8 `i32` lanes (ggml's `mul_sum_us8_pairs_float` before the
+    /// conversion; maddubs + madd and vpdpbusd give the same integers for these ranges).
+    macro_rules! kernels {
+        ($name:ident, $feat:literal, $lanes:ident) => {
+            pub(super) mod $name {
+                use super::super::{Acts, Kind, GROUP};
+                use std::arch::x86_64::*;
+
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn f16(p: *const u8) -> f32 {
+                    let bits = u16::from_le_bytes([*p, *p.add(1)]);
+                    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+                }
+
+                /// ggml's `hsum_float_8`: halves, then pairs, then the last two.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn hsum(x: __m256) -> f32 {
+                    let mut r = _mm256_extractf128_ps(x, 1);
+                    r = _mm_add_ps(r, _mm256_castps256_ps128(x));
+                    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+                    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+                    _mm_cvtss_f32(r)
+                }
+
+                /// 32 nibbles as bytes: low nibbles (elements 0..15) then high (16..31), as
+                /// ggml's `bytes_from_nibbles_32`.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn nibbles(p: *const u8) -> __m256i {
+                    let t = _mm_loadu_si128(p.cast());
+                    let b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+                    _mm256_and_si256(_mm256_set1_epi8(0x0F), b)
+                }
+
+                /// ggml's `bytes_from_bits_32`: 0xFF where bit j of the 32-bit word is set.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn bits(p: *const u8) -> __m256i {
+                    let x = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
+                    let shuf = _mm256_set_epi64x(
+                        0x0303030303030303,
+                        0x0202020202020202,
+                        0x0101010101010101,
+                        0,
+                    );
+                    let b = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
+                    let b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+                    _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1))
+                }
+
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn lanes(ax: __m256i, sy: __m256i) -> __m256 {
+                    _mm256_cvtepi32_ps(super::$lanes(ax, sy))
+                }
+
+                /// K activation rows against one weight row.
+                #[inline]
+                #[target_feature(enable = $feat)]
+                unsafe fn group<const K: usize>(
+                    kind: Kind,
+                    nb: usize,
+                    x: *const u8,
+                    y: [*const u8; K],
+                    yd: [*const f32; K],
+                    out: *mut f32,
+                ) {
+                    let (wb, ab) = (kind.weight_block(), kind.act_block());
+                    let mut acc = [_mm256_setzero_ps(); K];
+                    let mut summs = [0.0f32; K];
+                    match kind {
+                        Kind::Q8_0 | Kind::Q5_0 => {
+                            for b in 0..nb {
+                                let xb = x.add(b * wb);
+                                let qx = if kind == Kind::Q8_0 {
+                                    _mm256_loadu_si256(xb.add(2).cast())
+                                } else {
+                                    let hi = _mm256_andnot_si256(
+                                        bits(xb.add(2)),
+                                        _mm256_set1_epi8(0xF0u8 as i8),
+                                    );
+                                    _mm256_or_si256(nibbles(xb.add(6)), hi)
+                                };
+                                let dx = _mm256_set1_ps(f16(xb));
+                                // ggml's `mul_sum_i8_pairs_float`: |x| times y with x's sign.
+                                let ax = _mm256_sign_epi8(qx, qx);
+                                for r in 0..K {
+                                    let d = _mm256_mul_ps(dx, _mm256_broadcast_ss(&*yd[r].add(b)));
+                                    let qy = _mm256_loadu_si256(y[r].add(b * ab + 2).cast());
+                                    let q = lanes(ax, _mm256_sign_epi8(qy, qx));
+                                    acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+                                }
+                            }
+                            for r in 0..K {
+                                *out.add(r) = hsum(acc[r]);
+                            }
+                        }
+                        Kind::Q4_1 => {
+                            for b in 0..nb {
+                                let xb = x.add(b * wb);
+                                let (d0, m) = (_mm256_set1_ps(f16(xb)), f16(xb.add(2)));
+                                let qx = nibbles(xb.add(4));
+                                for r in 0..K {
+                                    let yb = y[r].add(b * ab);
+                                    // ggml's `summs += m * s` (fused there; the f16 x f16
+                                    // product is exact in f32, so fused or not agree).
+                                    summs[r] = m.mul_add(f16(yb.add(2)), summs[r]);
+                                    let d = _mm256_mul_ps(d0, _mm256_broadcast_ss(&*yd[r].add(b)));
+                                    let qy = _mm256_loadu_si256(yb.add(4).cast());
+                                    acc[r] = _mm256_fmadd_ps(d, lanes(qx, qy), acc[r]);
+                                }
+                            }
+                            for r in 0..K {
+                                *out.add(r) = hsum(acc[r]) + summs[r];
+                            }
+                        }
+                    }
+                }
+
+                #[target_feature(enable = $feat)]
+                pub(in crate::qdot) unsafe fn many(
+                    kind: Kind,
+                    acts: &Acts<'_>,
+                    w: &[u8],
+                    out: &mut [f32],
+                ) {
+                    let (nb, k) = (acts.nb, acts.rows.len());
+                    let row = nb * kind.weight_block();
+                    let y: Vec<*const u8> = acts.rows.iter().map(|a| a.as_ptr()).collect();
+                    let yd: Vec<*const f32> =
+                        (0..k).map(|r| acts.scales.as_ptr().add(r * nb)).collect();
+                    for (i, o) in out.chunks_exact_mut(k).enumerate() {
+                        let x = w.as_ptr().add(i * row);
+                        let mut r = 0;
+                        while r < k {
+                            let o = o.as_mut_ptr().add(r);
+                            match k - r {
+                                1 => group::<1>(kind, nb, x, [y[r]], [yd[r]], o),
+                                2 => {
+                                    group::<2>(kind, nb, x, [y[r], y[r + 1]], [yd[r], yd[r + 1]], o)
+                                }
+                                3 => group::<3>(
+                                    kind,
+                                    nb,
+                                    x,
+                                    [y[r], y[r + 1], y[r + 2]],
+                                    [yd[r], yd[r + 1], yd[r + 2]],
+                                    o,
+                                ),
+                                _ => group::<GROUP>(
+                                    kind,
+                                    nb,
+                                    x,
+                                    [y[r], y[r + 1], y[r + 2], y[r + 3]],
+                                    [yd[r], yd[r + 1], yd[r + 2], yd[r + 3]],
+                                    o,
+                                ),
+                            }
+                            r += GROUP;
+                        }
+                    }
+                }
+            }
+        };
+    }
+
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn maddubs(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(ax, sy))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+    unsafe fn dpbusd(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+    }
+
+    kernels!(avx2, "avx2,fma,f16c", maddubs);
+    kernels!(vnni, "avx2,fma,f16c,avx512vnni,avx512vl", dpbusd);
+}
+
+/// The ggml type id of a kernel's weight type.
+fn ggml_type(kind: Kind) -> llama_cpp_sys_2::ggml_type {
+    use llama_cpp_sys_2 as sys;
+    match kind {
+        Kind::Q8_0 => sys::GGML_TYPE_Q8_0,
+        Kind::Q5_0 => sys::GGML_TYPE_Q5_0,
+        Kind::Q4_1 => sys::GGML_TYPE_Q4_1,
+    }
+}
+
+/// Rows of `ty` quantized by ggml from pseudo-random values of several magnitudes.
+fn quantized(
+    ty: llama_cpp_sys_2::ggml_type,
+    n: usize,
+    rows: usize,
+    seed: &mut u64,
+) -> Vec<Vec<u8>> {
+    use llama_cpp_sys_2 as sys;
+    // SAFETY: ggml_cpu_init is idempotent; the traits table is static.
+    let Some(from) = (unsafe {
+        sys::ggml_cpu_init();
+        (*sys::ggml_get_type_traits_cpu(ty)).from_float
+    }) else {
+        return Vec::new();
+    };
+    (0..rows)
+        .map(|r| {
+            let x: Vec<f32> = (0..n)
+                .map(|i| {
+                    *seed ^= *seed << 13;
+                    *seed ^= *seed >> 7;
+                    *seed ^= *seed << 17;
+                    let u = (*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    if (i * 7 + r) % 23 == 0 {
+                        0.0
+                    } else {
+                        u * (1 + r % 5) as f32
+                    }
+                })
+                .collect();
+            // SAFETY: plain size arithmetic; `q` holds one row of `ty`.
+            let mut q = vec![0u8; unsafe { sys::ggml_row_size(ty, n as i64) }];
+            unsafe { from(x.as_ptr(), q.as_mut_ptr().cast(), n as i64) };
+            q
+        })
+        .collect()
+}
+
+/// Whether `k` reproduces ggml's own single-row `vec_dot` for its type bit for bit, on rows
+/// ggml quantized from pseudo-random values, 1 to 9 activation rows at once (whole groups
+/// and remainders).
+pub fn agrees_with_ggml(k: &Kernel) -> bool {
+    use llama_cpp_sys_2 as sys;
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let ty = ggml_type(k.kind);
+    // SAFETY: static traits table.
+    let tr = unsafe {
+        sys::ggml_cpu_init();
+        &*sys::ggml_get_type_traits_cpu(ty)
+    };
+    let Some(vec_dot) = tr.vec_dot else {
+        return false;
+    };
+    let n = 640;
+    let w = quantized(ty, n, 48, &mut seed);
+    let a = quantized(tr.vec_dot_type, n, 9, &mut seed);
+    if w.is_empty() || a.is_empty() {
+        return false;
+    }
+    let all: Vec<u8> = w.concat();
+    (1..=9).all(|rows| {
+        let acts: Vec<&[u8]> = a[..rows].iter().map(Vec::as_slice).collect();
+        k.agrees(n, &all, &acts, |wr, ar| {
+            let mut s = 0.0f32;
+            // SAFETY: one full row of each type; nrc = 1 as ggml's mul_mat calls it.
+            unsafe {
+                vec_dot(
+                    n as i32,
+                    &mut s,
+                    0,
+                    wr.as_ptr().cast(),
+                    0,
+                    ar.as_ptr().cast(),
+                    0,
+                    1,
+                )
+            };
+            s
+        })
+    })
+}
+
+/// The kernel for `kind` if this CPU has one and it passed [`agrees_with_ggml`] (checked once
+/// per process and type).
+pub fn checked(kind: Kind) -> Option<Kernel> {
+    use std::sync::OnceLock;
+    static CHECKED: [OnceLock<Option<Kernel>>; 3] =
+        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let i = match kind {
+        Kind::Q8_0 => 0,
+        Kind::Q5_0 => 1,
+        Kind::Q4_1 => 2,
+    };
+    *CHECKED[i].get_or_init(|| {
+        let k = Kernel::new(kind)?;
+        if agrees_with_ggml(&k) {
+            return Some(k);
+        }
+        log::warn!("Leap's {kind:?} kernel does not reproduce ggml's vec_dot here; not using it");
+        None
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{agrees_with_ggml, Kernel, Kind};
+
+    /// Every kernel (with and without VNNI) matches ggml's single-row `vec_dot` bit for bit.
+    #[test]
+    fn kernels_match_ggml_vec_dot() {
+        for kind in [Kind::Q8_0, Kind::Q5_0, Kind::Q4_1] {
+            let Some(fast) = Kernel::new(kind) else {
+                eprintln!("no {kind:?} kernel on this CPU");
+                continue;
+            };
+            for k in [fast, fast.without_vnni()] {
+                assert!(agrees_with_ggml(&k), "{k:?}");
+            }
+        }
+    }
+}
