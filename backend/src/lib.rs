@@ -1,13 +1,12 @@
 //! Leap's ggml backend plugin: a device llama.cpp's scheduler registers like its own.
 //!
 //! What it does today: an accelerator (`ACCEL`) device, `LEAP`, that claims the quantized
-//! matrix products of small batches (2 to 64 rows: speculative verification) whose weights
-//! are `Q8_0`, `Q5_0` or `Q4_1` in host memory, and computes them with Leap's
+//! matrix products of batches of 2 rows or more (speculative verification, and prefill)
+//! whose weights are `Q8_0`, `Q5_0` or `Q4_1` in host memory, and computes them with Leap's
 //! weight-stationary kernels ([`leap_host::qdot`]): each weight block is unpacked once for all
 //! rows instead of once per row, and every row's result is bit-identical to what ggml's CPU
 //! backend computes for that row alone, so speculative output stays token-identical to plain
-//! decoding. Everything else (single rows, prefill-sized batches, other types and ops) stays
-//! on ggml's CPU backend.
+//! decoding. Everything else (single rows, other types and ops) stays on ggml's CPU backend.
 //!
 //! How it plugs in, with an unmodified llama.cpp: [`register`] adds the device to ggml's
 //! registry; every llama.cpp context created afterwards initialises an `ACCEL` backend for it
@@ -28,10 +27,11 @@ use std::sync::OnceLock;
 
 use ffi as g;
 
-/// Fewest and most rows of a batch the device claims.
+/// Fewest and most rows of a batch the device claims: from verification's small batches to
+/// prefill's (whose matrix products the kernels also compute faster than one row at a time).
 pub const MIN_ROWS: i64 = 2;
 /// See [`MIN_ROWS`].
-pub const MAX_ROWS: i64 = 64;
+pub const MAX_ROWS: i64 = 4096;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 static THREADS: AtomicUsize = AtomicUsize::new(0);

@@ -100,28 +100,34 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         from(x, a.as_mut_ptr().cast(), n as i64);
     }
     let rows: Vec<&[u8]> = act.chunks_exact(act_bytes).collect();
-    let acts = k.prepare(n, &rows);
+    // Batch rows a pass over a weight tile (prefill-sized batches go through in chunks).
+    const CHUNK: usize = 16;
+    let chunks: Vec<_> = rows.chunks(CHUNK).map(|c| k.prepare(n, c)).collect();
     let row_bytes = s0.nb[1];
     let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
     let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);
-    // Weight rows per task; a task's results for every batch row fit in L1.
+    // Weight rows per task: the tile stays in cache for every chunk of batch rows.
     const TILE: usize = 64;
     let tasks = n_w.div_ceil(TILE);
     let work = |task: usize, tmp: &mut Vec<f32>| {
         let i0 = task * TILE;
         let len = TILE.min(n_w - i0);
-        tmp.resize(len * m, 0.0);
-        k.dot_many(&acts, &weights[i0 * row_bytes..(i0 + len) * row_bytes], tmp);
-        for r in 0..m {
-            // SAFETY: row r of dst holds n_w floats; tasks write disjoint columns.
-            let out = dst.at(r * dst_row).cast::<f32>().add(i0);
-            for i in 0..len {
-                *out.add(i) = tmp[i * m + r];
+        let tile = &weights[i0 * row_bytes..(i0 + len) * row_bytes];
+        for (c, acts) in chunks.iter().enumerate() {
+            let cm = acts.len();
+            tmp.resize(len * cm, 0.0);
+            k.dot_many(acts, tile, tmp);
+            for r in 0..cm {
+                // SAFETY: row r of dst holds n_w floats; tasks write disjoint columns.
+                let out = dst.at((c * CHUNK + r) * dst_row).cast::<f32>().add(i0);
+                for i in 0..len {
+                    *out.add(i) = tmp[i * cm + r];
+                }
             }
         }
     };
     parallel(threads.min(tasks), &|tid, nth| {
-        let mut tmp = Vec::with_capacity(TILE * m);
+        let mut tmp = Vec::with_capacity(TILE * CHUNK);
         let mut t = tid;
         while t < tasks {
             work(t, &mut tmp);

@@ -70,7 +70,7 @@ struct RuntimeArgs {
     #[arg(long, default_value = "off")]
     flash_attn: FlashAttn,
     /// Who computes the small-batch quantized matrix products of speculative verification
-    /// (2 to 64 rows): `leap` (Leap's ggml device: each weight block unpacked once for all
+    /// and prefill (2 rows or more): `leap` (Leap's ggml device: each weight block unpacked once for all
     /// rows, results bit-identical to ggml's) or `ggml` (llama.cpp's CPU backend alone).
     /// `leap bench` always runs the plain and llama:* modes on ggml's.
     #[arg(long, default_value = "leap", value_parser = ["leap", "ggml"])]

@@ -381,12 +381,21 @@ impl Engine {
                             (Some(h), Some(od)) => {
                                 let n = od.n_embd();
                                 let depth = tree.nodes()[node].depth as f64;
-                                let ahead = (expected - depth).max(0.0).ceil() as usize + 1;
+                                // Without an estimate (fixed drafting), two rows: a second
+                                // costs a fraction of a pass and drafts that were proposed
+                                // are usually taken at least once.
+                                let ahead = if expected > 0.0 {
+                                    (expected - depth).max(0.0).ceil() as usize + 1
+                                } else {
+                                    2
+                                };
                                 let chain = trunk_chain(&tree, node, ahead.min(MAX_PROJECTED));
                                 let hs: Vec<&[f32]> =
                                     chain.iter().map(|&c| &h[c * n..(c + 1) * n]).collect();
                                 projected.resize_with(chain.len(), Vec::new);
+                                let tp = Instant::now();
                                 od.logits_rows(&hs, &mut projected[..chain.len()]);
+                                g.project_seconds += tp.elapsed().as_secs_f64();
                                 for (&c, l) in chain.iter().zip(&projected) {
                                     predicted[c] = Some(argmax(l));
                                 }
@@ -397,8 +406,9 @@ impl Engine {
                     predicted[node].unwrap_or(-1)
                 })
             };
-            self.control
-                .record_cost(tree.len(), tc.elapsed().as_secs_f64());
+            let verify = tc.elapsed().as_secs_f64();
+            g.verify_seconds += verify;
+            self.control.record_cost(tree.len(), verify);
             g.target_calls += 1;
             let drafted = tree.len() - 1;
             g.drafted_tokens += drafted as u64;
@@ -464,6 +474,13 @@ impl Engine {
                 .expect("acceptance yields at least one token");
         }
         g.decode_seconds = t1.elapsed().as_secs_f64();
+        log::debug!(
+            "acceptance by match length 1,2,3-4,5-8,9-16,17+: {:?}; cost of 2..9 rows: {:?}",
+            [1, 2, 3, 5, 9, 17].map(|m| (self.control.acceptance(m) * 100.0).round() / 100.0),
+            (2..10)
+                .map(|r| (self.control.cost(r) * 100.0).round() / 100.0)
+                .collect::<Vec<_>>()
+        );
         g.decode_cpu_seconds = cpu_seconds() - cpu0;
         for d in self.drafters(&mut local) {
             d.end(prompt, &g.tokens);

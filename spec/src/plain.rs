@@ -26,6 +26,11 @@ pub struct Generation {
     pub draft_seconds: f64,
     /// Wall time of in-context calibration, part of `prefill_seconds`.
     pub calib_seconds: f64,
+    /// Wall time of verification: the target calls and the on-demand output projection of
+    /// the rows acceptance read (part of `decode_seconds`; 0 for plain decoding).
+    pub verify_seconds: f64,
+    /// The on-demand projection's part of `verify_seconds`.
+    pub project_seconds: f64,
 }
 
 /// Run the prompt through the target (sequence 0 from position 0), logits for the last token

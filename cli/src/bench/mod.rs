@@ -378,6 +378,8 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 drafted_tokens: g.drafted_tokens,
                 draft_seconds: g.draft_seconds,
                 calib_seconds: g.calib_seconds,
+                verify_seconds: g.verify_seconds,
+                project_seconds: g.project_seconds,
                 output_sha256: report::tokens_sha256(&g.tokens),
             });
             bar.inc(1);
@@ -433,8 +435,17 @@ pub fn table(report: &Report, order: &[String]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>11} {:>9} {:>10}",
-        "mode", "tok/s", "vs plain", "acc/call", "draft ms", "calib ms/t", "cpu s", "identical"
+        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9} {:>11} {:>9} {:>10}",
+        "mode",
+        "tok/s",
+        "vs plain",
+        "acc/call",
+        "ms/call",
+        "verify ms",
+        "draft ms",
+        "calib ms/t",
+        "cpu s",
+        "identical"
     );
     for name in order {
         let Some(m) = report.modes.get(name) else {
@@ -450,11 +461,21 @@ pub fn table(report: &Report, order: &[String]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.3} {:>11.4} {:>9.2} {:>10}",
+            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.2} {:>10} {:>9.3} {:>11.4} {:>9.2} {:>10}",
             name,
             m.decode_tokens_per_s,
             speed,
             m.mean_accepted_per_call,
+            1e3 * m.decode_seconds / m.target_calls.max(1) as f64,
+            if m.verify_ms_per_call > 0.0 {
+                format!(
+                    "{:.2}+{:.2}",
+                    m.verify_ms_per_call - m.project_ms_per_call,
+                    m.project_ms_per_call
+                )
+            } else {
+                "-".into()
+            },
             m.draft_ms_per_call,
             m.calib_ms_per_prompt_token,
             m.cpu_seconds,

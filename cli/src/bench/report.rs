@@ -50,6 +50,13 @@ pub struct ModeReport {
     /// calibration; 0 without it). Added field.
     #[serde(default)]
     pub calib_ms_per_prompt_token: f64,
+    /// Mean wall time of verification (target call + on-demand projection) per target
+    /// call, in milliseconds (Leap's modes; 0 for the others). Added field.
+    #[serde(default)]
+    pub verify_ms_per_call: f64,
+    /// The on-demand output projection's part of `verify_ms_per_call`. Added field.
+    #[serde(default)]
+    pub project_ms_per_call: f64,
     /// Requests whose output differs from `plain` (ids). Added field.
     #[serde(default)]
     pub differing_requests: Vec<String>,
@@ -80,6 +87,12 @@ pub struct RequestReport {
     /// `prefill_seconds`.
     #[serde(default)]
     pub calib_seconds: f64,
+    /// Added field: wall time of verification (Leap's modes), part of `decode_seconds`.
+    #[serde(default)]
+    pub verify_seconds: f64,
+    /// Added field: the on-demand output projection's part of `verify_seconds`.
+    #[serde(default)]
+    pub project_seconds: f64,
     pub output_sha256: String,
 }
 
@@ -102,6 +115,10 @@ impl ModeReport {
         let calib: f64 = self.requests.iter().map(|r| r.calib_seconds).sum();
         let prompt: usize = self.requests.iter().map(|r| r.prompt_tokens).sum();
         self.calib_ms_per_prompt_token = ratio(calib * 1e3, prompt as f64);
+        let verify: f64 = self.requests.iter().map(|r| r.verify_seconds).sum();
+        self.verify_ms_per_call = ratio(verify * 1e3, self.target_calls as f64);
+        let project: f64 = self.requests.iter().map(|r| r.project_seconds).sum();
+        self.project_ms_per_call = ratio(project * 1e3, self.target_calls as f64);
     }
 }
 
