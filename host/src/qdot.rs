@@ -174,7 +174,7 @@ impl Kernel {
     /// When `w` is not whole rows or `out` has the wrong length.
     pub fn dot_many(&self, acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
         let row = acts.nb * self.kind.weight_block();
-        assert!(row > 0 && w.len() % row == 0, "not whole weight rows");
+        assert!(row > 0 && w.len().is_multiple_of(row), "not whole weight rows");
         assert_eq!(out.len(), w.len() / row * acts.len());
         if acts.is_empty() {
             return;
@@ -250,6 +250,8 @@ fn f16_to_f32(h: u16) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+// Accumulators are indexed by row inside fully unrolled constant-length loops.
+#[allow(clippy::needless_range_loop)]
 mod x86 {
     /// The kernels, once per instruction set: `$lanes(ax, sy)` sums u8 x i8 products of 4
     /// consecutive bytes into 8 `i32` lanes (ggml's `mul_sum_us8_pairs_float` before the
