@@ -174,7 +174,10 @@ impl Kernel {
     /// When `w` is not whole rows or `out` has the wrong length.
     pub fn dot_many(&self, acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
         let row = acts.nb * self.kind.weight_block();
-        assert!(row > 0 && w.len().is_multiple_of(row), "not whole weight rows");
+        assert!(
+            row > 0 && w.len().is_multiple_of(row),
+            "not whole weight rows"
+        );
         assert_eq!(out.len(), w.len() / row * acts.len());
         if acts.is_empty() {
             return;

@@ -74,9 +74,20 @@ pub struct Engine {
     history: HistoryDrafter,
     reuse: ReuseDrafter,
     calibrated: CalibratedDrafter,
+    /// A drafter of the caller's (a draft model).
+    extra: Option<Extra>,
     /// On-demand output projection for the context this engine decodes with, and whether it
     /// was checked against llama.cpp's logits there (`None`: not yet).
     on_demand: Option<(OnDemand, Option<bool>)>,
+}
+
+/// A caller's drafter (opaque to `Debug`).
+struct Extra(Box<dyn Drafter + Send>);
+
+impl std::fmt::Debug for Extra {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Drafter")
+    }
 }
 
 fn apply(ctx: &mut Context, ops: &[KvOp]) -> Result<()> {
@@ -103,7 +114,14 @@ impl Engine {
             cfg,
             control,
             on_demand: None,
+            extra: None,
         }
+    }
+
+    /// Draft with `d` too (a draft model: [`crate::model_draft::ModelDrafter`]).
+    pub fn with_drafter(mut self, d: Box<dyn Drafter + Send>) -> Self {
+        self.extra = Some(Extra(d));
+        self
     }
 
     /// Verify with on-demand output projection (Lever §4.4): verification calls stop before
@@ -137,6 +155,9 @@ impl Engine {
         }
         if self.cfg.calibrate {
             d.push(&mut self.calibrated);
+        }
+        if let Some(x) = self.extra.as_mut() {
+            d.push(x.0.as_mut());
         }
         d
     }
@@ -261,6 +282,11 @@ impl Engine {
                 self.calibrated.set(&Calibration::default());
             }
         }
+        // The drafters take the prompt as part of prompt processing (a draft model prefills).
+        let mut local = ContextDrafter::new(self.cfg.min_match);
+        for d in self.drafters(&mut local) {
+            d.begin(prompt);
+        }
         let mut g = Generation {
             prefill_seconds: t0.elapsed().as_secs_f64(),
             calib_seconds,
@@ -270,11 +296,6 @@ impl Engine {
         let n_seq = ctx.n_seq_max() as usize;
         let cpu0 = cpu_seconds();
         let t1 = Instant::now();
-
-        let mut local = ContextDrafter::new(self.cfg.min_match);
-        for d in self.drafters(&mut local) {
-            d.begin(prompt);
-        }
         let mut pos0 = prompt.len() as i32;
         let n_vocab = model.n_vocab() as usize;
         let first = if sampled {

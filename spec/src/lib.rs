@@ -2,20 +2,21 @@
 //! calibration, draft reuse, draft models, gain/cost token trees verified in one target pass,
 //! and the analytic controller that decides when speculation pays.
 //!
-//! **Work in progress.** What exists so far:
-//!
 //! | module | owns |
 //! |---|---|
+//! | [`engine`] | [`engine::Engine`]: the loop: draft, build a tree, verify it in one call, accept, roll the KV cache back |
+//! | [`draft`] | the [`draft::Drafter`] trait; retrieval from the request and the history, draft reuse |
+//! | [`calib`] | in-context calibration from the prompt's prefill |
+//! | [`model_draft`] | drafting with a small model, across vocabularies through text |
+//! | [`lever`] | gain/cost token trees |
+//! | [`control`] | the analytic model: acceptance per match length, the measured cost of rows |
 //! | [`accept`] | greedy and stochastic (distribution-preserving) acceptance over a token tree |
-//! | [`control`] | the analytic model: draft length from measured acceptance and row cost |
-//! | [`engine`] | [`engine::Engine`]: SAM drafting, one-call tree verification, greedy acceptance, KV rollback |
-//! | [`plain`] | plain decoding (the baseline), [`plain::Generation`]: what a generation produced and cost |
-//! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
+//! | [`dist`] | llama.cpp's top-k/top-p/min-p/temperature chain |
 //! | [`tree`] | token trees, the rows of their one-call verification (leaf sequence ids), KV rollback plans |
+//! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
+//! | [`plain`] | plain decoding (the baseline), [`plain::Generation`]: what a generation produced and cost |
 //!
-//! Not yet: in-context calibration, draft reuse, draft models, Lever's gain/cost tree
-//! construction, sampled speculative decoding in the engine. The crate is safe Rust on
-//! `leap-host`.
+//! The crate is safe Rust on `leap-host`.
 
 #![forbid(unsafe_code)]
 
@@ -26,6 +27,7 @@ pub mod dist;
 pub mod draft;
 pub mod engine;
 pub mod lever;
+pub mod model_draft;
 pub mod plain;
 pub mod sam;
 pub mod tree;

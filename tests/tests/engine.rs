@@ -392,3 +392,28 @@ fn calibration_predicts_the_models_choice_among_the_prompts_tokens() {
         }
     }
 }
+
+/// A draft model with another vocabulary (SmolLM2 drafting for Gemma 3, through text): the
+/// output is still plain decoding's, and its drafts are taken.
+#[test]
+fn draft_model_across_vocabularies_keeps_plain_output() {
+    use leap_spec::model_draft::{LlamaDraft, ModelDrafter, Vocab};
+    let (target, draft) = (model(GEMMA), model(SMOLLM));
+    let mut pc = ctx(GEMMA, 1);
+    let (mut ec, od) = leap_context(GEMMA, 2048, 1);
+    let vocab: std::sync::Arc<dyn Vocab + Send + Sync> = target.clone();
+    let lm = LlamaDraft::new(draft.clone(), context(SMOLLM, 2048, 1));
+    let mut engine = Engine::new(eager_drafting())
+        .with_on_demand(od)
+        .with_drafter(Box::new(ModelDrafter::new(lm, vocab)));
+    let (mut drafted, mut saved) = (0, 0);
+    for p in &PROMPTS[..2] {
+        let toks = target.tokenize(p, true, false).unwrap();
+        let want = plain_greedy(&mut pc, &toks, 32);
+        let got = leap_greedy(&mut engine, &mut ec, &toks, 32);
+        assert_eq!(got.tokens, want.tokens, "{p}");
+        drafted += got.drafted_tokens;
+        saved += (got.tokens.len() as u64).saturating_sub(got.target_calls + 1);
+    }
+    assert!(drafted > 0 && saved > 0, "drafted {drafted}, saved {saved}");
+}

@@ -19,8 +19,10 @@ use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams, Token};
 
 use leap_host::usage::{cpu_seconds, peak_rss_bytes};
 use leap_spec::engine::{Engine, EngineConfig};
+use leap_spec::model_draft::{LlamaDraft, ModelDrafter, Vocab};
 use leap_spec::plain::{self, Generation};
 use report::{ModeReport, Report, RequestReport};
+use std::sync::Arc;
 
 /// What `leap bench` was asked to do.
 #[derive(Debug, Clone)]
@@ -63,6 +65,7 @@ pub const LEAP_CONFIGS: &[&str] = &[
     "tree",
     "eager",
     "ggml",
+    "draft",
 ];
 
 /// The engine configuration of `leap` (`None`) or `leap:NAME`. The named ones add one
@@ -109,6 +112,8 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
         },
         // `leap` on llama.cpp's kernels alone (see `BenchConfig::kernels`).
         Some("ggml") => base,
+        // `leap` plus a draft model (`--draft`), across vocabularies if need be.
+        Some("draft") => base,
         Some(_) => return None,
     })
 }
@@ -260,9 +265,10 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         .collect::<Result<_>>()?;
     let needs_draft = kinds
         .iter()
-        .any(|k| *k == ModeKind::Llama("draft-simple".into()));
+        .any(|k| *k == ModeKind::Llama("draft-simple".into()))
+        || cfg.modes.iter().any(|m| m == "leap:draft");
     if needs_draft && cfg.draft.is_none() {
-        bail!("mode llama:draft-simple needs a draft model: pass --draft PATH");
+        bail!("modes llama:draft-simple and leap:draft need a draft model: pass --draft PATH");
     }
     let requests = workload::load(&cfg.workload, &cfg.tasks, cfg.limit)?;
     if requests.is_empty() {
@@ -297,7 +303,17 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             let (target, od) = OnDemand::context(&model, &params)
                 .with_context(|| format!("creating the context for mode {name}"))?;
             let od = od.filter(|_| ec.on_demand);
-            let engine = Engine::new(ec.clone()).with_on_demand(od);
+            let mut engine = Engine::new(ec.clone()).with_on_demand(od);
+            if name == "leap:draft" {
+                let dm = draft_model.as_ref().expect("checked above");
+                let dctx = Context::new(dm, &cparams)
+                    .with_context(|| format!("creating the draft context for mode {name}"))?;
+                let target: Arc<dyn Vocab + Send + Sync> = model.clone();
+                engine = engine.with_drafter(Box::new(ModelDrafter::new(
+                    LlamaDraft::new(dm.clone(), dctx),
+                    target,
+                )));
+            }
             runners.push(Runner::Leap(target, Box::new(engine)));
             continue;
         }
