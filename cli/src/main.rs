@@ -171,7 +171,8 @@ struct BenchArgs {
     /// Target model: a name (`leap models`) or a GGUF path.
     #[arg(long, default_value = models::DEFAULT_MODEL)]
     model: String,
-    /// Draft model for llama:draft-simple: a name or a GGUF path.
+    /// Draft model for llama:draft-simple (same vocabulary as the target) and leap:draft (any
+    /// vocabulary): a name or a GGUF path.
     #[arg(long)]
     draft: Option<String>,
     /// Workload, JSON Lines of {id, task, prompt, max_tokens}.
@@ -184,7 +185,8 @@ struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     task: Vec<String>,
     /// Modes, comma separated: plain, llama:TYPE (ngram-simple, ngram-map-k, ngram-map-k4v,
-    /// ngram-mod, ngram-cache, draft-simple), leap, leap:NAME (sam, sam-fixed, tree).
+    /// ngram-mod, ngram-cache, draft-simple), leap, leap:NAME (sam, sam-fixed, history, reuse,
+    /// calib, tree, eager, ggml, draft; see the README).
     #[arg(long, value_delimiter = ',', default_value = "plain,llama:ngram-mod")]
     modes: Vec<String>,
     /// Fraction of the target's layer weights kept resident (flash streaming).
