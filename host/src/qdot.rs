@@ -501,6 +501,48 @@ mod x86 {
             }
         }
 
+        /// Two `Q5_0` blocks unpacked together: lanes 0-255 the first block's 32 weights (as
+        /// `weights` gives them), 256-511 the second's.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        unsafe fn q5_0_pair(xa: *const u8, xb: *const u8) -> __m512i {
+            // Nibbles: [qs_a, qs_a >> 4, qs_b, qs_b >> 4] & 0x0F.
+            let t = _mm256_set_m128i(
+                _mm_loadu_si128(xb.add(6).cast()),
+                _mm_loadu_si128(xa.add(6).cast()),
+            );
+            let z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+            // 128-bit lanes (a, b, a>>4, b>>4) -> (a, a>>4, b, b>>4).
+            let z = _mm512_shuffle_i64x2(z, z, 0b11_01_10_00);
+            let nib = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+            // Fifth bits: byte j of each block is set where bit j of its qh is.
+            let qa = u32::from_le_bytes([*xa.add(2), *xa.add(3), *xa.add(4), *xa.add(5)]);
+            let qb = u32::from_le_bytes([*xb.add(2), *xb.add(3), *xb.add(4), *xb.add(5)]);
+            let w = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_set1_epi32(qa as i32)),
+                _mm256_set1_epi32(qb as i32),
+                1,
+            );
+            let shuf = _mm512_set_epi64(
+                0x0303030303030303,
+                0x0202020202020202,
+                0x0101010101010101,
+                0,
+                0x0303030303030303,
+                0x0202020202020202,
+                0x0101010101010101,
+                0,
+            );
+            let b = _mm512_shuffle_epi8(w, shuf);
+            let set = _mm512_test_epi8_mask(b, _mm512_set1_epi64(0x8040201008040201u64 as i64));
+            // Where the bit is clear, the weight is nibble - 16 (0xF0 | nibble), as ggml's
+            // andnot/or.
+            _mm512_or_si512(
+                nib,
+                _mm512_maskz_mov_epi8(!set, _mm512_set1_epi8(0xF0u8 as i8)),
+            )
+        }
+
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
         unsafe fn pair256(lo: __m256i, hi: __m256i) -> __m512i {
@@ -538,7 +580,10 @@ mod x86 {
             let mut summs = [[0.0f32; K]; 2];
             for b in 0..nb {
                 let (xa, xb) = (x0.add(b * wb), x1.add(b * wb));
-                let qx = pair256(weights(kind, xa), weights(kind, xb));
+                let qx = match kind {
+                    Kind::Q5_0 => q5_0_pair(xa, xb),
+                    _ => pair256(weights(kind, xa), weights(kind, xb)),
+                };
                 let d = pair_ps(f16(xa), f16(xb));
                 if kind == Kind::Q4_1 {
                     let (m0, m1) = (f16(xa.add(2)), f16(xb.add(2)));
