@@ -501,20 +501,23 @@ mod x86 {
             }
         }
 
+        /// Two blocks' 16 bytes of nibbles as 64 bytes: [a low, a high, b low, b high].
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        unsafe fn nibbles_pair(pa: *const u8, pb: *const u8) -> __m512i {
+            let t = _mm256_set_m128i(_mm_loadu_si128(pb.cast()), _mm_loadu_si128(pa.cast()));
+            let z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+            // 128-bit lanes (a, b, a>>4, b>>4) -> (a, a>>4, b, b>>4).
+            let z = _mm512_shuffle_i64x2(z, z, 0b11_01_10_00);
+            _mm512_and_si512(z, _mm512_set1_epi8(0x0F))
+        }
+
         /// Two `Q5_0` blocks unpacked together: lanes 0-255 the first block's 32 weights (as
         /// `weights` gives them), 256-511 the second's.
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
         unsafe fn q5_0_pair(xa: *const u8, xb: *const u8) -> __m512i {
-            // Nibbles: [qs_a, qs_a >> 4, qs_b, qs_b >> 4] & 0x0F.
-            let t = _mm256_set_m128i(
-                _mm_loadu_si128(xb.add(6).cast()),
-                _mm_loadu_si128(xa.add(6).cast()),
-            );
-            let z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
-            // 128-bit lanes (a, b, a>>4, b>>4) -> (a, a>>4, b, b>>4).
-            let z = _mm512_shuffle_i64x2(z, z, 0b11_01_10_00);
-            let nib = _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+            let nib = nibbles_pair(xa.add(6), xb.add(6));
             // Fifth bits: byte j of each block is set where bit j of its qh is.
             let qa = u32::from_le_bytes([*xa.add(2), *xa.add(3), *xa.add(4), *xa.add(5)]);
             let qb = u32::from_le_bytes([*xb.add(2), *xb.add(3), *xb.add(4), *xb.add(5)]);
@@ -582,7 +585,8 @@ mod x86 {
                 let (xa, xb) = (x0.add(b * wb), x1.add(b * wb));
                 let qx = match kind {
                     Kind::Q5_0 => q5_0_pair(xa, xb),
-                    _ => pair256(weights(kind, xa), weights(kind, xb)),
+                    Kind::Q4_1 => nibbles_pair(xa.add(4), xb.add(4)),
+                    Kind::Q8_0 => pair256(weights(kind, xa), weights(kind, xb)),
                 };
                 let d = pair_ps(f16(xa), f16(xb));
                 if kind == Kind::Q4_1 {
