@@ -267,7 +267,7 @@ mod x86 {
 
                 #[inline]
                 #[target_feature(enable = $feat)]
-                unsafe fn f16(p: *const u8) -> f32 {
+                pub(in crate::qdot) unsafe fn f16(p: *const u8) -> f32 {
                     let bits = u16::from_le_bytes([*p, *p.add(1)]);
                     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
                 }
@@ -275,7 +275,7 @@ mod x86 {
                 /// ggml's `hsum_float_8`: halves, then pairs, then the last two.
                 #[inline]
                 #[target_feature(enable = $feat)]
-                unsafe fn hsum(x: __m256) -> f32 {
+                pub(in crate::qdot) unsafe fn hsum(x: __m256) -> f32 {
                     let mut r = _mm256_extractf128_ps(x, 1);
                     r = _mm_add_ps(r, _mm256_castps256_ps128(x));
                     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -287,7 +287,7 @@ mod x86 {
                 /// ggml's `bytes_from_nibbles_32`.
                 #[inline]
                 #[target_feature(enable = $feat)]
-                unsafe fn nibbles(p: *const u8) -> __m256i {
+                pub(in crate::qdot) unsafe fn nibbles(p: *const u8) -> __m256i {
                     let t = _mm_loadu_si128(p.cast());
                     let b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
                     _mm256_and_si256(_mm256_set1_epi8(0x0F), b)
@@ -296,7 +296,7 @@ mod x86 {
                 /// ggml's `bytes_from_bits_32`: 0xFF where bit j of the 32-bit word is set.
                 #[inline]
                 #[target_feature(enable = $feat)]
-                unsafe fn bits(p: *const u8) -> __m256i {
+                pub(in crate::qdot) unsafe fn bits(p: *const u8) -> __m256i {
                     let x = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
                     let shuf = _mm256_set_epi64x(
                         0x0303030303030303,
@@ -447,45 +447,8 @@ mod x86 {
         use super::super::{Acts, Kind, GROUP};
         use std::arch::x86_64::*;
 
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn f16(p: *const u8) -> f32 {
-            let bits = u16::from_le_bytes([*p, *p.add(1)]);
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn hsum(x: __m256) -> f32 {
-            let mut r = _mm256_extractf128_ps(x, 1);
-            r = _mm_add_ps(r, _mm256_castps256_ps128(x));
-            r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-            r = _mm_add_ss(r, _mm_movehdup_ps(r));
-            _mm_cvtss_f32(r)
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn nibbles(p: *const u8) -> __m256i {
-            let t = _mm_loadu_si128(p.cast());
-            let b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
-            _mm256_and_si256(_mm256_set1_epi8(0x0F), b)
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        unsafe fn bits(p: *const u8) -> __m256i {
-            let x = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
-            let shuf = _mm256_set_epi64x(
-                0x0303030303030303,
-                0x0202020202020202,
-                0x0101010101010101,
-                0,
-            );
-            let b = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
-            let b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-            _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1))
-        }
+        // The 256-bit helpers (their features are a subset of these kernels': they inline).
+        use super::avx2::{bits, f16, hsum, nibbles};
 
         /// A block's 32 weights as signed bytes (`Q8_0`, `Q5_0`) or nibbles (`Q4_1`).
         #[inline]
