@@ -144,7 +144,7 @@ struct Projection {
     traits: *const sys::ggml_type_traits_cpu,
     threads: usize,
     /// Leap's weight-stationary kernel for several rows at once, when there is one for the
-    /// type and it reproduced ggml's `vec_dot` on this model's rows (see `qdot`).
+    /// type and it reproduces ggml's `vec_dot` here (see `qdot::checked`).
     kernel: Option<crate::qdot::Kernel>,
 }
 
@@ -356,66 +356,11 @@ impl Projection {
             threads: threads.max(1),
             kernel: None,
         };
+        // The kernel checks itself against ggml's vec_dot once per process and type.
         p.kernel = crate::qdot::Kind::from_ggml_name(&t.ggml_type)
-            .and_then(crate::qdot::Kernel::new)
-            .filter(|k| p.kernel_agrees(k));
+            .and_then(crate::qdot::checked)
+            .filter(|k| k.kind().act_block() * (n_embd / 32) == p.act_bytes());
         Ok(Some(p))
-    }
-
-    /// Whether `k` reproduces ggml's `vec_dot` bit for bit on a sample of this model's weight
-    /// rows against a few activation rows quantized by ggml (values of several magnitudes,
-    /// both signs, some zeros).
-    fn kernel_agrees(&self, k: &crate::qdot::Kernel) -> bool {
-        if k.kind().act_block() * (self.n_embd / 32) != self.act_bytes() {
-            return false;
-        }
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
-        let acts: Vec<Vec<u8>> = (0..5)
-            .map(|r| {
-                let h: Vec<f32> = (0..self.n_embd)
-                    .map(|i| {
-                        let u = (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                        if (i + r) % 17 == 0 {
-                            0.0
-                        } else {
-                            u * (1 << (r * 3)) as f32
-                        }
-                    })
-                    .collect();
-                self.quantize(&h)
-            })
-            .collect();
-        let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
-        let rows: Vec<usize> = (0..64)
-            .map(|i| {
-                if i < 32 {
-                    i
-                } else {
-                    (next() % self.n_vocab as u64) as usize
-                }
-            })
-            .collect();
-        let ok = rows.iter().all(|&v| {
-            k.agrees(self.n_embd, self.row(v), &acts, |_, a| {
-                let mut o = 0.0;
-                self.dot(v, a, &mut o);
-                o
-            })
-        });
-        if !ok {
-            log::warn!(
-                "Leap's {:?} multi-row kernel does not reproduce ggml's vec_dot here; \
-                 projecting one row at a time",
-                k.kind()
-            );
-        }
-        ok
     }
 
     /// Bytes of one quantized activation row.
@@ -425,11 +370,6 @@ impl Projection {
         }
         // SAFETY: plain size arithmetic on a valid type.
         unsafe { sys::ggml_row_size(self.vec_dot_type, self.n_embd as i64) }
-    }
-
-    /// Weight row `vocab`.
-    fn row(&self, vocab: usize) -> &[u8] {
-        self.rows(vocab, 1)
     }
 
     /// Weight rows `vocab..vocab + n`.
@@ -448,9 +388,9 @@ impl Projection {
     fn dot(&self, vocab: usize, act: &[u8], out: &mut f32) {
         // SAFETY: static traits table (see `for_model`).
         let vec_dot = unsafe { (*self.traits).vec_dot }.expect("checked in for_model");
-        let row = (self.weights.bytes() as usize + vocab * self.row_bytes) as *const c_void;
-        // SAFETY: `row` is one full weight row inside the mapping (vocab < n_vocab); `act` one
-        // row of the vec_dot type; nrc = 1 as ggml's mul_mat calls it on x86 (strides unused).
+        let row = self.rows(vocab, 1).as_ptr().cast::<c_void>();
+        // SAFETY: `row` is one full weight row; `act` one row of the vec_dot type; nrc = 1 as
+        // ggml's mul_mat calls it on x86 (strides unused).
         unsafe {
             vec_dot(
                 self.n_embd as i32,
@@ -472,9 +412,8 @@ impl Projection {
         if self.vec_dot_type == sys::GGML_TYPE_F32 {
             return h.iter().flat_map(|x| x.to_ne_bytes()).collect();
         }
-        // SAFETY: plain size arithmetic; static traits table (checked in `for_model`).
-        let size = unsafe { sys::ggml_row_size(self.vec_dot_type, self.n_embd as i64) };
-        let mut q = vec![0u8; size];
+        let mut q = vec![0u8; self.act_bytes()];
+        // SAFETY: static traits table (checked in `for_model`).
         let from = unsafe { (*sys::ggml_get_type_traits_cpu(self.vec_dot_type)).from_float }
             .expect("checked in for_model");
         // SAFETY: `q` has room for one row of the vec_dot type; `h` has n_embd floats.

@@ -195,15 +195,6 @@ impl Kernel {
         };
     }
 
-    /// `out[r]` = weight row `w` . activation row `acts[r]`, for every r (`n` values each).
-    ///
-    /// # Panics
-    /// As [`Kernel::prepare`] and [`Kernel::dot_many`].
-    pub fn dot_rows(&self, n: usize, w: &[u8], acts: &[&[u8]], out: &mut [f32]) {
-        let a = self.prepare(n, acts);
-        self.dot_many(&a, &w[..n / 32 * self.kind.weight_block()], out);
-    }
-
     /// Whether this kernel reproduces `reference` (ggml's single-row `vec_dot`) bit for bit on
     /// every weight row of `weights` against every row of `acts` (made by the caller with
     /// ggml's own quantizers), computed together.
