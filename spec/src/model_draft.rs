@@ -162,31 +162,31 @@ pub struct LlamaDraft {
     /// Logits after the last cached token are current.
     fresh: bool,
     batch: Batch,
+    /// The model's BOS token, when its tokenizer adds one.
+    bos: Option<Token>,
 }
 
 impl LlamaDraft {
     /// A draft model decoding in `ctx` (made from `model`).
     pub fn new(model: Arc<Model>, ctx: Context) -> Self {
+        let bos = model
+            .tokenize("", true, false)
+            .ok()
+            .and_then(|t| t.first().copied());
         Self {
             model,
             ctx,
             cached: Vec::new(),
             fresh: false,
             batch: Batch::new(256, 1),
+            bos,
         }
-    }
-
-    fn bos(&self) -> Option<Token> {
-        self.model
-            .tokenize("", true, false)
-            .ok()
-            .and_then(|t| t.first().copied())
     }
 }
 
 impl Vocab for LlamaDraft {
     fn tokenize(&self, text: &str) -> Vec<Token> {
-        let mut t: Vec<Token> = self.bos().into_iter().collect();
+        let mut t: Vec<Token> = self.bos.into_iter().collect();
         t.extend(Vocab::tokenize(&*self.model, text));
         t
     }
@@ -204,12 +204,11 @@ impl DraftLm for LlamaDraft {
             .zip(tokens)
             .take_while(|(a, b)| a == b)
             .count();
-        // Keep at least the last token to decode again, for its logits.
-        let keep = if common == tokens.len() && self.fresh && common == self.cached.len() {
+        if common == tokens.len() && common == self.cached.len() && self.fresh {
             return Ok(());
-        } else {
-            common.min(tokens.len().saturating_sub(1))
-        };
+        }
+        // Keep at most all but the last token: it is decoded again, for its logits.
+        let keep = common.min(tokens.len().saturating_sub(1));
         self.ctx.seq_rm(0, keep as i32, -1);
         self.cached.truncate(keep);
         for chunk in tokens[keep..].chunks(256) {
