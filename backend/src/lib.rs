@@ -35,8 +35,11 @@ pub const MAX_ROWS: i64 = 4096;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 static THREADS: AtomicUsize = AtomicUsize::new(0);
-/// Matrix products computed (for tests and `leap bench` accounting).
-static CALLS: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    /// Matrix products computed for decodes this thread ran (ggml's scheduler calls the
+    /// device on the thread that called `llama_decode`).
+    static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 
 /// Set once the device is in ggml's registry (which owns it for the rest of the process).
 static REGISTRY: OnceLock<()> = OnceLock::new();
@@ -102,9 +105,9 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
-/// Matrix products the device has computed in this process.
+/// Matrix products the device has computed for decodes run on the calling thread.
 pub fn calls() -> usize {
-    CALLS.load(Ordering::Relaxed)
+    CALLS.with(std::cell::Cell::get)
 }
 
 const NAME: &CStr = c"LEAP";
@@ -217,7 +220,7 @@ unsafe extern "C" fn backend_graph_compute(
             | g::GGML_OP_TRANSPOSE => {}
             g::GGML_OP_MUL_MAT if matmul::supports(node) => {
                 matmul::compute(node, threads);
-                CALLS.fetch_add(1, Ordering::Relaxed);
+                CALLS.with(|c| c.set(c.get() + 1));
             }
             _ => return g::GGML_STATUS_FAILED,
         }

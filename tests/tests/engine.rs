@@ -64,7 +64,7 @@ fn compare(name: &str, cfg: EngineConfig) -> (usize, u64, u64) {
         }
     }
     // Verification's small batches went through Leap's ggml device (registered by the test
-    // helpers), whose results are what ggml computes row by row.
+    // helpers), whose results are what ggml computes row by row (counted on this thread).
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         assert!(
