@@ -15,14 +15,22 @@
 //! buffer type *is* the CPU's, so model loading is unchanged. Threads: the same OpenMP team
 //! ggml's CPU backend uses (`GOMP_parallel`, found at run time), else scoped threads.
 //!
-//! Planned here (issue 5): NPU-estimated sparse attention on a CPU device and an OpenCL
-//! device, and loading as a `.so` through `GGML_BACKEND_PATH`.
+//! With sparse attention on ([`attn::set_sparse`], contexts with flash attention), the device
+//! also takes `FLASH_ATTN_EXT` on full-attention layers and the K cache writes that feed it:
+//! shadowAttn's estimated top-k attention ([`attn`]).
+//!
+//! Two ways in: [`register`] in-process (what `leap` does), or the cdylib of `backend/plugin`
+//! (`libggml-leap.so`), which exports `ggml_backend_init` for an unmodified llama.cpp that
+//! loads it through `GGML_BACKEND_PATH`.
 
+pub mod attn;
+pub mod f16;
 pub mod ffi;
 mod matmul;
+mod par;
 
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use ffi as g;
@@ -41,13 +49,30 @@ thread_local! {
     static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Set once the device is in ggml's registry (which owns it for the rest of the process).
-static REGISTRY: OnceLock<()> = OnceLock::new();
+/// Nodes computed by the device in this process (all threads).
+static TOTAL_CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// Add the `LEAP` device to ggml's backend registry (once per process; later calls do
+/// Set once the device is in ggml's registry (which owns it for the rest of the process).
+static REGISTERED: OnceLock<()> = OnceLock::new();
+/// The registry object (address), made once: ggml's loader requires the same pointer from
+/// every `ggml_backend_init` call.
+static REGISTRY: OnceLock<usize> = OnceLock::new();
+
+/// Add the `leap-cpu` device to ggml's backend registry (once per process; later calls do
 /// nothing). Contexts created afterwards use it; contexts created before do not.
 pub fn register() {
-    REGISTRY.get_or_init(|| {
+    REGISTERED.get_or_init(|| {
+        // SAFETY: `registry()` is a complete, leaked registry whose device outlives the
+        // process.
+        unsafe { g::ggml_backend_register(registry()) };
+        log::info!("registered ggml device leap-cpu (small-batch quantized matrix products, sparse attention)");
+    });
+}
+
+/// The plugin's registry, for ggml's loader (`ggml_backend_init` of the cdylib) or
+/// [`register`]. Created on first use; the same pointer every time.
+pub fn registry() -> g::ggml_backend_reg_t {
+    *REGISTRY.get_or_init(|| {
         // SAFETY: ggml_cpu_init is idempotent (the kernels' type traits need it).
         unsafe { g::ggml_cpu_init() };
         let reg = Box::into_raw(Box::new(g::ggml_backend_reg {
@@ -83,21 +108,22 @@ pub fn register() {
         }));
         // SAFETY: both leaked above, not shared yet.
         unsafe { (*reg).context = dev.cast() };
-        // SAFETY: `reg` is a complete, leaked registry whose device outlives the process.
-        unsafe { g::ggml_backend_register(reg) };
-        log::info!("registered ggml device LEAP (small-batch quantized matrix products)");
-    });
+        reg as usize
+    }) as g::ggml_backend_reg_t
 }
 
 /// Whether [`register`] has run.
 pub fn registered() -> bool {
-    REGISTRY.get().is_some()
+    REGISTERED.get().is_some()
 }
 
 /// Let the device claim work (default) or not: with `false`, every context computes as
 /// llama.cpp alone would (the baselines in `leap bench`). Takes effect at the next decode.
 pub fn set_enabled(on: bool) {
-    ENABLED.store(on, Ordering::Relaxed);
+    if ENABLED.swap(on, Ordering::Relaxed) != on {
+        // While off, ggml writes the K caches: int8 shadows of them may go stale.
+        attn::invalidate();
+    }
 }
 
 /// See [`set_enabled`].
@@ -105,13 +131,35 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
-/// Matrix products the device has computed for decodes run on the calling thread.
+/// Nodes the device has computed for decodes run on the calling thread.
 pub fn calls() -> usize {
     CALLS.with(std::cell::Cell::get)
 }
 
-const NAME: &CStr = c"LEAP";
-const DESCRIPTION: &CStr = c"Leap small-batch quantized matrix products (CPU)";
+/// Nodes the device has computed in this process.
+pub fn total_calls() -> u64 {
+    TOTAL_CALLS.load(Ordering::Relaxed)
+}
+
+/// The device's name in ggml's registry (`--list-devices`, `GGML_SCHED_DEBUG`).
+pub const DEVICE_NAME: &str = "leap-cpu";
+const NAME: &CStr = c"leap-cpu";
+const DESCRIPTION: &CStr = c"Leap CPU: small-batch quantized matrix products, sparse attention";
+
+/// Run an `extern "C"` entry point's body; a panic (a bug) must not unwind into C: it is
+/// logged and `fallback` returned.
+fn guard<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        log::error!("leap-cpu: panic in {what}");
+        fallback
+    })
+}
+
+/// `leap_total_calls`, reachable through the registry's `get_proc_address` (a program that
+/// loaded the plugin as a `.so` asks it whether the device did anything).
+unsafe extern "C" fn proc_total_calls() -> u64 {
+    total_calls()
+}
 
 unsafe extern "C" fn reg_name(_: g::ggml_backend_reg_t) -> *const c_char {
     NAME.as_ptr()
@@ -137,12 +185,21 @@ unsafe extern "C" fn reg_proc_address(
     _: g::ggml_backend_reg_t,
     name: *const c_char,
 ) -> *mut c_void {
-    // SAFETY: ggml passes a NUL-terminated name.
-    if !name.is_null() && CStr::from_ptr(name).to_bytes() == b"ggml_backend_set_n_threads" {
-        let f: unsafe extern "C" fn(g::ggml_backend_t, i32) = set_n_threads;
-        return f as *mut c_void;
+    if name.is_null() {
+        return std::ptr::null_mut();
     }
-    std::ptr::null_mut()
+    // SAFETY: ggml passes a NUL-terminated name.
+    match CStr::from_ptr(name).to_bytes() {
+        b"ggml_backend_set_n_threads" => {
+            let f: unsafe extern "C" fn(g::ggml_backend_t, i32) = set_n_threads;
+            f as *mut c_void
+        }
+        b"leap_total_calls" => {
+            let f: unsafe extern "C" fn() -> u64 = proc_total_calls;
+            f as *mut c_void
+        }
+        _ => std::ptr::null_mut(),
+    }
 }
 
 unsafe extern "C" fn dev_name(_: g::ggml_backend_dev_t) -> *const c_char {
@@ -192,7 +249,17 @@ unsafe extern "C" fn dev_supports_buft(
 }
 
 unsafe extern "C" fn dev_supports_op(_: g::ggml_backend_dev_t, op: *const g::ggml_tensor) -> bool {
-    enabled() && matmul::supports(&*op)
+    if !enabled() || op.is_null() {
+        return false;
+    }
+    // SAFETY: ggml passes a valid node.
+    let op = &*op;
+    guard("supports_op", false, || match op.op {
+        g::GGML_OP_MUL_MAT => matmul::supports(op),
+        g::GGML_OP_FLASH_ATTN_EXT => attn::supports_fa(op),
+        g::GGML_OP_SET_ROWS => attn::supports_set_rows(op),
+        _ => false,
+    })
 }
 
 static GUID: [u8; 16] = *b"leap-small-batch";
@@ -210,22 +277,30 @@ unsafe extern "C" fn backend_graph_compute(
     cgraph: *mut g::ggml_cgraph,
 ) -> g::ggml_status {
     let threads = THREADS.load(Ordering::Relaxed).max(1);
-    for i in 0..g::ggml_graph_n_nodes(cgraph) {
-        let node = &mut *g::ggml_graph_node(cgraph, i);
-        match node.op {
-            g::GGML_OP_NONE
-            | g::GGML_OP_VIEW
-            | g::GGML_OP_RESHAPE
-            | g::GGML_OP_PERMUTE
-            | g::GGML_OP_TRANSPOSE => {}
-            g::GGML_OP_MUL_MAT if matmul::supports(node) => {
-                matmul::compute(node, threads);
-                CALLS.with(|c| c.set(c.get() + 1));
+    guard("graph_compute", g::GGML_STATUS_FAILED, || {
+        for i in 0..g::ggml_graph_n_nodes(cgraph) {
+            let node = &mut *g::ggml_graph_node(cgraph, i);
+            match node.op {
+                g::GGML_OP_NONE
+                | g::GGML_OP_VIEW
+                | g::GGML_OP_RESHAPE
+                | g::GGML_OP_PERMUTE
+                | g::GGML_OP_TRANSPOSE => continue,
+                g::GGML_OP_MUL_MAT if matmul::supports(node) => matmul::compute(node, threads),
+                // Taken when the schedule was made (a reused graph keeps its schedule even if
+                // sparse attention was turned off since: computed with the defaults then).
+                g::GGML_OP_FLASH_ATTN_EXT => attn::flash_attn(node, threads),
+                g::GGML_OP_SET_ROWS => attn::set_rows(node),
+                _ => {
+                    log::error!("leap-cpu: asked to compute a node it does not support");
+                    return g::GGML_STATUS_FAILED;
+                }
             }
-            _ => return g::GGML_STATUS_FAILED,
+            CALLS.with(|c| c.set(c.get() + 1));
+            TOTAL_CALLS.fetch_add(1, Ordering::Relaxed);
         }
-    }
-    g::GGML_STATUS_SUCCESS
+        g::GGML_STATUS_SUCCESS
+    })
 }
 
 unsafe extern "C" fn dev_init_backend(

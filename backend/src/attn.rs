@@ -1,0 +1,934 @@
+//! Estimated sparse attention (shadowAttn, `../shared/papers/004`, §3) for ggml's
+//! `FLASH_ATTN_EXT` on host memory.
+//!
+//! For every query row and head: a cheap low-precision estimate of `q · k` over all visible
+//! keys, the top keys by that estimate (a per-head budget, the first keys and the most recent
+//! ones always kept), then exact attention (f32 arithmetic on the f16 cache) over those keys
+//! only. A query that sees fewer than [`Sparse::min_keys`] keys attends densely; a node whose
+//! cache has fewer cells is left to ggml.
+//!
+//! The estimate reads an int8 shadow of the K cache (ggml's `Q8_0`: a scale per 32 values)
+//! instead of the f16 cache: the device takes the cache's `SET_ROWS` writes too (bit-identical
+//! to ggml's) and quantizes each new key once, so estimation reads half the bytes of exact
+//! attention and runs on int8 dot products. 004 estimates on the NPU with a scale per head
+//! (static graphs need fixed scales); a scale per block is as cheap on a CPU and closer. Cells
+//! the device did not write (it was off, or the context predates sparse mode) are quantized
+//! from the f16 cache the first time a node reads them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::f16;
+use crate::ffi as g;
+use crate::par::{parallel, Ptr};
+
+/// Sparse-attention settings (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Sparse {
+    /// Fraction of a query's visible keys attended exactly (004: 20%).
+    pub keep: f32,
+    /// Visible keys below which a query attends densely; a node whose cache has fewer cells
+    /// stays on ggml's CPU backend.
+    pub min_keys: usize,
+    /// First keys (attention sinks) always kept.
+    pub sink: usize,
+    /// Most recent keys always kept.
+    pub recent: usize,
+    /// Per layer and head keep fractions from an offline profile (`leap profile-heads`);
+    /// [`Sparse::keep`] where it has none.
+    pub heads: Option<Arc<HeadProfile>>,
+}
+
+impl Default for Sparse {
+    fn default() -> Self {
+        Self {
+            keep: 0.2,
+            min_keys: 512,
+            sink: 4,
+            recent: 64,
+            heads: None,
+        }
+    }
+}
+
+/// Keep fractions per layer and head.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeadProfile {
+    /// `layers[il][h]`: the fraction of visible keys head `h` of layer `il` keeps.
+    pub layers: Vec<Vec<f32>>,
+}
+
+impl Sparse {
+    fn keep_for(&self, layer: Option<usize>, head: usize) -> f32 {
+        layer
+            .and_then(|il| self.heads.as_ref()?.layers.get(il)?.get(head).copied())
+            .unwrap_or(self.keep)
+            .clamp(0.0, 1.0)
+    }
+}
+
+static CONFIG: RwLock<Option<Sparse>> = RwLock::new(None);
+/// Bumped whenever the configuration changes: shadows written before may be stale (while the
+/// device was off, ggml wrote the cache).
+static EPOCH: AtomicU64 = AtomicU64::new(1);
+
+/// Turn sparse attention on (with these settings) or off. Off, the device leaves attention
+/// and the cache writes to ggml. Contexts must use flash attention for the device to see
+/// attention at all.
+pub fn set_sparse(config: Option<Sparse>) {
+    *CONFIG.write().unwrap_or_else(|e| e.into_inner()) = config;
+    EPOCH.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The current settings, if sparse attention is on.
+pub fn sparse() -> Option<Sparse> {
+    CONFIG.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Invalidate every K shadow (call after the device was off while contexts decoded).
+pub(crate) fn invalidate() {
+    EPOCH.fetch_add(1, Ordering::Relaxed);
+}
+
+/// What sparse attention did, summed over nodes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Flash-attention nodes computed.
+    pub nodes: u64,
+    /// (query row, head) pairs attended sparsely.
+    pub sparse_rows: u64,
+    /// (query row, head) pairs attended densely (too few visible keys).
+    pub dense_rows: u64,
+    /// Visible keys over all pairs.
+    pub keys_visible: u64,
+    /// Keys attended exactly over all pairs.
+    pub keys_kept: u64,
+}
+
+static STATS: Mutex<Stats> = Mutex::new(Stats {
+    nodes: 0,
+    sparse_rows: 0,
+    dense_rows: 0,
+    keys_visible: 0,
+    keys_kept: 0,
+});
+
+/// Totals since the process started.
+pub fn stats() -> Stats {
+    *STATS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const QK: usize = 32;
+const Q8_BYTES: usize = 34;
+
+fn name_of(t: &g::ggml_tensor) -> &str {
+    let bytes: &[u8] = {
+        let n = t.name.iter().position(|&c| c == 0).unwrap_or(t.name.len());
+        // SAFETY: `name` is a char array; reinterpreting its first n bytes as u8.
+        unsafe { std::slice::from_raw_parts(t.name.as_ptr().cast(), n) }
+    };
+    std::str::from_utf8(bytes).unwrap_or("")
+}
+
+/// The K cache of a full-attention layer (`cache_k_l7`; sliding-window caches, whose
+/// queries see a window of a few hundred keys, stay with ggml), and its layer.
+fn k_cache_layer(root: &g::ggml_tensor) -> Option<usize> {
+    let name = name_of(root);
+    let rest = name.strip_prefix("cache_")?;
+    if rest.contains("swa") {
+        return None;
+    }
+    let (tag, layer) = rest.rsplit_once("_l")?;
+    if !tag.ends_with('k') {
+        return None;
+    }
+    layer.parse().ok()
+}
+
+fn cpu_traits(t: g::ggml_type) -> &'static g::ggml_type_traits_cpu {
+    // SAFETY: ggml returns a static table entry for every type.
+    unsafe { &*g::ggml_get_type_traits_cpu(t) }
+}
+
+type FromFloat = unsafe extern "C" fn(*const f32, *mut std::ffi::c_void, i64);
+
+fn quantizer(t: g::ggml_type) -> FromFloat {
+    cpu_traits(t).from_float.expect("ggml quantizes this type")
+}
+
+/// `x · y` for two Q8_0 rows of `n` values (ggml's own kernel).
+///
+/// # Safety
+/// Both point to `n / 32` Q8_0 blocks.
+#[inline]
+unsafe fn dot_q8(n: usize, x: *const u8, y: *const u8) -> f32 {
+    let f = cpu_traits(g::GGML_TYPE_Q8_0)
+        .vec_dot
+        .expect("q8_0 has a dot product");
+    let mut s = 0f32;
+    f(n as i32, &mut s, 0, x.cast(), 0, y.cast(), 0, 1);
+    s
+}
+
+/// An int8 copy of one K cache.
+struct Shadow {
+    base: usize,
+    cells: usize,
+    n_embd: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+    valid: Vec<bool>,
+    epoch: u64,
+    used: u64,
+}
+
+static SHADOWS: Mutex<(u64, Vec<Shadow>)> = Mutex::new((0, Vec::new()));
+/// Shadows kept (one per layer per context; the least recently used goes first).
+const MAX_SHADOWS: usize = 256;
+
+fn shadow_for<'a>(list: &'a mut (u64, Vec<Shadow>), root: &g::ggml_tensor) -> &'a mut Shadow {
+    list.0 += 1;
+    let tick = list.0;
+    let base = root.data as usize;
+    let n_embd = root.ne[0] as usize;
+    let cells = (root.ne[1] * root.ne[2] * root.ne[3]) as usize;
+    let epoch = EPOCH.load(Ordering::Relaxed);
+    let pos = list
+        .1
+        .iter()
+        .position(|s| s.base == base && s.cells == cells && s.n_embd == n_embd);
+    let i = match pos {
+        Some(i) => i,
+        None => {
+            if list.1.len() >= MAX_SHADOWS {
+                let lru = (0..list.1.len()).min_by_key(|&i| list.1[i].used).unwrap();
+                list.1.swap_remove(lru);
+            }
+            let row_bytes = n_embd / QK * Q8_BYTES;
+            list.1.push(Shadow {
+                base,
+                cells,
+                n_embd,
+                row_bytes,
+                data: vec![0; cells * row_bytes],
+                valid: vec![false; cells],
+                epoch,
+                used: tick,
+            });
+            list.1.len() - 1
+        }
+    };
+    let s = &mut list.1[i];
+    if s.epoch != epoch {
+        s.valid.fill(false);
+        s.epoch = epoch;
+    }
+    s.used = tick;
+    s
+}
+
+/// Whether the device takes this `SET_ROWS` (a write of new keys into a K cache whose
+/// attention it takes).
+pub(crate) fn supports_set_rows(op: &g::ggml_tensor) -> bool {
+    if op.op != g::GGML_OP_SET_ROWS || op.type_ != g::GGML_TYPE_F16 || sparse().is_none() {
+        return false;
+    }
+    let (s0, s1, root) = (op.src[0], op.src[1], op.view_src);
+    if s0.is_null() || s1.is_null() || root.is_null() {
+        return false;
+    }
+    // SAFETY: ggml's sources and view source of a node are valid tensors.
+    let (s0, s1, root) = unsafe { (&*s0, &*s1, &*root) };
+    k_cache_layer(root).is_some()
+        && s0.type_ == g::GGML_TYPE_F32
+        && (s1.type_ == g::GGML_TYPE_I64 || s1.type_ == g::GGML_TYPE_I32)
+        && s0.ne[0] == op.ne[0]
+        && s0.ne[0] as usize % QK == 0
+        && s0.ne[2] == 1
+        && s0.ne[3] == 1
+        && s1.ne[0] == s0.ne[1]
+        && s1.ne[1] == 1
+        && s0.nb[0] == 4
+        && op.nb[0] == 2
+        && op.nb[1] == root.nb[1]
+}
+
+/// Write the new keys (as ggml would) and their int8 shadow.
+///
+/// # Safety
+/// `node` passed [`supports_set_rows`] and its sources hold their data.
+pub(crate) unsafe fn set_rows(node: &mut g::ggml_tensor) {
+    let (s0, s1, root) = (&*node.src[0], &*node.src[1], &*node.view_src);
+    let n = s0.ne[0] as usize;
+    let to_f16 = quantizer(g::GGML_TYPE_F16);
+    let to_q8 = quantizer(g::GGML_TYPE_Q8_0);
+    let mut list = SHADOWS.lock().unwrap_or_else(|e| e.into_inner());
+    let sh = shadow_for(&mut list, root);
+    for r in 0..s0.ne[1] as usize {
+        let p = (s1.data as *const u8).add(r * s1.nb[0]);
+        let idx = if s1.type_ == g::GGML_TYPE_I64 {
+            *p.cast::<i64>() as usize
+        } else {
+            *p.cast::<i32>() as usize
+        };
+        let src = (s0.data as *const u8).add(r * s0.nb[1]).cast::<f32>();
+        let dst = (node.data as *mut u8).add(idx * node.nb[1]);
+        to_f16(src, dst.cast(), n as i64);
+        let cell = (dst as usize - root.data as usize) / root.nb[1];
+        if cell < sh.cells {
+            to_q8(
+                src,
+                sh.data.as_mut_ptr().add(cell * sh.row_bytes).cast(),
+                n as i64,
+            );
+            sh.valid[cell] = true;
+        }
+    }
+}
+
+/// Whether the device takes this flash-attention node.
+pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
+    let Some(cfg) = sparse() else { return false };
+    if op.op != g::GGML_OP_FLASH_ATTN_EXT || op.type_ != g::GGML_TYPE_F32 {
+        return false;
+    }
+    let (q, k, v, mask, sinks) = (op.src[0], op.src[1], op.src[2], op.src[3], op.src[4]);
+    if q.is_null() || k.is_null() || v.is_null() || !sinks.is_null() {
+        return false;
+    }
+    // SAFETY: ggml's sources of a node are valid tensors.
+    let (q, k, v) = unsafe { (&*q, &*k, &*v) };
+    if k.view_src.is_null() {
+        return false;
+    }
+    // SAFETY: as above.
+    let root = unsafe { &*k.view_src };
+    let mask_ok = mask.is_null() || {
+        // SAFETY: as above.
+        let m = unsafe { &*mask };
+        m.type_ == g::GGML_TYPE_F16 && m.ne[2] == 1 && m.ne[3] == 1 && m.ne[0] >= k.ne[1]
+    };
+    let max_bias = f32::from_bits(op.op_params[1] as u32);
+    k_cache_layer(root).is_some()
+        && mask_ok
+        && max_bias == 0.0
+        && q.type_ == g::GGML_TYPE_F32
+        && k.type_ == g::GGML_TYPE_F16
+        && v.type_ == g::GGML_TYPE_F16
+        && q.ne[3] == 1
+        && k.ne[3] == 1
+        && v.ne[3] == 1
+        && q.nb[0] == 4
+        && k.nb[0] == 2
+        && v.nb[0] == 2
+        && k.nb[1] == root.nb[1]
+        && q.ne[0] == k.ne[0]
+        && q.ne[0] as usize % QK == 0
+        && k.ne[1] == v.ne[1]
+        && k.ne[2] > 0
+        && q.ne[2] % k.ne[2] == 0
+        && v.ne[2] == k.ne[2]
+        && op.nb[0] == 4
+        && k.ne[1] as usize >= cfg.min_keys
+}
+
+/// One flash-attention node's operands as strided views in ggml's layout (byte strides).
+#[derive(Clone, Copy, Debug)]
+pub struct Operands {
+    /// Head size of queries and keys.
+    pub d: usize,
+    /// Head size of values.
+    pub dv: usize,
+    /// Query rows.
+    pub n_q: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads (grouped-query attention: `n_head` is a multiple).
+    pub n_head_kv: usize,
+    /// Key/value cells.
+    pub n_kv: usize,
+    /// f32 queries: row `i`, head `h` at `q + i*q_row + h*q_head`.
+    pub q: *const u8,
+    pub q_row: usize,
+    pub q_head: usize,
+    /// f16 keys: cell `j`, head `h` at `k + j*k_row + h*k_head`.
+    pub k: *const u8,
+    pub k_row: usize,
+    pub k_head: usize,
+    /// f16 values, like the keys.
+    pub v: *const u8,
+    pub v_row: usize,
+    pub v_head: usize,
+    /// f16 mask (0 or -inf), row `i` at `mask + i*mask_row`; null: every key visible.
+    pub mask: *const u8,
+    pub mask_row: usize,
+    /// f32 output: row `i`, head `h` at `dst + i*dst_row + h*dst_head`.
+    pub dst: *mut u8,
+    pub dst_row: usize,
+    pub dst_head: usize,
+    /// Score scale (1/sqrt(d) usually).
+    pub scale: f32,
+    /// Logit soft-capping (0: off).
+    pub softcap: f32,
+}
+
+// SAFETY: plain views; `compute`'s tasks read the inputs and write disjoint output rows.
+unsafe impl Send for Operands {}
+unsafe impl Sync for Operands {}
+
+impl Operands {
+    /// The operands of a flash-attention node.
+    ///
+    /// # Safety
+    /// `op` is a valid FLASH_ATTN_EXT node that passed [`supports_fa`].
+    unsafe fn of(op: &g::ggml_tensor) -> Self {
+        let (q, k, v, mask) = (&*op.src[0], &*op.src[1], &*op.src[2], op.src[3]);
+        Operands {
+            d: q.ne[0] as usize,
+            dv: v.ne[0] as usize,
+            n_q: q.ne[1] as usize,
+            n_head: q.ne[2] as usize,
+            n_head_kv: k.ne[2] as usize,
+            n_kv: k.ne[1] as usize,
+            q: q.data as *const u8,
+            q_row: q.nb[1],
+            q_head: q.nb[2],
+            k: k.data as *const u8,
+            k_row: k.nb[1],
+            k_head: k.nb[2],
+            v: v.data as *const u8,
+            v_row: v.nb[1],
+            v_head: v.nb[2],
+            mask: if mask.is_null() {
+                std::ptr::null()
+            } else {
+                (*mask).data as *const u8
+            },
+            mask_row: if mask.is_null() { 0 } else { (*mask).nb[1] },
+            dst: op.data as *mut u8,
+            dst_row: op.nb[2],
+            dst_head: op.nb[1],
+            scale: f32::from_bits(op.op_params[0] as u32),
+            softcap: f32::from_bits(op.op_params[2] as u32),
+        }
+    }
+}
+
+/// Where the int8 copy of key `j` of head `h` is: `base + (cell0 + j)*row + col0 + h*head`.
+#[derive(Clone, Copy, Debug)]
+pub struct Keys8 {
+    pub base: *const u8,
+    pub cell0: usize,
+    pub row: usize,
+    pub col0: usize,
+    pub head: usize,
+}
+
+// SAFETY: a read-only view.
+unsafe impl Send for Keys8 {}
+unsafe impl Sync for Keys8 {}
+
+impl Keys8 {
+    #[inline]
+    unsafe fn at(&self, j: usize, h: usize) -> *const u8 {
+        self.base
+            .add((self.cell0 + j) * self.row + self.col0 + h * self.head)
+    }
+}
+
+/// Per-thread scratch.
+#[derive(Default)]
+struct Scratch {
+    cand: Vec<u32>,
+    bias: Vec<f32>,
+    est: Vec<(f32, u32)>,
+    pick: Vec<u32>,
+    scores: Vec<f32>,
+    acc: Vec<f32>,
+    q8: Vec<u8>,
+}
+
+/// Which keys a (row, head) pair attends, after [`attend`] (for recall measurements).
+pub type Chosen = Vec<u32>;
+
+/// Attend query row `i`, head `h`: returns (visible keys, keys kept). With `keys8` none or
+/// `keep >= 1`, dense. Writes the output row; fills `chosen` if given.
+///
+/// # Safety
+/// `op`'s pointers are valid for its shape; `keys8` (if any) holds every cell's int8 copy.
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend(
+    op: &Operands,
+    keys8: Option<&Keys8>,
+    cfg: &Sparse,
+    keep: f32,
+    i: usize,
+    h: usize,
+    s: &mut Scratch,
+    chosen: Option<&mut Chosen>,
+) -> (usize, usize) {
+    let hk = h / (op.n_head / op.n_head_kv);
+    let q = std::slice::from_raw_parts(op.q.add(i * op.q_row + h * op.q_head).cast::<f32>(), op.d);
+    s.cand.clear();
+    s.bias.clear();
+    if op.mask.is_null() {
+        s.cand.extend(0..op.n_kv as u32);
+        s.bias.resize(op.n_kv, 0.0);
+    } else {
+        let m = op.mask.add(i * op.mask_row).cast::<u16>();
+        for j in 0..op.n_kv {
+            let b = f16::to_f32(*m.add(j));
+            if b != f32::NEG_INFINITY {
+                s.cand.push(j as u32);
+                s.bias.push(b);
+            }
+        }
+    }
+    let n = s.cand.len();
+    let budget = ((keep * n as f32).ceil() as usize).max(cfg.sink + cfg.recent);
+    s.pick.clear();
+    match keys8 {
+        Some(k8) if n >= cfg.min_keys && budget < n => {
+            let lo = cfg.sink.min(n);
+            let hi = n - cfg.recent.min(n - lo);
+            let want = budget - lo - (n - hi);
+            s.q8.resize(op.d / QK * Q8_BYTES, 0);
+            quantizer(g::GGML_TYPE_Q8_0)(q.as_ptr(), s.q8.as_mut_ptr().cast(), op.d as i64);
+            s.est.clear();
+            for c in lo..hi {
+                let j = s.cand[c] as usize;
+                let e = dot_q8(op.d, s.q8.as_ptr(), k8.at(j, hk)) * op.scale + s.bias[c];
+                s.est.push((e, c as u32));
+            }
+            if want < s.est.len() {
+                s.est
+                    .select_nth_unstable_by(want, |a, b| b.0.total_cmp(&a.0));
+                s.est.truncate(want);
+            }
+            s.pick.extend(0..lo as u32);
+            s.pick.extend(s.est.iter().map(|&(_, c)| c));
+            s.pick.extend(hi as u32..n as u32);
+            s.pick[lo..lo + s.est.len()].sort_unstable();
+        }
+        _ => s.pick.extend(0..n as u32),
+    }
+    // Exact attention over the picked keys.
+    let (scale, cap) = if op.softcap != 0.0 {
+        (op.scale / op.softcap, op.softcap)
+    } else {
+        (op.scale, 0.0)
+    };
+    s.scores.clear();
+    let mut max = f32::NEG_INFINITY;
+    for &c in &s.pick {
+        let j = s.cand[c as usize] as usize;
+        let mut x = f16::dot(q, op.k.add(j * op.k_row + hk * op.k_head).cast()) * scale;
+        if cap != 0.0 {
+            x = cap * x.tanh();
+        }
+        x += s.bias[c as usize];
+        max = max.max(x);
+        s.scores.push(x);
+    }
+    s.acc.clear();
+    s.acc.resize(op.dv, 0.0);
+    let mut sum = 0f32;
+    for (&c, &x) in s.pick.iter().zip(&s.scores) {
+        let j = s.cand[c as usize] as usize;
+        let w = (x - max).exp();
+        sum += w;
+        f16::axpy(
+            &mut s.acc,
+            w,
+            op.v.add(j * op.v_row + hk * op.v_head).cast(),
+        );
+    }
+    let out = std::slice::from_raw_parts_mut(
+        op.dst.add(i * op.dst_row + h * op.dst_head).cast::<f32>(),
+        op.dv,
+    );
+    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    for (o, a) in out.iter_mut().zip(&s.acc) {
+        *o = a * inv;
+    }
+    if let Some(ch) = chosen {
+        ch.clear();
+        ch.extend(s.pick.iter().map(|&c| s.cand[c as usize]));
+    }
+    (n, s.pick.len())
+}
+
+/// Compute a node's attention, sparse where `keys8` is given: `keep[h]` per head.
+/// Returns per-(row, head) pairs' (visible, kept) summed, and fills `chosen[i*n_head+h]` if
+/// given.
+///
+/// # Safety
+/// As [`attend`].
+pub unsafe fn compute(
+    op: &Operands,
+    keys8: Option<&Keys8>,
+    cfg: &Sparse,
+    keep: &[f32],
+    threads: usize,
+    chosen: Option<&mut Vec<Chosen>>,
+) -> Stats {
+    let tasks = op.n_q * op.n_head;
+    let totals = Mutex::new(Stats::default());
+    let chosen_ptr = chosen.map(|c| {
+        c.resize_with(tasks, Vec::new);
+        Ptr(c.as_mut_ptr().cast())
+    });
+    parallel(threads.min(tasks).max(1), &|tid, nth| {
+        let mut s = Scratch::default();
+        let mut local = Stats::default();
+        let mut t = tid;
+        while t < tasks {
+            let (i, h) = (t / op.n_head, t % op.n_head);
+            // SAFETY: each task writes its own output row and its own `chosen` slot.
+            let ch = chosen_ptr.map(|p| unsafe { &mut *p.at(0).cast::<Chosen>().add(t) });
+            let (n, kept) = unsafe { attend(op, keys8, cfg, keep[h], i, h, &mut s, ch) };
+            if kept < n {
+                local.sparse_rows += 1;
+            } else {
+                local.dense_rows += 1;
+            }
+            local.keys_visible += n as u64;
+            local.keys_kept += kept as u64;
+            t += nth;
+        }
+        let mut tot = totals.lock().unwrap_or_else(|e| e.into_inner());
+        tot.sparse_rows += local.sparse_rows;
+        tot.dense_rows += local.dense_rows;
+        tot.keys_visible += local.keys_visible;
+        tot.keys_kept += local.keys_kept;
+    });
+    let mut s = totals.into_inner().unwrap_or_else(|e| e.into_inner());
+    s.nodes = 1;
+    s
+}
+
+/// Quantize `rows` f16 rows of `n` values (`stride` bytes apart) to Q8_0 rows (`out_row`
+/// bytes apart), for shadows filled from a cache.
+///
+/// # Safety
+/// Pointers valid for the rows.
+pub unsafe fn quantize_f16_rows(
+    src: *const u8,
+    stride: usize,
+    rows: usize,
+    n: usize,
+    out: *mut u8,
+) {
+    let to_q8 = quantizer(g::GGML_TYPE_Q8_0);
+    let row_bytes = n / QK * Q8_BYTES;
+    let mut tmp = vec![0f32; n];
+    for r in 0..rows {
+        let p = src.add(r * stride).cast::<u16>();
+        for (x, t) in tmp.iter_mut().enumerate() {
+            *t = f16::to_f32(*p.add(x));
+        }
+        to_q8(tmp.as_ptr(), out.add(r * row_bytes).cast(), n as i64);
+    }
+}
+
+/// Bytes of a Q8_0 row of `n` values.
+pub fn q8_row_bytes(n: usize) -> usize {
+    n / QK * Q8_BYTES
+}
+
+/// Compute a flash-attention node the device took.
+///
+/// # Safety
+/// `node` passed [`supports_fa`]; its sources hold their data.
+pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
+    let cfg = sparse().unwrap_or_default();
+    let op = Operands::of(node);
+    let k = &*node.src[1];
+    let root = &*k.view_src;
+    let layer = k_cache_layer(root);
+    let mut list = SHADOWS.lock().unwrap_or_else(|e| e.into_inner());
+    let sh = shadow_for(&mut list, root);
+    let off0 = k.data as usize - root.data as usize;
+    let cell0 = off0 / root.nb[1];
+    let col0 = (off0 % root.nb[1]) / 2;
+    // Cells nobody quantized yet (written while the device was off): from the f16 cache.
+    for j in 0..op.n_kv {
+        let cell = cell0 + j;
+        if cell < sh.cells && !sh.valid[cell] {
+            quantize_f16_rows(
+                (root.data as *const u8).add(cell * root.nb[1]),
+                root.nb[1],
+                1,
+                sh.n_embd,
+                sh.data.as_mut_ptr().add(cell * sh.row_bytes),
+            );
+            sh.valid[cell] = true;
+        }
+    }
+    let fits = cell0 + op.n_kv <= sh.cells && col0 % QK == 0 && (k.nb[2] / 2) % QK == 0;
+    let keys8 = Keys8 {
+        base: sh.data.as_ptr(),
+        cell0,
+        row: sh.row_bytes,
+        col0: col0 / QK * Q8_BYTES,
+        head: k.nb[2] / 2 / QK * Q8_BYTES,
+    };
+    let keep: Vec<f32> = (0..op.n_head).map(|h| cfg.keep_for(layer, h)).collect();
+    let st = compute(&op, fits.then_some(&keys8), &cfg, &keep, threads, None);
+    drop(list);
+    let mut tot = STATS.lock().unwrap_or_else(|e| e.into_inner());
+    tot.nodes += 1;
+    tot.sparse_rows += st.sparse_rows;
+    tot.dense_rows += st.dense_rows;
+    tot.keys_visible += st.keys_visible;
+    tot.keys_kept += st.keys_kept;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A random attention problem in cache layout (cell-major rows of all heads).
+    struct Problem {
+        d: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        n_kv: usize,
+        q: Vec<f32>,
+        k: Vec<u16>,
+        v: Vec<u16>,
+        mask: Vec<u16>,
+        n_q: usize,
+    }
+
+    fn rng(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+
+    fn problem(n_q: usize, n_kv: usize, seed: u64) -> Problem {
+        let (d, n_head, n_head_kv) = (64, 4, 2);
+        let mut s = seed;
+        // A few "important" keys per head get large scores; the rest are noise.
+        let q: Vec<f32> = (0..n_q * n_head * d).map(|_| rng(&mut s)).collect();
+        let mut k: Vec<u16> = (0..n_kv * n_head_kv * d)
+            .map(|_| f16::from_f32(rng(&mut s) * 0.3))
+            .collect();
+        for j in (7..n_kv).step_by(97) {
+            for x in 0..n_head_kv * d {
+                let qv = q[x % d];
+                k[j * n_head_kv * d + x] = f16::from_f32(qv * 4.0);
+            }
+        }
+        let v = (0..n_kv * n_head_kv * d)
+            .map(|_| f16::from_f32(rng(&mut s)))
+            .collect();
+        // Causal: row i sees cells 0..n_kv - n_q + i + 1.
+        let mut mask = vec![f16::from_f32(f32::NEG_INFINITY); n_q * n_kv];
+        for i in 0..n_q {
+            for j in 0..n_kv - n_q + i + 1 {
+                mask[i * n_kv + j] = 0;
+            }
+        }
+        Problem {
+            d,
+            n_head,
+            n_head_kv,
+            n_kv,
+            q,
+            k,
+            v,
+            mask,
+            n_q,
+        }
+    }
+
+    fn operands(p: &Problem, dst: &mut [f32]) -> Operands {
+        let d = p.d;
+        Operands {
+            d,
+            dv: d,
+            n_q: p.n_q,
+            n_head: p.n_head,
+            n_head_kv: p.n_head_kv,
+            n_kv: p.n_kv,
+            q: p.q.as_ptr().cast(),
+            q_row: p.n_head * d * 4,
+            q_head: d * 4,
+            k: p.k.as_ptr().cast(),
+            k_row: p.n_head_kv * d * 2,
+            k_head: d * 2,
+            v: p.v.as_ptr().cast(),
+            v_row: p.n_head_kv * d * 2,
+            v_head: d * 2,
+            mask: p.mask.as_ptr().cast(),
+            mask_row: p.n_kv * 2,
+            dst: dst.as_mut_ptr().cast(),
+            dst_row: p.n_head * d * 4,
+            dst_head: d * 4,
+            scale: 1.0 / (d as f32).sqrt(),
+            softcap: 0.0,
+        }
+    }
+
+    /// Textbook softmax attention in f64.
+    fn reference(p: &Problem) -> Vec<f32> {
+        let d = p.d;
+        let mut out = vec![0f32; p.n_q * p.n_head * d];
+        for i in 0..p.n_q {
+            for h in 0..p.n_head {
+                let hk = h / (p.n_head / p.n_head_kv);
+                let q = &p.q[(i * p.n_head + h) * d..][..d];
+                let mut sc = Vec::new();
+                for j in 0..p.n_kv {
+                    if f16::to_f32(p.mask[i * p.n_kv + j]) == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let k = &p.k[(j * p.n_head_kv + hk) * d..][..d];
+                    let s: f64 = q
+                        .iter()
+                        .zip(k)
+                        .map(|(&a, &b)| a as f64 * f16::to_f32(b) as f64)
+                        .sum();
+                    sc.push((j, s / (d as f64).sqrt()));
+                }
+                let m = sc.iter().map(|x| x.1).fold(f64::MIN, f64::max);
+                let z: f64 = sc.iter().map(|x| (x.1 - m).exp()).sum();
+                for x in 0..d {
+                    let mut a = 0f64;
+                    for &(j, s) in &sc {
+                        a += (s - m).exp() / z
+                            * f16::to_f32(p.v[(j * p.n_head_kv + hk) * d + x]) as f64;
+                    }
+                    out[(i * p.n_head + h) * d + x] = a as f32;
+                }
+            }
+        }
+        out
+    }
+
+    fn keys8(p: &Problem) -> (Vec<u8>, Keys8) {
+        let n = p.n_head_kv * p.d;
+        let row = q8_row_bytes(n);
+        let mut buf = vec![0u8; p.n_kv * row];
+        // SAFETY: k holds n_kv rows of n halves; buf has room.
+        unsafe { quantize_f16_rows(p.k.as_ptr().cast(), n * 2, p.n_kv, n, buf.as_mut_ptr()) };
+        let k8 = Keys8 {
+            base: buf.as_ptr(),
+            cell0: 0,
+            row,
+            col0: 0,
+            head: q8_row_bytes(p.d),
+        };
+        (buf, k8)
+    }
+
+    fn init() {
+        // SAFETY: idempotent.
+        unsafe { g::ggml_cpu_init() };
+    }
+
+    #[test]
+    fn dense_matches_softmax_attention() {
+        init();
+        let p = problem(3, 300, 1);
+        let mut dst = vec![0f32; p.n_q * p.n_head * p.d];
+        let op = operands(&p, &mut dst);
+        let cfg = Sparse::default();
+        // SAFETY: operands point into `p` and `dst`.
+        let st = unsafe { compute(&op, None, &cfg, &[0.2; 4], 2, None) };
+        assert_eq!(st.sparse_rows, 0);
+        let want = reference(&p);
+        let err = dst
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-4, "max abs err {err}");
+    }
+
+    #[test]
+    fn sparse_keeps_the_budget_and_the_important_keys() {
+        init();
+        let p = problem(2, 2000, 7);
+        let (_buf, k8) = keys8(&p);
+        let mut dst = vec![0f32; p.n_q * p.n_head * p.d];
+        let op = operands(&p, &mut dst);
+        let cfg = Sparse {
+            min_keys: 256,
+            ..Sparse::default()
+        };
+        let mut chosen = Vec::new();
+        // SAFETY: as above; k8 covers every cell.
+        let st = unsafe { compute(&op, Some(&k8), &cfg, &[0.2; 4], 2, Some(&mut chosen)) };
+        assert_eq!(st.sparse_rows, (p.n_q * p.n_head) as u64);
+        for (t, ch) in chosen.iter().enumerate() {
+            let i = t / p.n_head;
+            let visible = p.n_kv - p.n_q + i + 1;
+            assert_eq!(ch.len(), (0.2 * visible as f32).ceil() as usize, "budget");
+            // Sinks, the recent window and every planted key are in.
+            for j in 0..4 {
+                assert!(ch.contains(&j));
+            }
+            for j in visible - 64..visible {
+                assert!(ch.contains(&(j as u32)));
+            }
+            if t == 0 {
+                for j in (7..visible).step_by(97) {
+                    assert!(
+                        ch.contains(&(j as u32)),
+                        "planted key {j} missing in task {t}"
+                    );
+                }
+            }
+            assert!(ch.windows(2).all(|w| w[0] < w[1]), "sorted, distinct");
+            assert!(ch.iter().all(|&j| (j as usize) < visible), "causal");
+        }
+        // The planted keys carry most of row 0 head 0's attention: its output stays close.
+        let want = reference(&p);
+        let d = p.d;
+        let err = dst[..d]
+            .iter()
+            .zip(&want[..d])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 0.02, "max abs err {err}");
+    }
+
+    #[test]
+    fn keep_one_is_dense() {
+        init();
+        let p = problem(1, 1000, 3);
+        let (_buf, k8) = keys8(&p);
+        let mut a = vec![0f32; p.n_head * p.d];
+        let mut b = a.clone();
+        let cfg = Sparse {
+            min_keys: 256,
+            ..Sparse::default()
+        };
+        // SAFETY: as above.
+        unsafe {
+            compute(&operands(&p, &mut a), Some(&k8), &cfg, &[1.0; 4], 1, None);
+            compute(&operands(&p, &mut b), None, &cfg, &[1.0; 4], 1, None);
+        }
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn cache_names() {
+        fn t(name: &str) -> g::ggml_tensor {
+            // SAFETY: ggml_tensor is plain data; all-zero is a valid (empty) tensor.
+            let mut t: g::ggml_tensor = unsafe { std::mem::zeroed() };
+            for (d, s) in t.name.iter_mut().zip(name.bytes()) {
+                *d = s as _;
+            }
+            t
+        }
+        assert_eq!(k_cache_layer(&t("cache_k_l7")), Some(7));
+        assert_eq!(k_cache_layer(&t("cache_v_l7")), None);
+        assert_eq!(k_cache_layer(&t("cache_swa_k_l3")), None);
+        assert_eq!(k_cache_layer(&t("leaf_3")), None);
+    }
+}

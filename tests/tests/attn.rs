@@ -1,0 +1,143 @@
+//! Sparse attention through Leap's ggml device on a real model: the device takes llama.cpp's
+//! flash-attention nodes and K cache writes, its dense path agrees with ggml's flash
+//! attention, and its sparse path keeps the budget and the model's predictions.
+//!
+//! Its own test binary: sparse attention is a process-wide setting.
+
+use leap_backend::attn::{self, Sparse};
+use leap_host::{Batch, Context, ContextParams, FlashAttn};
+use leap_spec::plain::argmax;
+use leap_tests::{model, threads, SMOLLM};
+
+/// Real text longer than the contexts below: this repository's own sources.
+fn text() -> String {
+    [
+        include_str!("../../backend/src/attn.rs"),
+        include_str!("../../backend/src/lib.rs"),
+        include_str!("../../host/src/qdot.rs"),
+    ]
+    .concat()
+}
+
+fn fa_context() -> Context {
+    fa_context_with(FlashAttn::On)
+}
+
+fn fa_context_with(fa: FlashAttn) -> Context {
+    let p = ContextParams {
+        n_ctx: 2048,
+        n_batch: 2048,
+        n_threads: threads(),
+        n_threads_batch: threads(),
+        flash_attn: fa,
+        ..Default::default()
+    };
+    Context::new(&model(SMOLLM), &p).expect("context")
+}
+
+/// Logits after the prompt, then after each of `steps` greedy tokens.
+fn run(prompt: &[i32], steps: usize) -> Vec<Vec<f32>> {
+    run_with(prompt, steps, FlashAttn::On)
+}
+
+fn run_with(prompt: &[i32], steps: usize, fa: FlashAttn) -> Vec<Vec<f32>> {
+    let mut c = fa_context_with(fa);
+    let mut b = Batch::new(prompt.len(), 1);
+    b.add_sequence(prompt, 0, 0, true).unwrap();
+    c.decode(&b).unwrap();
+    let mut out = vec![c.logits(-1).unwrap().to_vec()];
+    for s in 0..steps {
+        let t = argmax(out.last().unwrap());
+        let mut b = Batch::new(1, 1);
+        b.add(t, (prompt.len() + s) as i32, &[0], true).unwrap();
+        c.decode(&b).unwrap();
+        out.push(c.logits(-1).unwrap().to_vec());
+    }
+    out
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn sparse_attention_on_smollm2() {
+    leap_tests::kernels();
+    let m = model(SMOLLM);
+    let prompt: Vec<i32> = m.tokenize(&text(), true, false).unwrap()[..1500].to_vec();
+    let steps = 8;
+
+    attn::set_sparse(None);
+    let dense = run(&prompt, steps);
+    // ggml's two attention paths (flash attention converts queries to f16 and accumulates
+    // values in f16) differ this much from each other: the yardstick for the device's.
+    let nofa = run_with(&prompt, steps, FlashAttn::Off);
+    let ggml_spread = dense
+        .iter()
+        .zip(&nofa)
+        .map(|(a, b)| max_abs_diff(a, b))
+        .fold(0.0, f32::max);
+    assert_eq!(attn::stats().nodes, 0, "off: ggml computes attention");
+
+    // keep = 1: every visible key, through the device's own path: as close to ggml's flash
+    // attention as ggml's attention without flash attention is (a wrong head or key moves
+    // logits by several units).
+    attn::set_sparse(Some(Sparse {
+        keep: 1.0,
+        ..Sparse::default()
+    }));
+    let before = attn::stats();
+    let all = run(&prompt, steps);
+    let st = attn::stats();
+    assert!(
+        st.nodes > before.nodes,
+        "the device took the attention nodes"
+    );
+    assert_eq!(st.sparse_rows, before.sparse_rows, "keep = 1 is dense");
+    for (s, (a, b)) in dense.iter().zip(&all).enumerate() {
+        let d = max_abs_diff(a, b);
+        eprintln!("step {s}: device dense vs ggml: {d} (ggml's paths: {ggml_spread})");
+        assert!(
+            d <= 1.5 * ggml_spread,
+            "step {s}: dense paths differ by {d}"
+        );
+        assert_eq!(argmax(a), argmax(b), "step {s}");
+    }
+
+    // keep = 0.2: a fifth of the keys (plus sinks and the recent window) per query.
+    attn::set_sparse(Some(Sparse::default()));
+    let before = attn::stats();
+    let sparse = run(&prompt, steps);
+    let st = attn::stats();
+    let (rows, visible, kept) = (
+        st.sparse_rows - before.sparse_rows,
+        st.keys_visible - before.keys_visible,
+        st.keys_kept - before.keys_kept,
+    );
+    assert!(rows > 0, "long queries attend sparsely");
+    let ratio = kept as f64 / visible as f64;
+    eprintln!("sparse: {rows} query-heads, kept {kept} of {visible} keys ({ratio:.3})");
+    assert!(ratio < 0.5, "kept {ratio:.3} of the keys");
+    let agree = dense
+        .iter()
+        .zip(&sparse)
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    let worst = dense
+        .iter()
+        .zip(&sparse)
+        .map(|(a, b)| max_abs_diff(a, b))
+        .fold(0.0, f32::max);
+    eprintln!(
+        "sparse vs dense: top-1 agrees at {agree} of {} steps, max |dlogit| {worst}",
+        steps + 1
+    );
+    assert!(
+        agree >= steps,
+        "sparse attention changed the model's predictions"
+    );
+    attn::set_sparse(None);
+}
