@@ -3,15 +3,20 @@ CARGO  ?= cargo
 LEAP   := target/release/leap
 PROMPT ?= The three most useful things to know about running language models on a phone are
 
-.PHONY: all setup build models run test bench fmt clippy clean
+.PHONY: all setup build plugin models run test bench fmt clippy clean
 
 all: build
 
 setup:
 	@scripts/setup
 
+# The CLI, and the plugin an unmodified llama.cpp loads (target/release/libggml_leap.so).
 build: setup
-	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --release --workspace
+
+plugin: setup
+	$(CARGO) build --release -p leap-plugin
+	@$(CARGO) run --release -q --bin leap -- plugin-path
 
 models: build
 	@$(LEAP) models fetch >/dev/null
@@ -19,7 +24,7 @@ models: build
 run: models
 	$(LEAP) generate --prompt "$(PROMPT)" -n 96
 
-test: models
+test: models build
 	$(CARGO) test --release --workspace
 
 # The ablation: plain decoding, llama.cpp's n-gram modes and Leap's engine one technique at a

@@ -18,9 +18,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use crate::f16;
 use crate::ffi as g;
 use crate::par::{parallel, Ptr};
+use crate::{est, f16};
 
 /// Sparse-attention settings (see the module docs).
 #[derive(Debug, Clone)]
@@ -34,6 +34,10 @@ pub struct Sparse {
     pub sink: usize,
     /// Most recent keys always kept.
     pub recent: usize,
+    /// Extra candidates (a fraction of the estimated budget) whose exact scores are
+    /// computed, so that the estimate's errors near the cut are corrected: the budget's
+    /// best by exact score are kept.
+    pub refine: f32,
     /// Per layer and head keep fractions from an offline profile (`leap profile-heads`);
     /// [`Sparse::keep`] where it has none.
     pub heads: Option<Arc<HeadProfile>>,
@@ -43,9 +47,10 @@ impl Default for Sparse {
     fn default() -> Self {
         Self {
             keep: 0.2,
-            min_keys: 512,
+            min_keys: 1024,
             sink: 4,
             recent: 64,
+            refine: 0.25,
             heads: None,
         }
     }
@@ -59,7 +64,8 @@ pub struct HeadProfile {
 }
 
 impl Sparse {
-    fn keep_for(&self, layer: Option<usize>, head: usize) -> f32 {
+    /// The fraction of visible keys head `head` of `layer` keeps.
+    pub fn keep_for(&self, layer: Option<usize>, head: usize) -> f32 {
         layer
             .and_then(|il| self.heads.as_ref()?.layers.get(il)?.get(head).copied())
             .unwrap_or(self.keep)
@@ -130,19 +136,168 @@ fn name_of(t: &g::ggml_tensor) -> &str {
     std::str::from_utf8(bytes).unwrap_or("")
 }
 
-/// The K cache of a full-attention layer (`cache_k_l7`; sliding-window caches, whose
-/// queries see a window of a few hundred keys, stay with ggml), and its layer.
-fn k_cache_layer(root: &g::ggml_tensor) -> Option<usize> {
-    let name = name_of(root);
-    let rest = name.strip_prefix("cache_")?;
-    if rest.contains("swa") {
-        return None;
-    }
+/// A K cache (`cache_k_l7`, `cache_swa_k_l3`): its layer, and whether it is a
+/// sliding-window layer's.
+fn any_k_cache(root: &g::ggml_tensor) -> Option<(usize, bool)> {
+    let rest = name_of(root).strip_prefix("cache_")?;
     let (tag, layer) = rest.rsplit_once("_l")?;
     if !tag.ends_with('k') {
         return None;
     }
-    layer.parse().ok()
+    Some((layer.parse().ok()?, tag.contains("swa")))
+}
+
+/// The K cache of a full-attention layer (`cache_k_l7`; sliding-window caches, whose
+/// queries see a window of a few hundred keys, stay with ggml), and its layer.
+fn k_cache_layer(root: &g::ggml_tensor) -> Option<usize> {
+    match any_k_cache(root)? {
+        (il, false) => Some(il),
+        (_, true) => None,
+    }
+}
+
+/// A flash-attention node copied from a real decode (`leap attn-bench` replays it), in
+/// compact layouts: `q[i][h][d]`, `k[j][hk][d]`, `v[j][hk][dv]`, `mask[i][j]` (f16 bits).
+#[derive(Debug, Clone)]
+pub struct Captured {
+    /// The layer, and whether it is a sliding-window one.
+    pub layer: usize,
+    pub swa: bool,
+    pub d: usize,
+    pub dv: usize,
+    pub n_q: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub n_kv: usize,
+    pub q: Vec<f32>,
+    pub k: Vec<u16>,
+    pub v: Vec<u16>,
+    pub mask: Vec<u16>,
+    pub scale: f32,
+    pub softcap: f32,
+}
+
+impl Captured {
+    /// Operands over this copy, writing `dst` (`n_q * n_head * dv` floats).
+    pub fn operands(&self, dst: &mut [f32]) -> Operands {
+        assert_eq!(dst.len(), self.n_q * self.n_head * self.dv);
+        Operands {
+            d: self.d,
+            dv: self.dv,
+            n_q: self.n_q,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            n_kv: self.n_kv,
+            q: self.q.as_ptr().cast(),
+            q_row: self.n_head * self.d * 4,
+            q_head: self.d * 4,
+            k: self.k.as_ptr().cast(),
+            k_row: self.n_head_kv * self.d * 2,
+            k_head: self.d * 2,
+            v: self.v.as_ptr().cast(),
+            v_row: self.n_head_kv * self.dv * 2,
+            v_head: self.dv * 2,
+            mask: self.mask.as_ptr().cast(),
+            mask_row: self.n_kv * 2,
+            dst: dst.as_mut_ptr().cast(),
+            dst_row: self.n_head * self.dv * 4,
+            dst_head: self.dv * 4,
+            scale: self.scale,
+            softcap: self.softcap,
+        }
+    }
+
+    /// The int8 shadow of the keys (what the device keeps up to date while decoding), and
+    /// the view [`compute`] reads it through. The buffer must outlive the view.
+    pub fn shadow(&self) -> (Vec<u8>, Keys8) {
+        let n = self.n_head_kv * self.d;
+        let row = q8_row_bytes(n);
+        let mut buf = vec![0u8; self.n_kv * row];
+        // SAFETY: `k` holds n_kv rows of n halves; `buf` has room for their Q8_0 rows.
+        unsafe {
+            quantize_f16_rows(
+                self.k.as_ptr().cast(),
+                n * 2,
+                self.n_kv,
+                n,
+                buf.as_mut_ptr(),
+            )
+        };
+        let k8 = Keys8 {
+            base: buf.as_ptr(),
+            cell0: 0,
+            row,
+            col0: 0,
+            head: q8_row_bytes(self.d),
+        };
+        (buf, k8)
+    }
+}
+
+static CAPTURE: Mutex<Option<Vec<Captured>>> = Mutex::new(None);
+
+/// Capture the flash-attention nodes of the decodes that follow (on contexts with flash
+/// attention whose graphs are built from now on): the device takes them, copies their
+/// operands and computes them densely.
+pub fn start_capture() {
+    *CAPTURE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+}
+
+/// Stop capturing; the nodes captured since [`start_capture`].
+pub fn take_capture() -> Vec<Captured> {
+    CAPTURE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .unwrap_or_default()
+}
+
+fn capturing() -> bool {
+    CAPTURE.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+}
+
+/// Copy a node's operands (it passed [`supports_fa`]).
+unsafe fn capture(node: &g::ggml_tensor, op: &Operands) -> Captured {
+    let root = &*(*node.src[1]).view_src;
+    let (layer, swa) = any_k_cache(root).unwrap_or((usize::MAX, false));
+    let mut c = Captured {
+        layer,
+        swa,
+        d: op.d,
+        dv: op.dv,
+        n_q: op.n_q,
+        n_head: op.n_head,
+        n_head_kv: op.n_head_kv,
+        n_kv: op.n_kv,
+        q: Vec::with_capacity(op.n_q * op.n_head * op.d),
+        k: Vec::with_capacity(op.n_kv * op.n_head_kv * op.d),
+        v: Vec::with_capacity(op.n_kv * op.n_head_kv * op.dv),
+        mask: Vec::with_capacity(op.n_q * op.n_kv),
+        scale: op.scale,
+        softcap: op.softcap,
+    };
+    for i in 0..op.n_q {
+        for h in 0..op.n_head {
+            let p = op.q.add(i * op.q_row + h * op.q_head).cast::<f32>();
+            c.q.extend_from_slice(std::slice::from_raw_parts(p, op.d));
+        }
+        if op.mask.is_null() {
+            c.mask.resize(c.mask.len() + op.n_kv, 0);
+        } else {
+            let m = op.mask.add(i * op.mask_row).cast::<u16>();
+            c.mask
+                .extend_from_slice(std::slice::from_raw_parts(m, op.n_kv));
+        }
+    }
+    for j in 0..op.n_kv {
+        for h in 0..op.n_head_kv {
+            let k = op.k.add(j * op.k_row + h * op.k_head).cast::<u16>();
+            c.k.extend_from_slice(std::slice::from_raw_parts(k, op.d));
+            let v = op.v.add(j * op.v_row + h * op.v_head).cast::<u16>();
+            c.v.extend_from_slice(std::slice::from_raw_parts(v, op.dv));
+        }
+    }
+    c
 }
 
 fn cpu_traits(t: g::ggml_type) -> &'static g::ggml_type_traits_cpu {
@@ -154,20 +309,6 @@ type FromFloat = unsafe extern "C" fn(*const f32, *mut std::ffi::c_void, i64);
 
 fn quantizer(t: g::ggml_type) -> FromFloat {
     cpu_traits(t).from_float.expect("ggml quantizes this type")
-}
-
-/// `x · y` for two Q8_0 rows of `n` values (ggml's own kernel).
-///
-/// # Safety
-/// Both point to `n / 32` Q8_0 blocks.
-#[inline]
-unsafe fn dot_q8(n: usize, x: *const u8, y: *const u8) -> f32 {
-    let f = cpu_traits(g::GGML_TYPE_Q8_0)
-        .vec_dot
-        .expect("q8_0 has a dot product");
-    let mut s = 0f32;
-    f(n as i32, &mut s, 0, x.cast(), 0, y.cast(), 0, 1);
-    s
 }
 
 /// An int8 copy of one K cache.
@@ -243,7 +384,7 @@ pub(crate) fn supports_set_rows(op: &g::ggml_tensor) -> bool {
         && s0.type_ == g::GGML_TYPE_F32
         && (s1.type_ == g::GGML_TYPE_I64 || s1.type_ == g::GGML_TYPE_I32)
         && s0.ne[0] == op.ne[0]
-        && s0.ne[0] as usize % QK == 0
+        && (s0.ne[0] as usize).is_multiple_of(QK)
         && s0.ne[2] == 1
         && s0.ne[3] == 1
         && s1.ne[0] == s0.ne[1]
@@ -288,7 +429,12 @@ pub(crate) unsafe fn set_rows(node: &mut g::ggml_tensor) {
 
 /// Whether the device takes this flash-attention node.
 pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
-    let Some(cfg) = sparse() else { return false };
+    let capturing = capturing();
+    let cfg = match sparse() {
+        Some(c) => c,
+        None if capturing => Sparse::default(),
+        None => return false,
+    };
     if op.op != g::GGML_OP_FLASH_ATTN_EXT || op.type_ != g::GGML_TYPE_F32 {
         return false;
     }
@@ -309,7 +455,12 @@ pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
         m.type_ == g::GGML_TYPE_F16 && m.ne[2] == 1 && m.ne[3] == 1 && m.ne[0] >= k.ne[1]
     };
     let max_bias = f32::from_bits(op.op_params[1] as u32);
-    k_cache_layer(root).is_some()
+    let taken = if capturing {
+        any_k_cache(root).is_some()
+    } else {
+        k_cache_layer(root).is_some() && k.ne[1] as usize >= cfg.min_keys
+    };
+    taken
         && mask_ok
         && max_bias == 0.0
         && q.type_ == g::GGML_TYPE_F32
@@ -323,13 +474,12 @@ pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
         && v.nb[0] == 2
         && k.nb[1] == root.nb[1]
         && q.ne[0] == k.ne[0]
-        && q.ne[0] as usize % QK == 0
+        && (q.ne[0] as usize).is_multiple_of(QK)
         && k.ne[1] == v.ne[1]
         && k.ne[2] > 0
         && q.ne[2] % k.ne[2] == 0
         && v.ne[2] == k.ne[2]
         && op.nb[0] == 4
-        && k.ne[1] as usize >= cfg.min_keys
 }
 
 /// One flash-attention node's operands as strided views in ggml's layout (byte strides).
@@ -430,89 +580,196 @@ unsafe impl Sync for Keys8 {}
 
 impl Keys8 {
     #[inline]
-    unsafe fn at(&self, j: usize, h: usize) -> *const u8 {
+    pub(crate) unsafe fn at(&self, j: usize, h: usize) -> *const u8 {
         self.base
             .add((self.cell0 + j) * self.row + self.col0 + h * self.head)
     }
 }
 
-/// Per-thread scratch.
+/// One query row's shared state: the keys it sees and the estimates of a group of heads.
 #[derive(Default)]
-struct Scratch {
+struct Row {
     cand: Vec<u32>,
     bias: Vec<f32>,
-    est: Vec<(f32, u32)>,
+    /// Candidates `lo..hi` are estimated; the first `lo` (sinks) and the last `n - hi`
+    /// (recent window) are always kept.
+    lo: usize,
+    hi: usize,
+    sparse: bool,
+    est: Vec<Vec<f32>>,
+    q8: Vec<i8>,
+    qscale: Vec<f32>,
+}
+
+/// One head's scratch for selection and exact attention.
+#[derive(Default)]
+struct Head {
+    top: Vec<(f32, u32)>,
     pick: Vec<u32>,
     scores: Vec<f32>,
     acc: Vec<f32>,
-    q8: Vec<u8>,
+    rows: Vec<*const u16>,
 }
 
-/// Which keys a (row, head) pair attends, after [`attend`] (for recall measurements).
+/// Which keys a (row, head) pair attends (for recall measurements).
 pub type Chosen = Vec<u32>;
 
-/// Attend query row `i`, head `h`: returns (visible keys, keys kept). With `keys8` none or
-/// `keep >= 1`, dense. Writes the output row; fills `chosen` if given.
-///
-/// # Safety
-/// `op`'s pointers are valid for its shape; `keys8` (if any) holds every cell's int8 copy.
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend(
+/// f16 bits of -inf: a masked key.
+const F16_NEG_INF: u16 = 0xfc00;
+
+/// Keys kept of `n` visible at fraction `keep` (never fewer than the sinks and the window).
+fn budget(keep: f32, n: usize, cfg: &Sparse) -> usize {
+    ((keep * n as f32).ceil() as usize).max(cfg.sink + cfg.recent)
+}
+
+#[inline]
+unsafe fn query(op: &Operands, i: usize, h: usize) -> &[f32] {
+    std::slice::from_raw_parts(op.q.add(i * op.q_row + h * op.q_head).cast::<f32>(), op.d)
+}
+
+/// The keys row `i` sees with their mask bias, and whether heads `h0..h0+g` attend sparsely
+/// (then their queries are quantized and `r.est` sized, not yet filled).
+unsafe fn prepare(
     op: &Operands,
-    keys8: Option<&Keys8>,
+    sparse: bool,
+    cfg: &Sparse,
+    keep: &[f32],
+    i: usize,
+    (h0, g): (usize, usize),
+    r: &mut Row,
+) {
+    r.cand.clear();
+    r.bias.clear();
+    if op.mask.is_null() {
+        r.cand.extend(0..op.n_kv as u32);
+        r.bias.resize(op.n_kv, 0.0);
+    } else {
+        let m = std::slice::from_raw_parts(op.mask.add(i * op.mask_row).cast::<u16>(), op.n_kv);
+        for (j, &b) in m.iter().enumerate() {
+            if b != F16_NEG_INF {
+                r.cand.push(j as u32);
+                r.bias.push(if b == 0 { 0.0 } else { f16::to_f32(b) });
+            }
+        }
+    }
+    let n = r.cand.len();
+    r.lo = cfg.sink.min(n);
+    r.hi = n - cfg.recent.min(n - r.lo);
+    r.sparse = sparse && n >= cfg.min_keys && (0..g).any(|x| budget(keep[h0 + x], n, cfg) < n);
+    if r.sparse {
+        let nb = op.d / QK;
+        r.q8.resize(g * op.d, 0);
+        r.qscale.resize(g * nb, 0.0);
+        for x in 0..g {
+            est::quantize_query(
+                query(op, i, h0 + x),
+                &mut r.q8[x * op.d..(x + 1) * op.d],
+                &mut r.qscale[x * nb..(x + 1) * nb],
+            );
+        }
+        r.est.resize_with(g, Vec::new);
+        for e in r.est.iter_mut() {
+            e.resize(r.hi - r.lo, 0.0);
+        }
+    }
+}
+
+/// Estimates of prepared heads `x0..x0+g` (indices into the row's prepared heads, all of KV
+/// head `hk`) for estimated candidates `c0..c1` (relative to `lo`), written through `est[x]`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn estimate(
+    op: &Operands,
+    k8: &Keys8,
+    hk: usize,
+    (x0, g): (usize, usize),
+    r: &Row,
+    est: &[Ptr],
+    (c0, c1): (usize, usize),
+) {
+    let mut outs: Vec<&mut [f32]> = est[x0..x0 + g]
+        .iter()
+        .map(|p| std::slice::from_raw_parts_mut(p.at(0).cast::<f32>().add(c0), c1 - c0))
+        .collect();
+    let base = r.lo + c0;
+    let nb = op.d / QK;
+    est::scores(
+        &r.q8[x0 * op.d..],
+        &r.qscale[x0 * nb..],
+        g,
+        op.d,
+        c1 - c0,
+        |c| k8.at(r.cand[base + c] as usize, hk),
+        &mut outs,
+    );
+}
+
+/// Select head `h`'s keys (group member `x`) and attend them exactly; adds to `stats`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn finish(
+    op: &Operands,
     cfg: &Sparse,
     keep: f32,
     i: usize,
-    h: usize,
-    s: &mut Scratch,
+    (h, x): (usize, usize),
+    r: &Row,
+    s: &mut Head,
+    stats: &mut Stats,
     chosen: Option<&mut Chosen>,
-) -> (usize, usize) {
+) {
     let hk = h / (op.n_head / op.n_head_kv);
-    let q = std::slice::from_raw_parts(op.q.add(i * op.q_row + h * op.q_head).cast::<f32>(), op.d);
-    s.cand.clear();
-    s.bias.clear();
-    if op.mask.is_null() {
-        s.cand.extend(0..op.n_kv as u32);
-        s.bias.resize(op.n_kv, 0.0);
-    } else {
-        let m = op.mask.add(i * op.mask_row).cast::<u16>();
-        for j in 0..op.n_kv {
-            let b = f16::to_f32(*m.add(j));
-            if b != f32::NEG_INFINITY {
-                s.cand.push(j as u32);
-                s.bias.push(b);
-            }
-        }
-    }
-    let n = s.cand.len();
-    let budget = ((keep * n as f32).ceil() as usize).max(cfg.sink + cfg.recent);
+    let n = r.cand.len();
+    let want = budget(keep, n, cfg);
     s.pick.clear();
-    match keys8 {
-        Some(k8) if n >= cfg.min_keys && budget < n => {
-            let lo = cfg.sink.min(n);
-            let hi = n - cfg.recent.min(n - lo);
-            let want = budget - lo - (n - hi);
-            s.q8.resize(op.d / QK * Q8_BYTES, 0);
-            quantizer(g::GGML_TYPE_Q8_0)(q.as_ptr(), s.q8.as_mut_ptr().cast(), op.d as i64);
-            s.est.clear();
-            for c in lo..hi {
-                let j = s.cand[c] as usize;
-                let e = dot_q8(op.d, s.q8.as_ptr(), k8.at(j, hk)) * op.scale + s.bias[c];
-                s.est.push((e, c as u32));
-            }
-            if want < s.est.len() {
-                s.est
-                    .select_nth_unstable_by(want, |a, b| b.0.total_cmp(&a.0));
-                s.est.truncate(want);
-            }
-            s.pick.extend(0..lo as u32);
-            s.pick.extend(s.est.iter().map(|&(_, c)| c));
-            s.pick.extend(hi as u32..n as u32);
-            s.pick[lo..lo + s.est.len()].sort_unstable();
+    let mut drop = 0;
+    if r.sparse && want < n {
+        let take = want - r.lo - (n - r.hi);
+        let extra = ((take as f32 * cfg.refine).ceil() as usize).min(r.hi - r.lo - take);
+        let take = take + extra;
+        drop = extra;
+        s.top.clear();
+        s.top.extend(
+            r.est[x]
+                .iter()
+                .enumerate()
+                .map(|(c, &e)| (e * op.scale + r.bias[r.lo + c], (r.lo + c) as u32)),
+        );
+        if take < s.top.len() {
+            s.top
+                .select_nth_unstable_by(take, |a, b| b.0.total_cmp(&a.0));
+            s.top.truncate(take);
         }
-        _ => s.pick.extend(0..n as u32),
+        s.pick.extend(0..r.lo as u32);
+        s.pick.extend(s.top.iter().map(|&(_, c)| c));
+        s.pick.extend(r.hi as u32..n as u32);
+        stats.sparse_rows += 1;
+    } else {
+        s.pick.extend(0..n as u32);
+        stats.dense_rows += 1;
     }
-    // Exact attention over the picked keys.
+    stats.keys_visible += n as u64;
+    stats.keys_kept += (s.pick.len() - drop) as u64;
+    exact(op, query(op, i, h), hk, i, h, r, s, drop);
+    if let Some(ch) = chosen {
+        ch.clear();
+        ch.extend(s.pick.iter().map(|&c| r.cand[c as usize]));
+        ch.sort_unstable();
+    }
+}
+
+/// Exact attention of one (row, head) over the picked keys (`s.pick`, indices into
+/// `r.cand`), written to the output; first the `drop` lowest-scoring estimated picks (those
+/// between the sinks and the recent window) are dropped from `s.pick`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn exact(
+    op: &Operands,
+    q: &[f32],
+    hk: usize,
+    i: usize,
+    h: usize,
+    r: &Row,
+    s: &mut Head,
+    drop: usize,
+) {
     let (scale, cap) = if op.softcap != 0.0 {
         (op.scale / op.softcap, op.softcap)
     } else {
@@ -520,29 +777,60 @@ unsafe fn attend(
     };
     s.scores.clear();
     let mut max = f32::NEG_INFINITY;
-    for &c in &s.pick {
-        let j = s.cand[c as usize] as usize;
+    // Picked rows are scattered over the cache: fetch a few ahead.
+    const AHEAD: usize = 4;
+    let k_bytes = op.d * 2;
+    for (t, &c) in s.pick.iter().enumerate() {
+        if let Some(&next) = s.pick.get(t + AHEAD) {
+            let p =
+                op.k.add(r.cand[next as usize] as usize * op.k_row + hk * op.k_head);
+            f16::prefetch(p, k_bytes);
+        }
+        let j = r.cand[c as usize] as usize;
         let mut x = f16::dot(q, op.k.add(j * op.k_row + hk * op.k_head).cast()) * scale;
         if cap != 0.0 {
             x = cap * x.tanh();
         }
-        x += s.bias[c as usize];
+        x += r.bias[c as usize];
         max = max.max(x);
         s.scores.push(x);
     }
-    s.acc.clear();
-    s.acc.resize(op.dv, 0.0);
-    let mut sum = 0f32;
-    for (&c, &x) in s.pick.iter().zip(&s.scores) {
-        let j = s.cand[c as usize] as usize;
-        let w = (x - max).exp();
-        sum += w;
-        f16::axpy(
-            &mut s.acc,
-            w,
-            op.v.add(j * op.v_row + hk * op.v_head).cast(),
-        );
+    if drop > 0 {
+        // Rank the estimated picks by exact score; keep all but the `drop` lowest.
+        let (lo, hi) = (r.lo, s.pick.len() - (r.cand.len() - r.hi));
+        s.top.clear();
+        s.top.extend((lo..hi).map(|t| (s.scores[t], t as u32)));
+        let keep = s.top.len() - drop;
+        s.top
+            .select_nth_unstable_by(keep, |a, b| b.0.total_cmp(&a.0));
+        let mut gone = vec![false; s.pick.len()];
+        for &(_, t) in &s.top[keep..] {
+            gone[t as usize] = true;
+        }
+        let mut w = 0;
+        for (t, &g) in gone.iter().enumerate() {
+            if !g {
+                s.pick[w] = s.pick[t];
+                s.scores[w] = s.scores[t];
+                w += 1;
+            }
+        }
+        s.pick.truncate(w);
+        s.scores.truncate(w);
+        max = s.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     }
+    let mut sum = 0f32;
+    for x in s.scores.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    s.rows.clear();
+    s.rows.extend(s.pick.iter().map(|&c| {
+        let j = r.cand[c as usize] as usize;
+        op.v.add(j * op.v_row + hk * op.v_head).cast::<u16>()
+    }));
+    s.acc.resize(op.dv, 0.0);
+    f16::weighted_sum(&mut s.acc, &s.scores, &s.rows);
     let out = std::slice::from_raw_parts_mut(
         op.dst.add(i * op.dst_row + h * op.dst_head).cast::<f32>(),
         op.dv,
@@ -551,19 +839,25 @@ unsafe fn attend(
     for (o, a) in out.iter_mut().zip(&s.acc) {
         *o = a * inv;
     }
-    if let Some(ch) = chosen {
-        ch.clear();
-        ch.extend(s.pick.iter().map(|&c| s.cand[c as usize]));
-    }
-    (n, s.pick.len())
+}
+
+fn add(tot: &Mutex<Stats>, s: &Stats) {
+    let mut t = tot.lock().unwrap_or_else(|e| e.into_inner());
+    t.sparse_rows += s.sparse_rows;
+    t.dense_rows += s.dense_rows;
+    t.keys_visible += s.keys_visible;
+    t.keys_kept += s.keys_kept;
 }
 
 /// Compute a node's attention, sparse where `keys8` is given: `keep[h]` per head.
-/// Returns per-(row, head) pairs' (visible, kept) summed, and fills `chosen[i*n_head+h]` if
-/// given.
+/// Returns the (row, head) pairs' stats, and fills `chosen[i*n_head+h]` if given.
+///
+/// Work is split by (row, KV head group) — the heads of a group share the estimate's key
+/// loads — when there are enough rows for the threads (prefill, verification); a decode step
+/// (one row) instead splits the estimate by key ranges, then the heads.
 ///
 /// # Safety
-/// As [`attend`].
+/// `op`'s pointers are valid for its shape; `keys8` (if any) holds every cell's int8 copy.
 pub unsafe fn compute(
     op: &Operands,
     keys8: Option<&Keys8>,
@@ -572,36 +866,100 @@ pub unsafe fn compute(
     threads: usize,
     chosen: Option<&mut Vec<Chosen>>,
 ) -> Stats {
-    let tasks = op.n_q * op.n_head;
+    let g = op.n_head / op.n_head_kv;
     let totals = Mutex::new(Stats::default());
     let chosen_ptr = chosen.map(|c| {
-        c.resize_with(tasks, Vec::new);
+        c.resize_with(op.n_q * op.n_head, Vec::new);
         Ptr(c.as_mut_ptr().cast())
     });
-    parallel(threads.min(tasks).max(1), &|tid, nth| {
-        let mut s = Scratch::default();
-        let mut local = Stats::default();
-        let mut t = tid;
-        while t < tasks {
-            let (i, h) = (t / op.n_head, t % op.n_head);
-            // SAFETY: each task writes its own output row and its own `chosen` slot.
-            let ch = chosen_ptr.map(|p| unsafe { &mut *p.at(0).cast::<Chosen>().add(t) });
-            let (n, kept) = unsafe { attend(op, keys8, cfg, keep[h], i, h, &mut s, ch) };
-            if kept < n {
-                local.sparse_rows += 1;
-            } else {
-                local.dense_rows += 1;
+    let slot = |i: usize, h: usize| {
+        // SAFETY: every (row, head) slot is written by one task only.
+        chosen_ptr.map(|p| unsafe { &mut *p.at(0).cast::<Chosen>().add(i * op.n_head + h) })
+    };
+    let groups = op.n_q * op.n_head_kv;
+    if groups >= 2 * threads || threads <= 1 {
+        parallel(threads.min(groups).max(1), &|tid, nth| {
+            let (mut r, mut s, mut local) = (Row::default(), Head::default(), Stats::default());
+            let mut t = tid;
+            while t < groups {
+                let (i, hk) = (t / op.n_head_kv, t % op.n_head_kv);
+                let h0 = hk * g;
+                // SAFETY: each task writes its own output rows and `chosen` slots.
+                unsafe {
+                    prepare(op, keys8.is_some(), cfg, keep, i, (h0, g), &mut r);
+                    if r.sparse {
+                        let est: Vec<Ptr> = r
+                            .est
+                            .iter_mut()
+                            .map(|e| Ptr(e.as_mut_ptr().cast()))
+                            .collect();
+                        estimate(op, keys8.unwrap(), hk, (0, g), &r, &est, (0, r.hi - r.lo));
+                    }
+                    for x in 0..g {
+                        finish(
+                            op,
+                            cfg,
+                            keep[h0 + x],
+                            i,
+                            (h0 + x, x),
+                            &r,
+                            &mut s,
+                            &mut local,
+                            slot(i, h0 + x),
+                        );
+                    }
+                }
+                t += nth;
             }
-            local.keys_visible += n as u64;
-            local.keys_kept += kept as u64;
-            t += nth;
+            add(&totals, &local);
+        });
+    } else {
+        // Few rows (decode): per row, every head's estimate split by key ranges, then the
+        // heads' selection and exact attention split by heads.
+        let mut r = Row::default();
+        for i in 0..op.n_q {
+            prepare(op, keys8.is_some(), cfg, keep, i, (0, op.n_head), &mut r);
+            if r.sparse {
+                let m = r.hi - r.lo;
+                let est: Vec<Ptr> = r
+                    .est
+                    .iter_mut()
+                    .map(|e| Ptr(e.as_mut_ptr().cast()))
+                    .collect();
+                let (rr, est) = (&r, &est);
+                parallel(threads, &|tid, nth| {
+                    let (c0, c1) = (m * tid / nth, m * (tid + 1) / nth);
+                    for hk in 0..op.n_head_kv {
+                        // SAFETY: threads write disjoint ranges of the estimate rows.
+                        unsafe { estimate(op, keys8.unwrap(), hk, (hk * g, g), rr, est, (c0, c1)) };
+                    }
+                });
+            }
+            let rr = &r;
+            parallel(threads.min(op.n_head), &|tid, nth| {
+                let (mut s, mut local) = (Head::default(), Stats::default());
+                let mut h = tid;
+                while h < op.n_head {
+                    // SAFETY: each thread writes its own heads' output rows.
+                    unsafe {
+                        finish(
+                            op,
+                            cfg,
+                            keep[h],
+                            i,
+                            (h, h),
+                            rr,
+                            &mut s,
+                            &mut local,
+                            slot(i, h),
+                        )
+                    };
+                    h += nth;
+                }
+                add(&totals, &local);
+            });
         }
-        let mut tot = totals.lock().unwrap_or_else(|e| e.into_inner());
-        tot.sparse_rows += local.sparse_rows;
-        tot.dense_rows += local.dense_rows;
-        tot.keys_visible += local.keys_visible;
-        tot.keys_kept += local.keys_kept;
-    });
+    }
     let mut s = totals.into_inner().unwrap_or_else(|e| e.into_inner());
     s.nodes = 1;
     s
@@ -643,6 +1001,15 @@ pub fn q8_row_bytes(n: usize) -> usize {
 pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
     let cfg = sparse().unwrap_or_default();
     let op = Operands::of(node);
+    {
+        let mut cap = CAPTURE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(list) = cap.as_mut() {
+            list.push(capture(node, &op));
+            drop(cap);
+            compute(&op, None, &cfg, &vec![1.0; op.n_head], threads, None);
+            return;
+        }
+    }
     let k = &*node.src[1];
     let root = &*k.view_src;
     let layer = k_cache_layer(root);
@@ -665,7 +1032,8 @@ pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
             sh.valid[cell] = true;
         }
     }
-    let fits = cell0 + op.n_kv <= sh.cells && col0 % QK == 0 && (k.nb[2] / 2) % QK == 0;
+    let fits =
+        cell0 + op.n_kv <= sh.cells && col0.is_multiple_of(QK) && (k.nb[2] / 2).is_multiple_of(QK);
     let keys8 = Keys8 {
         base: sh.data.as_ptr(),
         cell0,

@@ -91,6 +91,47 @@ mod simd {
     }
 
     #[inline]
+    pub unsafe fn prefetch(p: *const u8, bytes: usize) {
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.add(o).cast());
+            o += 64;
+        }
+    }
+
+    /// out = Σ_r w[r] · rows[r], accumulating 64 columns at a time in registers.
+    pub unsafe fn weighted_sum(out: &mut [f32], w: &[f32], rows: &[*const u16]) {
+        let n = out.len();
+        let mut c0 = 0;
+        while c0 + 64 <= n {
+            let mut a = [_mm256_setzero_ps(); 8];
+            for (r, &p) in rows.iter().enumerate() {
+                if let Some(&next) = rows.get(r + 4) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(c0).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(c0 + 32).cast());
+                }
+                let wv = _mm256_set1_ps(*w.get_unchecked(r));
+                let p = p.add(c0);
+                for (x, acc) in a.iter_mut().enumerate() {
+                    let v = _mm256_cvtph_ps(_mm_loadu_si128(p.add(8 * x).cast()));
+                    *acc = _mm256_fmadd_ps(wv, v, *acc);
+                }
+            }
+            for (x, acc) in a.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * x), *acc);
+            }
+            c0 += 64;
+        }
+        if c0 < n {
+            let tail = &mut out[c0..];
+            tail.fill(0.0);
+            for (r, &p) in rows.iter().enumerate() {
+                axpy(tail, w[r], p.add(c0));
+            }
+        }
+    }
+
+    #[inline]
     pub unsafe fn axpy(acc: &mut [f32], w: f32, v: *const u16) {
         let n = acc.len();
         let wv = _mm256_set1_ps(w);
@@ -124,6 +165,16 @@ mod simd {
     }
 
     #[inline]
+    pub unsafe fn prefetch(_: *const u8, _: usize) {}
+
+    pub unsafe fn weighted_sum(out: &mut [f32], w: &[f32], rows: &[*const u16]) {
+        out.fill(0.0);
+        for (r, &p) in rows.iter().enumerate() {
+            axpy(out, w[r], p);
+        }
+    }
+
+    #[inline]
     pub unsafe fn axpy(acc: &mut [f32], w: f32, v: *const u16) {
         for (i, a) in acc.iter_mut().enumerate() {
             *a += w * super::to_f32(*v.add(i));
@@ -138,6 +189,24 @@ mod simd {
 #[inline]
 pub unsafe fn dot(q: &[f32], k: *const u16) -> f32 {
     simd::dot(q, k)
+}
+
+/// `out = Σ_r w[r] · rows[r]` over f16 rows of `out.len()` values.
+///
+/// # Safety
+/// Every row points to at least `out.len()` readable halves; `w.len() >= rows.len()`.
+pub unsafe fn weighted_sum(out: &mut [f32], w: &[f32], rows: &[*const u16]) {
+    debug_assert!(w.len() >= rows.len());
+    simd::weighted_sum(out, w, rows)
+}
+
+/// Ask for `bytes` from `p` to be brought into cache (a hint; no-op where unsupported).
+///
+/// # Safety
+/// A hint only, but keep `p` inside an allocation.
+#[inline]
+pub unsafe fn prefetch(p: *const u8, bytes: usize) {
+    simd::prefetch(p, bytes)
 }
 
 /// `acc += w · v` for `acc.len()` elements of f16 at `v`.
@@ -183,6 +252,23 @@ mod tests {
         unsafe { axpy(&mut acc, 0.5, k.as_ptr()) };
         for i in 0..67 {
             assert!((acc[i] - (q[i] + 0.5 * to_f32(k[i]))).abs() < 1e-6);
+        }
+        // 130 columns: two register chunks of 64 and a tail of 2.
+        let rows: Vec<Vec<u16>> = (0..5)
+            .map(|r| {
+                (0..130)
+                    .map(|i| from_f32(((r * 130 + i) as f32 * 0.07).sin()))
+                    .collect()
+            })
+            .collect();
+        let ptrs: Vec<*const u16> = rows.iter().map(|r| r.as_ptr()).collect();
+        let w = [0.1f32, -0.5, 2.0, 0.0, 1.0];
+        let mut out = vec![9f32; 130];
+        // SAFETY: five rows of 130 halves.
+        unsafe { weighted_sum(&mut out, &w, &ptrs) };
+        for i in 0..130 {
+            let want: f32 = (0..5).map(|r| w[r] * to_f32(rows[r][i])).sum();
+            assert!((out[i] - want).abs() < 1e-5, "{i}");
         }
     }
 }

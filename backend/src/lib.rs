@@ -24,6 +24,8 @@
 //! loads it through `GGML_BACKEND_PATH`.
 
 pub mod attn;
+pub mod attn_bench;
+mod est;
 pub mod f16;
 pub mod ffi;
 mod matmul;

@@ -39,6 +39,15 @@ enum Cmd {
     /// Measure what a target call of k rows costs here, relative to one row (the curve that
     /// decides how much speculation can pay).
     Profile(ProfileArgs),
+    /// Time ggml's flash attention against Leap's sparse attention on one decode step's
+    /// attention nodes at several context lengths (recall and error included).
+    AttnBench(AttnBenchArgs),
+    /// Perplexity of a text file, with ggml's attention or Leap's sparse attention.
+    Perplexity(PerplexityArgs),
+    /// Print the path of Leap's ggml plugin (`libggml_leap.so`): give it to an unmodified
+    /// llama.cpp as `GGML_BACKEND_PATH` (with `LEAP_SPARSE=0.2` and `-fa on` for sparse
+    /// attention).
+    PluginPath,
     /// Show a GGUF model's architecture, layers, vocabulary and sizes.
     Info {
         /// A model name (`leap models`) or a path to a GGUF file.
@@ -149,6 +158,59 @@ struct GenerateArgs {
 }
 
 #[derive(Args)]
+struct AttnBenchArgs {
+    /// A model name (`leap models`) or a path to a GGUF file.
+    #[arg(short, long, default_value = models::DEFAULT_MODEL)]
+    model: String,
+    /// Context lengths (tokens of the text before the measured step), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096")]
+    ctx: Vec<usize>,
+    /// The text the context is made of (repeated if it is too short).
+    #[arg(long)]
+    text: PathBuf,
+    /// Fraction of visible keys each query attends exactly.
+    #[arg(long, default_value_t = 0.2)]
+    keep: f32,
+    /// Timed repetitions per node (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    /// Threads.
+    #[arg(short, long, default_value_t = default_threads())]
+    threads: i32,
+    /// Write the JSON report here (`-` for stdout).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct PerplexityArgs {
+    /// A model name (`leap models`) or a path to a GGUF file.
+    #[arg(short, long, default_value = models::DEFAULT_MODEL)]
+    model: String,
+    /// The text to score.
+    #[arg(long)]
+    file: PathBuf,
+    /// Window length in tokens (each window's second half is scored).
+    #[arg(long, default_value_t = 1024)]
+    ctx: usize,
+    /// Leap's sparse attention (`on`) or ggml's flash attention (`off`).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    sparse: String,
+    /// With --sparse on: fraction of visible keys each query attends exactly.
+    #[arg(long, default_value_t = 0.2)]
+    keep: f32,
+    /// Score at most this many windows.
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// Threads.
+    #[arg(short, long, default_value_t = default_threads())]
+    threads: i32,
+    /// Write the JSON report here (`-` for stdout).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
 struct ProfileArgs {
     /// A model name (`leap models`) or a path to a GGUF file.
     #[arg(short, long, default_value = models::DEFAULT_MODEL)]
@@ -239,6 +301,30 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Models { cmd } => run_models(cmd),
         Cmd::Profile(a) => profile(a),
         Cmd::Info { model, tensors } => info(&model, tensors),
+        Cmd::AttnBench(a) => leap_cli::attn::attn_bench(&leap_cli::attn::AttnBench {
+            model: a.model,
+            ctx: a.ctx,
+            text: a.text,
+            out: a.out,
+            threads: a.threads,
+            keep: a.keep,
+            reps: a.reps,
+        }),
+        Cmd::Perplexity(a) => leap_cli::attn::perplexity(&leap_cli::attn::Perplexity {
+            model: a.model,
+            file: a.file,
+            ctx: a.ctx,
+            sparse: a.sparse == "on",
+            keep: a.keep,
+            chunks: a.chunks,
+            out: a.out,
+            threads: a.threads,
+        })
+        .map(|_| ()),
+        Cmd::PluginPath => {
+            println!("{}", leap_cli::attn::plugin_path()?.display());
+            Ok(())
+        }
     }
 }
 

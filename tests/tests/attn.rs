@@ -19,10 +19,6 @@ fn text() -> String {
     .concat()
 }
 
-fn fa_context() -> Context {
-    fa_context_with(FlashAttn::On)
-}
-
 fn fa_context_with(fa: FlashAttn) -> Context {
     let p = ContextParams {
         n_ctx: 2048,
@@ -107,8 +103,12 @@ fn sparse_attention_on_smollm2() {
         assert_eq!(argmax(a), argmax(b), "step {s}");
     }
 
-    // keep = 0.2: a fifth of the keys (plus sinks and the recent window) per query.
-    attn::set_sparse(Some(Sparse::default()));
+    // keep = 0.2: a fifth of the keys (plus sinks and the recent window) per query that
+    // sees 512 keys or more.
+    attn::set_sparse(Some(Sparse {
+        min_keys: 512,
+        ..Sparse::default()
+    }));
     let before = attn::stats();
     let sparse = run(&prompt, steps);
     let st = attn::stats();

@@ -1,0 +1,50 @@
+//! `libggml_leap.so`: Leap's ggml device for a llama.cpp that Leap did not build.
+//!
+//! ggml's loader (`ggml_backend_load`, and `ggml_backend_load_all`, which reads the
+//! `GGML_BACKEND_PATH` environment variable) `dlopen`s this library, checks
+//! `ggml_backend_score`, calls `ggml_backend_init` and registers the registry it returns, whose
+//! `leap-cpu` device then takes work in every context created afterwards, as it does inside
+//! `leap`. The library links the host's shared ggml (never a copy of its own), and must come
+//! from the same llama.cpp tree as the host: `leap plugin-path` prints where it is.
+//!
+//! Settings come from the environment, since the host program knows nothing of Leap:
+//! - `LEAP_SPARSE`: `off` (default) or the fraction of keys a query attends (`0.2`); the host
+//!   must run with flash attention on (`-fa on`) for the device to see attention.
+//! - `LEAP_KERNELS`: `on` (default) or `off` (small-batch matrix products left to ggml).
+
+use std::ffi::c_void;
+
+use leap_backend::attn::{self, Sparse};
+
+fn configure() {
+    if let Ok(v) = std::env::var("LEAP_KERNELS") {
+        leap_backend::set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
+    }
+    match std::env::var("LEAP_SPARSE").as_deref().map(str::trim) {
+        Ok("") | Ok("off") | Ok("0") | Err(_) => {}
+        Ok(v) => match v.parse::<f32>() {
+            Ok(keep) if keep > 0.0 && keep <= 1.0 => attn::set_sparse(Some(Sparse {
+                keep,
+                ..Sparse::default()
+            })),
+            _ => eprintln!("libggml_leap: LEAP_SPARSE must be off or a fraction in (0, 1], not {v:?}; sparse attention stays off"),
+        },
+    }
+}
+
+/// ggml's plugin entry point: the registry (the same pointer on every call).
+#[no_mangle]
+pub extern "C" fn ggml_backend_init() -> *mut c_void {
+    std::panic::catch_unwind(|| {
+        configure();
+        leap_backend::registry().cast::<c_void>()
+    })
+    .unwrap_or(std::ptr::null_mut())
+}
+
+/// ggml's plugin score: nonzero, the device runs on any CPU (it checks its kernels against
+/// ggml's at run time and leaves to ggml what it cannot compute exactly).
+#[no_mangle]
+pub extern "C" fn ggml_backend_score() -> i32 {
+    1
+}

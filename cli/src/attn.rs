@@ -1,0 +1,429 @@
+//! `leap attn-bench`, `leap perplexity` and `leap plugin-path`: what sparse attention costs
+//! and what it changes, measured on a real model and text.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context as _, Result};
+use leap_backend::attn::{self, Sparse};
+use leap_backend::attn_bench::{self, NodeResult};
+use leap_host::{Batch, Context, ContextParams, FlashAttn, Model, ModelParams};
+use serde::Serialize;
+
+use crate::{models, progress};
+
+/// Where the plugin's shared library is: next to the `leap` executable (cargo puts both in
+/// `target/<profile>/`), or under `../lib` of an installed one.
+pub fn plugin_path() -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the leap executable")?;
+    let dir = exe.parent().context("the executable's directory")?;
+    let name = "libggml_leap.so";
+    for cand in [dir.join(name), dir.join("../lib").join(name)] {
+        if cand.exists() {
+            return Ok(cand.canonicalize().unwrap_or(cand));
+        }
+    }
+    bail!(
+        "{name} is not next to {} (build it with `make plugin` or `cargo build --release`)",
+        exe.display()
+    )
+}
+
+/// Sparse-attention settings from the command line: `keep` in (0, 1].
+pub fn sparse_config(keep: f32) -> Result<Sparse> {
+    ensure!(
+        keep > 0.0 && keep <= 1.0,
+        "--keep must be a fraction in (0, 1], not {keep}"
+    );
+    Ok(Sparse {
+        keep,
+        ..Sparse::default()
+    })
+}
+
+/// Tokens of `file`, at least `need` of them (the text repeats if it is shorter, with a
+/// warning: attention over repeated text is easier to estimate than over new text).
+fn tokens_of(model: &Model, file: &Path, need: usize) -> Result<Vec<i32>> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    ensure!(!text.trim().is_empty(), "{} is empty", file.display());
+    let mut toks = model.tokenize(&text, true, false)?;
+    if toks.len() < need {
+        log::warn!(
+            "{} has {} tokens, fewer than {need}: repeating it",
+            file.display(),
+            toks.len()
+        );
+        let body = model.tokenize(&text, false, false)?;
+        while toks.len() < need {
+            toks.extend_from_slice(&body);
+        }
+    }
+    Ok(toks)
+}
+
+fn fa_context(model: &Arc<Model>, n_ctx: u32, n_batch: u32, threads: i32) -> Result<Context> {
+    Ok(Context::new(
+        model,
+        &ContextParams {
+            n_ctx,
+            n_batch,
+            n_ubatch: 512,
+            n_threads: threads,
+            n_threads_batch: threads,
+            flash_attn: FlashAttn::On,
+            ..Default::default()
+        },
+    )?)
+}
+
+/// Decode `tokens` from position `pos0` in batches of `n_batch`, with logits for the rows
+/// where `want(pos)` holds; `f(pos, logits)` sees them.
+fn decode_run(
+    ctx: &mut Context,
+    tokens: &[i32],
+    pos0: usize,
+    n_batch: usize,
+    want: impl Fn(usize) -> bool,
+    mut f: impl FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
+    for (c, chunk) in tokens.chunks(n_batch).enumerate() {
+        let mut b = Batch::new(chunk.len(), 1);
+        let mut rows = Vec::new();
+        for (k, &t) in chunk.iter().enumerate() {
+            let pos = pos0 + c * n_batch + k;
+            let row = b.add(t, pos as i32, &[0], want(pos))?;
+            if want(pos) {
+                rows.push((pos, row));
+            }
+        }
+        ctx.decode(&b)?;
+        for (pos, row) in rows {
+            f(pos, ctx.logits(row)?)?;
+        }
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct AttnCtxResult {
+    ctx: usize,
+    dense_ms: f64,
+    sparse_ms: f64,
+    speedup: f64,
+    recall: f64,
+    max_abs_err: f32,
+    /// Recall of the int8 estimate's own top-k (before the exact re-ranking near the cut).
+    estimate_recall: f64,
+    /// Attention probability of the kept keys (exact softmax), averaged over sparse queries.
+    mass: f64,
+    /// Leap's own dense path (every key) on the nodes it takes.
+    leap_dense_ms: f64,
+    /// Keys kept / visible over the nodes the device takes.
+    kept_fraction: f64,
+    nodes: usize,
+    nodes_taken: usize,
+    layers: Vec<LayerResult>,
+}
+
+#[derive(Serialize)]
+struct LayerResult {
+    layer: usize,
+    swa: bool,
+    taken: bool,
+    n_kv: usize,
+    dense_ms: f64,
+    leap_dense_ms: f64,
+    sparse_ms: f64,
+    recall: f64,
+    estimate_recall: f64,
+    mass: f64,
+    max_abs_err: f32,
+    sparse_rows: u64,
+}
+
+#[derive(Serialize)]
+struct AttnReport {
+    schema: &'static str,
+    model: String,
+    text: String,
+    threads: i32,
+    keep: f32,
+    min_keys: usize,
+    sink: usize,
+    recent: usize,
+    reps: usize,
+    note: &'static str,
+    results: Vec<AttnCtxResult>,
+}
+
+/// Settings of `leap attn-bench`.
+pub struct AttnBench {
+    pub model: String,
+    pub ctx: Vec<usize>,
+    pub text: PathBuf,
+    pub out: PathBuf,
+    pub threads: i32,
+    pub keep: f32,
+    pub reps: usize,
+}
+
+/// Capture the attention nodes of one decode step at each context length (the text as
+/// context), then time ggml's CPU flash attention and Leap's sparse attention on them.
+pub fn attn_bench(a: &AttnBench) -> Result<()> {
+    let cfg = sparse_config(a.keep)?;
+    ensure!(!a.ctx.is_empty(), "--ctx needs at least one length");
+    ensure!(a.reps > 0, "--reps must be at least 1");
+    let path = models::resolve(&a.model)?;
+    leap_backend::register();
+    leap_backend::set_enabled(true);
+    attn::set_sparse(None);
+    let model = Model::load(&path, &ModelParams::default())?;
+    let max_ctx = *a.ctx.iter().max().unwrap();
+    let toks = tokens_of(&model, &a.text, max_ctx)?;
+    let threads = a.threads.max(1) as usize;
+    let mut results = Vec::new();
+    let bar = progress::bar(
+        true,
+        a.ctx.len() as u64,
+        "{msg} [{bar:30}] {pos}/{len} contexts",
+    );
+    for &n in &a.ctx {
+        ensure!(n >= 2, "context lengths must be at least 2");
+        bar.set_message(format!("ctx {n}"));
+        let mut ctx = fa_context(&model, (n + 16) as u32, 512, a.threads)?;
+        decode_run(&mut ctx, &toks[..n - 1], 0, 512, |_| false, |_, _| Ok(()))?;
+        // The next token's graph is built now (a one-row graph differs from prefill's), so
+        // the capture sees every layer's attention at this context length.
+        attn::start_capture();
+        let r = decode_run(
+            &mut ctx,
+            &toks[n - 1..n],
+            n - 1,
+            1,
+            |_| false,
+            |_, _| Ok(()),
+        );
+        let nodes = attn::take_capture();
+        r?;
+        ensure!(
+            !nodes.is_empty(),
+            "no flash-attention node reached Leap's device (does this model use flash attention?)"
+        );
+        let per: Vec<NodeResult> = nodes
+            .iter()
+            .map(|c| attn_bench::measure(c, &cfg, threads, a.reps))
+            .collect();
+        results.push(summarise(n, &per));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let report = AttnReport {
+        schema: "leap-attn-bench/1",
+        model: path.display().to_string(),
+        text: a.text.display().to_string(),
+        threads: a.threads,
+        keep: cfg.keep,
+        min_keys: cfg.min_keys,
+        sink: cfg.sink,
+        recent: cfg.recent,
+        reps: a.reps,
+        note: "one decode step's attention nodes (all layers) at each context length; \
+               dense = ggml's CPU flash attention, sparse = Leap's device (ggml's time for \
+               nodes it leaves to ggml: sliding-window layers and short caches); the int8 K \
+               shadow is kept up to date by the cache writes while decoding and is not timed",
+        results,
+    };
+    for r in &report.results {
+        eprintln!(
+            "ctx {:>5}: dense {:7.3} ms  sparse {:7.3} ms  speedup {:5.2}x  recall {:.4} (int8 alone {:.4})  mass {:.3}  max|err| {:.4}  kept {:.3}  ({} of {} nodes on the device)",
+            r.ctx, r.dense_ms, r.sparse_ms, r.speedup, r.recall, r.estimate_recall, r.mass,
+            r.max_abs_err, r.kept_fraction, r.nodes_taken, r.nodes
+        );
+    }
+    write_json(&a.out, &report)
+}
+
+fn summarise(n: usize, per: &[NodeResult]) -> AttnCtxResult {
+    let dense: f64 = per.iter().map(|r| r.dense_ms).sum();
+    let sparse: f64 = per.iter().map(|r| r.sparse_ms).sum();
+    let taken: Vec<&NodeResult> = per.iter().filter(|r| r.taken).collect();
+    // Quality averaged over the sparsely attended (row, head) pairs.
+    let pairs: u64 = per.iter().map(|r| r.sparse_rows).sum();
+    let mean = |f: &dyn Fn(&NodeResult) -> f64| {
+        if pairs == 0 {
+            1.0
+        } else {
+            per.iter().map(|r| f(r) * r.sparse_rows as f64).sum::<f64>() / pairs as f64
+        }
+    };
+    let (vis, kept): (u64, u64) = taken
+        .iter()
+        .fold((0, 0), |(v, k), r| (v + r.visible, k + r.kept));
+    AttnCtxResult {
+        ctx: n,
+        dense_ms: dense,
+        sparse_ms: sparse,
+        speedup: if sparse > 0.0 { dense / sparse } else { 0.0 },
+        recall: mean(&|r| r.recall),
+        estimate_recall: mean(&|r| r.estimate_recall),
+        mass: mean(&|r| r.mass),
+        max_abs_err: per.iter().map(|r| r.max_abs_err).fold(0.0, f32::max),
+        leap_dense_ms: taken.iter().map(|r| r.leap_dense_ms).sum(),
+        kept_fraction: if vis > 0 {
+            kept as f64 / vis as f64
+        } else {
+            1.0
+        },
+        nodes: per.len(),
+        nodes_taken: taken.len(),
+        layers: per
+            .iter()
+            .map(|r| LayerResult {
+                layer: r.layer,
+                swa: r.swa,
+                taken: r.taken,
+                n_kv: r.n_kv,
+                dense_ms: r.dense_ms,
+                leap_dense_ms: r.leap_dense_ms,
+                sparse_ms: r.sparse_ms,
+                recall: r.recall,
+                estimate_recall: r.estimate_recall,
+                mass: r.mass,
+                max_abs_err: r.max_abs_err,
+                sparse_rows: r.sparse_rows,
+            })
+            .collect(),
+    }
+}
+
+fn write_json(out: &Path, v: &impl Serialize) -> Result<()> {
+    let json = serde_json::to_string_pretty(v)? + "\n";
+    if out.as_os_str() == "-" {
+        print!("{json}");
+    } else {
+        std::fs::write(out, json).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// Settings of `leap perplexity`.
+pub struct Perplexity {
+    pub model: String,
+    pub file: PathBuf,
+    pub ctx: usize,
+    pub sparse: bool,
+    pub keep: f32,
+    pub chunks: Option<usize>,
+    pub out: Option<PathBuf>,
+    pub threads: i32,
+}
+
+#[derive(Serialize)]
+struct PplReport {
+    ppl: f64,
+    tokens: usize,
+    sparse: bool,
+    schema: &'static str,
+    model: String,
+    file: String,
+    ctx: usize,
+    chunks: usize,
+    keep: Option<f32>,
+    /// Keys kept / visible over the attention the device computed (sparse only).
+    kept_fraction: Option<f64>,
+    seconds: f64,
+    note: &'static str,
+}
+
+/// Perplexity of `file` in windows of `ctx` tokens, scoring the second half of each window
+/// (the first half is its context), with ggml's flash attention or Leap's sparse attention.
+pub fn perplexity(a: &Perplexity) -> Result<f64> {
+    ensure!(a.ctx >= 16, "--ctx must be at least 16");
+    let path = models::resolve(&a.model)?;
+    leap_backend::register();
+    leap_backend::set_enabled(true);
+    attn::set_sparse(if a.sparse {
+        Some(sparse_config(a.keep)?)
+    } else {
+        None
+    });
+    let model = Model::load(&path, &ModelParams::default())?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
+    let toks = model.tokenize(&text, true, false)?;
+    let available = toks.len() / a.ctx;
+    ensure!(
+        available > 0,
+        "{} has {} tokens, fewer than one window of --ctx {}",
+        a.file.display(),
+        toks.len(),
+        a.ctx
+    );
+    let chunks = a.chunks.map_or(available, |c| c.min(available)).max(1);
+    let start = Instant::now();
+    let before = attn::stats();
+    let half = a.ctx / 2;
+    let n_batch = 128usize;
+    let mut ctx = fa_context(&model, a.ctx as u32, 512, a.threads)?;
+    let (mut nll, mut count) = (0f64, 0usize);
+    let bar = progress::bar(
+        true,
+        chunks as u64,
+        "perplexity [{bar:30}] {pos}/{len} windows {msg}",
+    );
+    for c in 0..chunks {
+        let w = &toks[c * a.ctx..(c + 1) * a.ctx];
+        ctx.clear(true);
+        // The first half is context only; logits from its last row on (each row predicts
+        // the next token).
+        let score = |pos: usize| pos + 1 >= half && pos + 1 < a.ctx;
+        decode_run(&mut ctx, w, 0, n_batch, score, |pos, logits| {
+            let next = w[pos + 1] as usize;
+            let max = logits.iter().copied().fold(f32::MIN, f32::max);
+            let z: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+            nll += z.ln() - (logits[next] - max) as f64;
+            count += 1;
+            Ok(())
+        })?;
+        bar.set_message(format!("ppl {:.3}", (nll / count as f64).exp()));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let ppl = (nll / count as f64).exp();
+    let st = attn::stats();
+    let (vis, kept) = (
+        st.keys_visible - before.keys_visible,
+        st.keys_kept - before.keys_kept,
+    );
+    attn::set_sparse(None);
+    let report = PplReport {
+        ppl,
+        tokens: count,
+        sparse: a.sparse,
+        schema: "leap-perplexity/1",
+        model: path.display().to_string(),
+        file: a.file.display().to_string(),
+        ctx: a.ctx,
+        chunks,
+        keep: a.sparse.then_some(a.keep),
+        kept_fraction: (a.sparse && vis > 0).then(|| kept as f64 / vis as f64),
+        seconds: start.elapsed().as_secs_f64(),
+        note: "windows of ctx tokens, each scored on its second half; flash attention on \
+               (ggml's when sparse is off)",
+    };
+    eprintln!(
+        "perplexity {:.4} over {} tokens ({} windows of {}, sparse {})",
+        ppl,
+        count,
+        chunks,
+        a.ctx,
+        if a.sparse { "on" } else { "off" }
+    );
+    if let Some(out) = &a.out {
+        write_json(out, &report)?;
+    }
+    Ok(ppl)
+}
