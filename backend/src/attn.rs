@@ -15,7 +15,7 @@
 //! the device did not write (it was off, or the context predates sparse mode) are quantized
 //! from the f16 cache the first time a node reads them.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::ffi as g;
@@ -34,6 +34,12 @@ pub struct Sparse {
     pub sink: usize,
     /// Most recent keys always kept.
     pub recent: usize,
+    /// Query rows above which the device leaves a node to ggml (prefill): on a CPU the
+    /// estimate of a long batch is a full `Q·K` product, as costly as ggml's tiled dense
+    /// attention, so sparse attention pays for decode and verification shapes; a device with
+    /// a cheap estimator (an NPU) lifts this. Each row is computed the same way whatever the
+    /// batch, so raising it (perplexity runs do) measures exactly what decoding computes.
+    pub max_rows: usize,
     /// Extra candidates (a fraction of the estimated budget) whose exact scores are
     /// computed, so that the estimate's errors near the cut are corrected: the budget's
     /// best by exact score are kept.
@@ -51,6 +57,7 @@ impl Default for Sparse {
             sink: 4,
             recent: 64,
             refine: 0.25,
+            max_rows: 16,
             heads: None,
         }
     }
@@ -429,7 +436,7 @@ pub(crate) unsafe fn set_rows(node: &mut g::ggml_tensor) {
 
 /// Whether the device takes this flash-attention node.
 pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
-    let capturing = capturing();
+    let capturing = capturing() || TAKE_ALL.load(Ordering::Relaxed);
     let cfg = match sparse() {
         Some(c) => c,
         None if capturing => Sparse::default(),
@@ -458,7 +465,9 @@ pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
     let taken = if capturing {
         any_k_cache(root).is_some()
     } else {
-        k_cache_layer(root).is_some() && k.ne[1] as usize >= cfg.min_keys
+        k_cache_layer(root).is_some()
+            && k.ne[1] as usize >= cfg.min_keys
+            && q.ne[1] as usize <= cfg.max_rows
     };
     taken
         && mask_ok
@@ -999,57 +1008,106 @@ pub fn q8_row_bytes(n: usize) -> usize {
 /// # Safety
 /// `node` passed [`supports_fa`]; its sources hold their data.
 pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
-    let cfg = sparse().unwrap_or_default();
+    let configured = sparse();
+    let cfg = configured.clone().unwrap_or_default();
     let op = Operands::of(node);
+    let dense = vec![1.0; op.n_head];
     {
         let mut cap = CAPTURE.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(list) = cap.as_mut() {
             list.push(capture(node, &op));
             drop(cap);
-            compute(&op, None, &cfg, &vec![1.0; op.n_head], threads, None);
+            compute(&op, None, &cfg, &dense, threads, None);
             return;
         }
     }
     let k = &*node.src[1];
     let root = &*k.view_src;
     let layer = k_cache_layer(root);
-    let mut list = SHADOWS.lock().unwrap_or_else(|e| e.into_inner());
-    let sh = shadow_for(&mut list, root);
-    let off0 = k.data as usize - root.data as usize;
-    let cell0 = off0 / root.nb[1];
-    let col0 = (off0 % root.nb[1]) / 2;
-    // Cells nobody quantized yet (written while the device was off): from the f16 cache.
-    for j in 0..op.n_kv {
-        let cell = cell0 + j;
-        if cell < sh.cells && !sh.valid[cell] {
-            quantize_f16_rows(
-                (root.data as *const u8).add(cell * root.nb[1]),
-                root.nb[1],
-                1,
-                sh.n_embd,
-                sh.data.as_mut_ptr().add(cell * sh.row_bytes),
-            );
-            sh.valid[cell] = true;
+    let st = match (&configured, layer) {
+        (Some(_), Some(_)) => {
+            let mut list = SHADOWS.lock().unwrap_or_else(|e| e.into_inner());
+            let sh = shadow_for(&mut list, root);
+            let off0 = k.data as usize - root.data as usize;
+            let cell0 = off0 / root.nb[1];
+            let col0 = (off0 % root.nb[1]) / 2;
+            // Cells nobody quantized yet (written while the device was off): from the cache.
+            for j in 0..op.n_kv {
+                let cell = cell0 + j;
+                if cell < sh.cells && !sh.valid[cell] {
+                    quantize_f16_rows(
+                        (root.data as *const u8).add(cell * root.nb[1]),
+                        root.nb[1],
+                        1,
+                        sh.n_embd,
+                        sh.data.as_mut_ptr().add(cell * sh.row_bytes),
+                    );
+                    sh.valid[cell] = true;
+                }
+            }
+            let fits = cell0 + op.n_kv <= sh.cells
+                && col0.is_multiple_of(QK)
+                && (k.nb[2] / 2).is_multiple_of(QK);
+            let keys8 = Keys8 {
+                base: sh.data.as_ptr(),
+                cell0,
+                row: sh.row_bytes,
+                col0: col0 / QK * Q8_BYTES,
+                head: k.nb[2] / 2 / QK * Q8_BYTES,
+            };
+            let keep: Vec<f32> = (0..op.n_head).map(|h| cfg.keep_for(layer, h)).collect();
+            compute(&op, fits.then_some(&keys8), &cfg, &keep, threads, None)
+        }
+        // Taken for profiling (every layer, dense) or a sliding-window layer: dense.
+        _ => compute(&op, None, &cfg, &dense, threads, None),
+    };
+    if let (Some(ab), Some((il, _))) = (ablation(), any_k_cache(root)) {
+        if ab.layer == il {
+            for i in 0..op.n_q {
+                for h in 0..op.n_head {
+                    if ab.head.is_none_or(|x| x == h) {
+                        let out = op.dst.add(i * op.dst_row + h * op.dst_head).cast::<f32>();
+                        std::slice::from_raw_parts_mut(out, op.dv).fill(0.0);
+                    }
+                }
+            }
         }
     }
-    let fits =
-        cell0 + op.n_kv <= sh.cells && col0.is_multiple_of(QK) && (k.nb[2] / 2).is_multiple_of(QK);
-    let keys8 = Keys8 {
-        base: sh.data.as_ptr(),
-        cell0,
-        row: sh.row_bytes,
-        col0: col0 / QK * Q8_BYTES,
-        head: k.nb[2] / 2 / QK * Q8_BYTES,
-    };
-    let keep: Vec<f32> = (0..op.n_head).map(|h| cfg.keep_for(layer, h)).collect();
-    let st = compute(&op, fits.then_some(&keys8), &cfg, &keep, threads, None);
-    drop(list);
     let mut tot = STATS.lock().unwrap_or_else(|e| e.into_inner());
     tot.nodes += 1;
     tot.sparse_rows += st.sparse_rows;
     tot.dense_rows += st.dense_rows;
     tot.keys_visible += st.keys_visible;
     tot.keys_kept += st.keys_kept;
+}
+
+/// A head (or a whole layer's attention) whose output is zeroed, to measure how much the
+/// model's loss needs it (004 Eq. 1-2, `leap profile-heads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ablation {
+    pub layer: usize,
+    /// `None`: every head of the layer.
+    pub head: Option<usize>,
+}
+
+static TAKE_ALL: AtomicBool = AtomicBool::new(false);
+static ABLATE: Mutex<Option<Ablation>> = Mutex::new(None);
+
+/// Profiling mode: the device takes every flash-attention node (dense unless sparse
+/// attention is on), so that [`set_ablation`] reaches every layer. Affects graphs built
+/// afterwards (contexts created afterwards).
+pub fn set_take_all(on: bool) {
+    TAKE_ALL.store(on, Ordering::Relaxed);
+}
+
+/// Zero a head's or a layer's attention output in the nodes computed from now on (the
+/// device must take them: [`set_take_all`]).
+pub fn set_ablation(a: Option<Ablation>) {
+    *ABLATE.lock().unwrap_or_else(|e| e.into_inner()) = a;
+}
+
+fn ablation() -> Option<Ablation> {
+    *ABLATE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

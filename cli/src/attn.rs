@@ -172,10 +172,10 @@ pub struct AttnBench {
 /// Capture the attention nodes of one decode step at each context length (the text as
 /// context), then time ggml's CPU flash attention and Leap's sparse attention on them.
 pub fn attn_bench(a: &AttnBench) -> Result<()> {
-    let cfg = sparse_config(a.keep)?;
     ensure!(!a.ctx.is_empty(), "--ctx needs at least one length");
     ensure!(a.reps > 0, "--reps must be at least 1");
     let path = models::resolve(&a.model)?;
+    let cfg = with_sidecar(sparse_config(a.keep)?, &path)?;
     leap_backend::register();
     leap_backend::set_enabled(true);
     attn::set_sparse(None);
@@ -332,6 +332,8 @@ struct PplReport {
     ctx: usize,
     chunks: usize,
     keep: Option<f32>,
+    /// Whether per-head budgets came from the model's sidecar.
+    sidecar: bool,
     /// Keys kept / visible over the attention the device computed (sparse only).
     kept_fraction: Option<f64>,
     seconds: f64,
@@ -345,8 +347,16 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
     let path = models::resolve(&a.model)?;
     leap_backend::register();
     leap_backend::set_enabled(true);
+    // Every row sparse, also in the batches this runs in (each row is computed as it would
+    // be decoded alone).
     attn::set_sparse(if a.sparse {
-        Some(sparse_config(a.keep)?)
+        Some(with_sidecar(
+            Sparse {
+                max_rows: usize::MAX,
+                ..sparse_config(a.keep)?
+            },
+            &path,
+        )?)
     } else {
         None
     });
@@ -398,6 +408,7 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
         st.keys_visible - before.keys_visible,
         st.keys_kept - before.keys_kept,
     );
+    let sidecar = attn::sparse().is_some_and(|s| s.heads.is_some());
     attn::set_sparse(None);
     let report = PplReport {
         ppl,
@@ -409,6 +420,7 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
         ctx: a.ctx,
         chunks,
         keep: a.sparse.then_some(a.keep),
+        sidecar,
         kept_fraction: (a.sparse && vis > 0).then(|| kept as f64 / vis as f64),
         seconds: start.elapsed().as_secs_f64(),
         note: "windows of ctx tokens, each scored on its second half; flash attention on \
@@ -426,4 +438,255 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
         write_json(out, &report)?;
     }
     Ok(ppl)
+}
+
+/// Sidecar keys of the sparse-attention profile.
+pub mod keys {
+    /// Per head keep fractions, `[layer][head]` flattened.
+    pub const KEEP: &str = "leap.attn.keep";
+    /// Per head loss increase when the head is removed (004 Eq. 1).
+    pub const HEAD_IMPORTANCE: &str = "leap.attn.head_importance";
+    /// Per layer loss increase when its attention is removed (004 Eq. 2).
+    pub const LAYER_IMPORTANCE: &str = "leap.attn.layer_importance";
+    pub const N_LAYER: &str = "leap.attn.n_layer";
+    pub const N_HEAD: &str = "leap.attn.n_head";
+    /// The global keep fraction the per-head ones average to.
+    pub const GLOBAL_KEEP: &str = "leap.attn.global_keep";
+    pub const CORPUS: &str = "leap.attn.corpus";
+    pub const TOKENS: &str = "leap.attn.tokens";
+}
+
+/// `--sparse` of the runtime options: `off`, `on` (the default fraction) or a fraction.
+pub fn parse_sparse(v: &str) -> Result<Option<Sparse>> {
+    match v.trim() {
+        "off" | "0" => Ok(None),
+        "on" => Ok(Some(Sparse::default())),
+        x => {
+            let keep: f32 = x.parse().map_err(|_| {
+                anyhow::anyhow!("--sparse must be off, on or a fraction in (0, 1], not {x:?}")
+            })?;
+            Ok(Some(sparse_config(keep)?))
+        }
+    }
+}
+
+/// Per-head budgets from the model's sidecar (`MODEL.leap.gguf`), if it has a profile for
+/// this model's shape; scaled so that they average to `s.keep`.
+pub fn with_sidecar(mut s: Sparse, model: &Path) -> Result<Sparse> {
+    let path = leap_host::sidecar::path_for(model);
+    let Some(side) = leap_host::sidecar::Sidecar::load(&path)? else {
+        return Ok(s);
+    };
+    let (Some(keep), Some(nl), Some(nh)) = (
+        side.f32s(keys::KEEP),
+        side.u32(keys::N_LAYER),
+        side.u32(keys::N_HEAD),
+    ) else {
+        return Ok(s);
+    };
+    let (nl, nh) = (nl as usize, nh as usize);
+    ensure!(
+        keep.len() == nl * nh,
+        "{}: {} has {} values, not {nl} layers x {nh} heads",
+        path.display(),
+        keys::KEEP,
+        keep.len()
+    );
+    let global = match side.get(keys::GLOBAL_KEEP) {
+        Some(leap_host::sidecar::Value::F32(g)) if *g > 0.0 => *g,
+        _ => s.keep,
+    };
+    let scale = s.keep / global;
+    s.heads = Some(Arc::new(attn::HeadProfile {
+        layers: keep
+            .chunks(nh)
+            .map(|l| l.iter().map(|k| (k * scale).clamp(0.0, 1.0)).collect())
+            .collect(),
+    }));
+    log::info!("per-head sparse-attention budgets from {}", path.display());
+    Ok(s)
+}
+
+/// Eq. 3 of 004: per head keep fractions proportional to clamp(headImp · layerImp), averaging
+/// `r` over the heads, each within [r/4, 1] (what a head cannot take is shared by the others).
+pub fn head_budgets(head_imp: &[f64], layer_imp: &[f64], n_head: usize, r: f32) -> Vec<f32> {
+    let n = head_imp.len();
+    let mut w: Vec<f64> = head_imp
+        .iter()
+        .enumerate()
+        .map(|(i, &h)| h.max(0.0) * layer_imp[i / n_head].max(0.0))
+        .collect();
+    // Clamp the extreme points (004: "clamping extremely large points") at the 90th
+    // percentile, and give every head a floor.
+    let mut sorted = w.clone();
+    sorted.sort_by(f64::total_cmp);
+    let hi = sorted[(n * 9 / 10).min(n - 1)];
+    let mean = sorted.iter().sum::<f64>() / n as f64;
+    let floor = (mean * 1e-2).max(1e-12);
+    for x in w.iter_mut() {
+        *x = x.clamp(floor, hi.max(floor));
+    }
+    let (lo_k, hi_k) = ((r / 4.0) as f64, 1.0f64);
+    let target = r as f64 * n as f64;
+    let mut keep = vec![0f64; n];
+    let mut fixed = vec![false; n];
+    // Water-filling: scale the free heads to the remaining budget; pin those out of bounds.
+    for _ in 0..n + 1 {
+        let pinned: f64 = (0..n).filter(|&i| fixed[i]).map(|i| keep[i]).sum();
+        let free_w: f64 = (0..n).filter(|&i| !fixed[i]).map(|i| w[i]).sum();
+        if free_w <= 0.0 {
+            break;
+        }
+        let scale = (target - pinned).max(0.0) / free_w;
+        let mut changed = false;
+        for i in 0..n {
+            if fixed[i] {
+                continue;
+            }
+            keep[i] = w[i] * scale;
+            if keep[i] > hi_k || keep[i] < lo_k {
+                keep[i] = keep[i].clamp(lo_k, hi_k);
+                fixed[i] = true;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    keep.into_iter().map(|k| k as f32).collect()
+}
+
+/// Settings of `leap profile-heads`.
+pub struct ProfileHeads {
+    pub model: String,
+    pub corpus: PathBuf,
+    pub ctx: usize,
+    pub tail: usize,
+    pub windows: usize,
+    pub keep: f32,
+    pub out: Option<PathBuf>,
+    pub threads: i32,
+}
+
+/// Measure each head's and each layer's importance on a calibration text (the loss increase
+/// when its attention output is zeroed, on the last `tail` tokens of windows of `ctx`), turn
+/// them into per-head budgets (004 Eq. 1-3) and write them into the model's sidecar.
+pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
+    ensure!(
+        a.tail >= 2 && a.tail < a.ctx,
+        "--tail must be in [2, --ctx)"
+    );
+    ensure!(a.windows >= 1, "--windows must be at least 1");
+    let keep = sparse_config(a.keep)?.keep;
+    let path = models::resolve(&a.model)?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| leap_host::sidecar::path_for(&path));
+    leap_backend::register();
+    leap_backend::set_enabled(true);
+    attn::set_sparse(None);
+    attn::set_ablation(None);
+    attn::set_take_all(true);
+    let r = (|| -> Result<PathBuf> {
+        let model = Model::load(&path, &ModelParams::default())?;
+        let (nl, nh) = (model.n_layer() as usize, model.n_head() as usize);
+        let toks = tokens_of(&model, &a.corpus, a.ctx * a.windows)?;
+        let mut ctx = fa_context(&model, a.ctx as u32, 512, a.threads)?;
+        let prefix = a.ctx - a.tail;
+        let passes = (1 + nl + nl * nh) * a.windows;
+        let bar = progress::bar(
+            true,
+            passes as u64,
+            "profile-heads [{bar:30}] {pos}/{len} passes {msg}",
+        );
+        let (mut head_imp, mut layer_imp) = (vec![0f64; nl * nh], vec![0f64; nl]);
+        for w in 0..a.windows {
+            let win = &toks[w * a.ctx..(w + 1) * a.ctx];
+            ctx.clear(true);
+            decode_run(&mut ctx, &win[..prefix], 0, 512, |_| false, |_, _| Ok(()))?;
+            // Loss over the tail (each row predicts the next token), with `ab` zeroed.
+            let mut loss = |ab: Option<attn::Ablation>| -> Result<f64> {
+                attn::set_ablation(ab);
+                ctx.seq_rm(0, prefix as i32, -1);
+                let (mut nll, mut n) = (0f64, 0usize);
+                let tail = &win[prefix..];
+                decode_run(
+                    &mut ctx,
+                    tail,
+                    prefix,
+                    a.tail,
+                    |p| p + 1 < a.ctx,
+                    |pos, logits| {
+                        let next = win[pos + 1] as usize;
+                        let max = logits.iter().copied().fold(f32::MIN, f32::max);
+                        let z: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+                        nll += z.ln() - (logits[next] - max) as f64;
+                        n += 1;
+                        Ok(())
+                    },
+                )?;
+                attn::set_ablation(None);
+                bar.inc(1);
+                Ok(nll / n as f64)
+            };
+            let base = loss(None)?;
+            bar.set_message(format!("base loss {base:.3}"));
+            for il in 0..nl {
+                layer_imp[il] += loss(Some(attn::Ablation {
+                    layer: il,
+                    head: None,
+                }))? - base;
+                for h in 0..nh {
+                    head_imp[il * nh + h] += loss(Some(attn::Ablation {
+                        layer: il,
+                        head: Some(h),
+                    }))? - base;
+                }
+            }
+        }
+        bar.finish_and_clear();
+        for x in head_imp.iter_mut().chain(layer_imp.iter_mut()) {
+            *x /= a.windows as f64;
+        }
+        let budgets = head_budgets(&head_imp, &layer_imp, nh, keep);
+        let mut side = leap_host::sidecar::Sidecar::load(&out)?.unwrap_or_default();
+        use leap_host::sidecar::Value;
+        side.set(keys::KEEP, Value::F32s(budgets.clone()));
+        side.set(
+            keys::HEAD_IMPORTANCE,
+            Value::F32s(head_imp.iter().map(|&x| x as f32).collect()),
+        );
+        side.set(
+            keys::LAYER_IMPORTANCE,
+            Value::F32s(layer_imp.iter().map(|&x| x as f32).collect()),
+        );
+        side.set(keys::N_LAYER, Value::U32(nl as u32));
+        side.set(keys::N_HEAD, Value::U32(nh as u32));
+        side.set(keys::GLOBAL_KEEP, Value::F32(keep));
+        side.set(
+            keys::CORPUS,
+            Value::Str(
+                a.corpus
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+            ),
+        );
+        side.set(keys::TOKENS, Value::U32((a.tail * a.windows) as u32));
+        side.save(&out)?;
+        let (lo, hi) = budgets
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(l, h), &k| (l.min(k), h.max(k)));
+        eprintln!(
+            "wrote {}: {nl} layers x {nh} heads, keep {lo:.3}..{hi:.3} (mean {:.3})",
+            out.display(),
+            budgets.iter().sum::<f32>() / budgets.len() as f32
+        );
+        Ok(out)
+    })();
+    attn::set_ablation(None);
+    attn::set_take_all(false);
+    r
 }

@@ -44,6 +44,9 @@ enum Cmd {
     AttnBench(AttnBenchArgs),
     /// Perplexity of a text file, with ggml's attention or Leap's sparse attention.
     Perplexity(PerplexityArgs),
+    /// Profile how much each attention head matters on a calibration text and write per-head
+    /// sparse-attention budgets into the model's sidecar (`MODEL.leap.gguf`).
+    ProfileHeads(ProfileHeadsArgs),
     /// Print the path of Leap's ggml plugin (`libggml_leap.so`): give it to an unmodified
     /// llama.cpp as `GGML_BACKEND_PATH` (with `LEAP_SPARSE=0.2` and `-fa on` for sparse
     /// attention).
@@ -84,17 +87,51 @@ struct RuntimeArgs {
     /// `leap bench` always runs the plain and llama:* modes on ggml's.
     #[arg(long, default_value = "leap", value_parser = ["leap", "ggml"])]
     kernels: String,
+    /// Leap's sparse attention (shadowAttn): `off`, `on` (each query attends the 20% of its
+    /// keys an int8 estimate ranks highest, when it sees 1024 keys or more), or that fraction
+    /// (`0.3`). Turns flash attention on; a `MODEL.leap.gguf` sidecar's per-head budgets are
+    /// used when present. Approximate: output may differ from dense attention.
+    #[arg(long, default_value = "off")]
+    sparse: String,
 }
 
 impl RuntimeArgs {
-    /// Register Leap's ggml device (before any context exists) when asked for.
-    fn setup(&self) -> bool {
+    /// Register Leap's ggml device (before any context exists) when asked for, and set up
+    /// sparse attention for `model`.
+    fn setup_for(&self, model: Option<&std::path::Path>) -> Result<bool> {
+        let sparse = leap_cli::attn::parse_sparse(&self.sparse)?;
+        if sparse.is_some() && self.kernels != "leap" {
+            bail!("--sparse runs on Leap's device: drop --kernels ggml");
+        }
         let on = self.kernels == "leap";
         if on {
             leap_backend::register();
         }
         leap_backend::set_enabled(on);
-        on
+        let sparse = match (sparse, model) {
+            (Some(s), Some(m)) => Some(leap_cli::attn::with_sidecar(s, m)?),
+            (s, _) => s,
+        };
+        leap_backend::attn::set_sparse(sparse);
+        Ok(on)
+    }
+
+    /// Register Leap's ggml device when asked for (no model-specific settings).
+    fn setup(&self) -> bool {
+        self.setup_for(None).unwrap_or_else(|e| {
+            eprintln!("leap: error: {e:#}");
+            std::process::exit(2)
+        })
+    }
+
+    /// The flash-attention setting: on whenever sparse attention is (the device takes
+    /// llama.cpp's flash-attention nodes).
+    fn flash_attn(&self) -> FlashAttn {
+        if self.sparse != "off" {
+            FlashAttn::On
+        } else {
+            self.flash_attn
+        }
     }
 }
 
@@ -180,6 +217,34 @@ struct AttnBenchArgs {
     /// Write the JSON report here (`-` for stdout).
     #[arg(long)]
     out: PathBuf,
+}
+
+#[derive(Args)]
+struct ProfileHeadsArgs {
+    /// A model name (`leap models`) or a path to a GGUF file.
+    model: String,
+    /// Calibration text.
+    #[arg(long)]
+    corpus: PathBuf,
+    /// Window length in tokens.
+    #[arg(long, default_value_t = 1024)]
+    ctx: usize,
+    /// Tokens at the end of each window whose loss is measured.
+    #[arg(long, default_value_t = 128)]
+    tail: usize,
+    /// Windows of the corpus to average over.
+    #[arg(long, default_value_t = 1)]
+    windows: usize,
+    /// The global keep fraction the per-head budgets average to.
+    #[arg(long, default_value_t = 0.2)]
+    keep: f32,
+    /// The sidecar to write (default: MODEL.leap.gguf next to the model; other keys in it are
+    /// kept).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Threads.
+    #[arg(short, long, default_value_t = default_threads())]
+    threads: i32,
 }
 
 #[derive(Args)]
@@ -321,6 +386,17 @@ fn run(cmd: Cmd) -> Result<()> {
             threads: a.threads,
         })
         .map(|_| ()),
+        Cmd::ProfileHeads(a) => leap_cli::attn::profile_heads(&leap_cli::attn::ProfileHeads {
+            model: a.model,
+            corpus: a.corpus,
+            ctx: a.ctx,
+            tail: a.tail,
+            windows: a.windows,
+            keep: a.keep,
+            out: a.out,
+            threads: a.threads,
+        })
+        .map(|_| ()),
         Cmd::PluginPath => {
             println!("{}", leap_cli::attn::plugin_path()?.display());
             Ok(())
@@ -352,13 +428,13 @@ fn generate(a: GenerateArgs) -> Result<()> {
         )?;
     }
     let prompt = model.tokenize(&text, true, a.chat)?;
-    a.runtime.setup();
+    a.runtime.setup_for(Some(&path))?;
     let n_ctx = a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32);
     let params = ContextParams {
         n_ctx,
         n_threads: a.runtime.threads,
         n_threads_batch: a.runtime.threads,
-        flash_attn: a.runtime.flash_attn,
+        flash_attn: a.runtime.flash_attn(),
         ..Default::default()
     };
     let (mut ctx, od) = if a.mode == "leap" {
@@ -446,7 +522,7 @@ fn run_bench(a: BenchArgs) -> Result<()> {
         modes: a.modes.clone(),
         threads: a.runtime.threads,
         ctx: a.runtime.ctx,
-        flash_attn: a.runtime.flash_attn,
+        flash_attn: a.runtime.flash_attn(),
         flash_budget: a.flash_budget,
         sampling: a.sampling.params(),
         progress: true,
@@ -508,8 +584,8 @@ fn run_models(cmd: Option<ModelsCmd>) -> Result<()> {
 }
 
 fn profile(a: ProfileArgs) -> Result<()> {
-    a.runtime.setup();
     let path = models::resolve(&a.model)?;
+    a.runtime.setup_for(Some(&path))?;
     let model = Model::load(&path, &ModelParams::default())?;
     let model = std::sync::Arc::new(model);
     let (mut ctx, od) = leap_host::project::OnDemand::context(
@@ -521,7 +597,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
                 .max((a.context + a.rows.iter().max().unwrap_or(&1) + 8) as u32),
             n_threads: a.runtime.threads,
             n_threads_batch: a.runtime.threads,
-            flash_attn: a.runtime.flash_attn,
+            flash_attn: a.runtime.flash_attn(),
             ..Default::default()
         },
     )?;
@@ -546,7 +622,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
         model.desc(),
         tokens.len(),
         a.runtime.threads,
-        a.runtime.flash_attn.as_str(),
+        a.runtime.flash_attn().as_str(),
         a.runtime.kernels
     );
     println!(

@@ -32,6 +32,7 @@ pub mod model;
 pub mod project;
 pub mod qdot;
 pub mod sampler;
+pub mod sidecar;
 pub mod usage;
 
 pub use batch::Batch;

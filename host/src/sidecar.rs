@@ -1,0 +1,239 @@
+//! Leap's sidecar: `MODEL.leap.gguf` next to `MODEL.gguf`, what GGUF model distributors ship
+//! beside their models. A GGUF file of metadata written and read with ggml's own `gguf.h`:
+//! today the per-head sparse-attention profile (`leap profile-heads`, keys `leap.attn.*`).
+//!
+//! Saving rewrites the file from the keys loaded, so a tool that updates its own keys keeps
+//! everyone else's.
+
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+
+use llama_cpp_sys_2 as sys;
+
+use crate::{backend, Error, Result};
+
+/// Format version written to `leap.sidecar.version`.
+pub const VERSION: u32 = 1;
+
+/// A sidecar value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    U32(u32),
+    F32(f32),
+    Str(String),
+    F32s(Vec<f32>),
+}
+
+/// A sidecar's key/values.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Sidecar {
+    pub kv: Vec<(String, Value)>,
+}
+
+/// Where the sidecar of `model` is: `dir/name.gguf` -> `dir/name.leap.gguf`.
+pub fn path_for(model: &Path) -> PathBuf {
+    let stem = model
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stem = stem.strip_suffix(".gguf").unwrap_or(&stem);
+    model.with_file_name(format!("{stem}.leap.gguf"))
+}
+
+struct Ctx(*mut sys::gguf_context);
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        // SAFETY: created by gguf_init_*, freed once.
+        unsafe { sys::gguf_free(self.0) }
+    }
+}
+
+fn cstring(s: &str, what: &'static str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::NulByte { what })
+}
+
+impl Sidecar {
+    /// A value by key.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.kv.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// An f32 array by key.
+    pub fn f32s(&self, key: &str) -> Option<&[f32]> {
+        match self.get(key)? {
+            Value::F32s(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// A u32 by key.
+    pub fn u32(&self, key: &str) -> Option<u32> {
+        match self.get(key)? {
+            Value::U32(v) => Some(*v),
+            _ => None,
+        }
+    }
+
+    /// Set (replace or add) a value.
+    pub fn set(&mut self, key: &str, value: Value) {
+        match self.kv.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = value,
+            None => self.kv.push((key.to_string(), value)),
+        }
+    }
+
+    /// Read `path`; `Ok(None)` if there is no such file.
+    ///
+    /// # Errors
+    /// [`Error::InvalidGguf`] if it exists but is not a GGUF file ggml can read.
+    pub fn load(path: &Path) -> Result<Option<Self>> {
+        if !path.exists() {
+            return Ok(None);
+        }
+        backend::init();
+        let cpath =
+            CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::NulByte {
+                what: "sidecar path",
+            })?;
+        let params = sys::gguf_init_params {
+            no_alloc: true,
+            ctx: std::ptr::null_mut(),
+        };
+        // SAFETY: NUL-terminated path; ggml returns null on failure.
+        let raw = unsafe { sys::gguf_init_from_file(cpath.as_ptr(), params) };
+        if raw.is_null() {
+            return Err(Error::InvalidGguf {
+                path: path.to_path_buf(),
+                reason: backend::reason_or("ggml could not parse the sidecar"),
+            });
+        }
+        let c = Ctx(raw);
+        let mut out = Sidecar::default();
+        // SAFETY: indices in 0..n_kv; strings and arrays are owned by `c`, copied out.
+        unsafe {
+            for i in 0..sys::gguf_get_n_kv(c.0) {
+                let key = CStr::from_ptr(sys::gguf_get_key(c.0, i))
+                    .to_string_lossy()
+                    .into_owned();
+                let v = match sys::gguf_get_kv_type(c.0, i) {
+                    sys::GGUF_TYPE_UINT32 => Value::U32(sys::gguf_get_val_u32(c.0, i)),
+                    sys::GGUF_TYPE_FLOAT32 => Value::F32(sys::gguf_get_val_f32(c.0, i)),
+                    sys::GGUF_TYPE_STRING => Value::Str(
+                        CStr::from_ptr(sys::gguf_get_val_str(c.0, i))
+                            .to_string_lossy()
+                            .into_owned(),
+                    ),
+                    sys::GGUF_TYPE_ARRAY
+                        if sys::gguf_get_arr_type(c.0, i) == sys::GGUF_TYPE_FLOAT32 =>
+                    {
+                        let n = sys::gguf_get_arr_n(c.0, i);
+                        let p = sys::gguf_get_arr_data(c.0, i).cast::<f32>();
+                        Value::F32s(std::slice::from_raw_parts(p, n).to_vec())
+                    }
+                    // Other types (general.* keys, later formats): not Leap's to keep.
+                    _ => continue,
+                };
+                out.kv.push((key, v));
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Write to `path` (through a temporary file, so a reader never sees half a sidecar).
+    ///
+    /// # Errors
+    /// [`Error::Io`]-like failures as [`Error::InvalidGguf`] with the reason.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        backend::init();
+        // SAFETY: an empty context, filled with owned copies of our values, freed by `Ctx`.
+        let c = Ctx(unsafe { sys::gguf_init_empty() });
+        let version = cstring("leap.sidecar.version", "sidecar key")?;
+        // SAFETY: valid context and NUL-terminated key.
+        unsafe { sys::gguf_set_val_u32(c.0, version.as_ptr(), VERSION) };
+        for (k, v) in &self.kv {
+            if k == "leap.sidecar.version" {
+                continue;
+            }
+            let key = cstring(k, "sidecar key")?;
+            // SAFETY: gguf copies the key and the data.
+            unsafe {
+                match v {
+                    Value::U32(x) => sys::gguf_set_val_u32(c.0, key.as_ptr(), *x),
+                    Value::F32(x) => sys::gguf_set_val_f32(c.0, key.as_ptr(), *x),
+                    Value::Str(s) => {
+                        let s = cstring(s, "sidecar string")?;
+                        sys::gguf_set_val_str(c.0, key.as_ptr(), s.as_ptr())
+                    }
+                    Value::F32s(a) => sys::gguf_set_arr_data(
+                        c.0,
+                        key.as_ptr(),
+                        sys::GGUF_TYPE_FLOAT32,
+                        a.as_ptr().cast(),
+                        a.len(),
+                    ),
+                }
+            }
+        }
+        let tmp = path.with_extension("gguf.tmp");
+        let ctmp =
+            CString::new(tmp.as_os_str().as_encoded_bytes()).map_err(|_| Error::NulByte {
+                what: "sidecar path",
+            })?;
+        // SAFETY: valid context and path.
+        let ok = unsafe { sys::gguf_write_to_file(c.0, ctmp.as_ptr(), false) };
+        if !ok {
+            return Err(Error::InvalidGguf {
+                path: tmp,
+                reason: backend::reason_or("ggml could not write the sidecar"),
+            });
+        }
+        std::fs::rename(&tmp, path).map_err(|e| Error::InvalidGguf {
+            path: path.to_path_buf(),
+            reason: format!("renaming {}: {e}", tmp.display()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sidecar_path_sits_next_to_the_model() {
+        assert_eq!(
+            path_for(Path::new("/m/gemma-3-270m-q4_k_m.gguf")),
+            Path::new("/m/gemma-3-270m-q4_k_m.leap.gguf")
+        );
+        assert_eq!(path_for(Path::new("model")), Path::new("model.leap.gguf"));
+    }
+
+    #[test]
+    fn round_trip_keeps_every_value() {
+        let dir = std::env::temp_dir().join(format!("leap-sidecar-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("m.leap.gguf");
+        let mut s = Sidecar::default();
+        s.set("leap.attn.keep", Value::F32s(vec![0.1, 0.25, 1.0]));
+        s.set("leap.attn.n_layer", Value::U32(3));
+        s.set("leap.attn.global_keep", Value::F32(0.2));
+        s.set("leap.attn.corpus", Value::Str("wiki.txt".into()));
+        s.save(&p).unwrap();
+        let back = Sidecar::load(&p).unwrap().unwrap();
+        for (k, v) in &s.kv {
+            assert_eq!(back.get(k), Some(v), "{k}");
+        }
+        assert_eq!(back.u32("leap.sidecar.version"), Some(VERSION));
+        // Updating one key keeps the others.
+        let mut upd = back.clone();
+        upd.set("leap.attn.n_layer", Value::U32(4));
+        upd.save(&p).unwrap();
+        let again = Sidecar::load(&p).unwrap().unwrap();
+        assert_eq!(again.u32("leap.attn.n_layer"), Some(4));
+        assert_eq!(again.f32s("leap.attn.keep"), Some(&[0.1, 0.25, 1.0][..]));
+        assert!(Sidecar::load(&dir.join("none.gguf")).unwrap().is_none());
+        std::fs::write(dir.join("bad.gguf"), b"not a gguf").unwrap();
+        assert!(Sidecar::load(&dir.join("bad.gguf")).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
