@@ -47,6 +47,30 @@ pub struct Sparse {
     /// Per layer and head keep fractions from an offline profile (`leap profile-heads`);
     /// [`Sparse::keep`] where it has none.
     pub heads: Option<Arc<HeadProfile>>,
+    /// Where the estimate runs (the device that takes attention: `leap-cpu` or
+    /// `leap-opencl`).
+    pub estimate_on: EstimateOn,
+}
+
+/// Where sparse attention's int8 estimate runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum EstimateOn {
+    /// Leap's SIMD kernels on the CPU (`leap-cpu`).
+    #[default]
+    Cpu,
+    /// An OpenCL device (`leap-opencl`): the GPU of a phone, PoCL here.
+    OpenCl,
+}
+
+impl std::str::FromStr for EstimateOn {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(EstimateOn::Cpu),
+            "opencl" => Ok(EstimateOn::OpenCl),
+            x => Err(format!("the estimate runs on cpu or opencl, not {x:?}")),
+        }
+    }
 }
 
 impl Default for Sparse {
@@ -59,6 +83,7 @@ impl Default for Sparse {
             refine: 0.25,
             max_rows: 16,
             heads: None,
+            estimate_on: EstimateOn::Cpu,
         }
     }
 }
@@ -232,6 +257,7 @@ impl Captured {
         };
         let k8 = Keys8 {
             base: buf.as_ptr(),
+            len: buf.len(),
             cell0: 0,
             row,
             col0: 0,
@@ -573,10 +599,12 @@ impl Operands {
     }
 }
 
-/// Where the int8 copy of key `j` of head `h` is: `base + (cell0 + j)*row + col0 + h*head`.
+/// Where the int8 copy of key `j` of head `h` is: `base + (cell0 + j)*row + col0 + h*head`
+/// (`len` bytes from `base` are readable).
 #[derive(Clone, Copy, Debug)]
 pub struct Keys8 {
     pub base: *const u8,
+    pub len: usize,
     pub cell0: usize,
     pub row: usize,
     pub col0: usize,
@@ -605,6 +633,8 @@ struct Row {
     lo: usize,
     hi: usize,
     sparse: bool,
+    /// Estimate on the OpenCL device.
+    on_opencl: bool,
     est: Vec<Vec<f32>>,
     q8: Vec<i8>,
     qscale: Vec<f32>,
@@ -665,6 +695,7 @@ unsafe fn prepare(
     r.lo = cfg.sink.min(n);
     r.hi = n - cfg.recent.min(n - r.lo);
     r.sparse = sparse && n >= cfg.min_keys && (0..g).any(|x| budget(keep[h0 + x], n, cfg) < n);
+    r.on_opencl = cfg.estimate_on == EstimateOn::OpenCl;
     if r.sparse {
         let nb = op.d / QK;
         r.q8.resize(g * op.d, 0);
@@ -695,6 +726,9 @@ unsafe fn estimate(
     est: &[Ptr],
     (c0, c1): (usize, usize),
 ) {
+    if cfg_on_opencl(k8, hk, (x0, g), r, est, (c0, c1), op) {
+        return;
+    }
     let mut outs: Vec<&mut [f32]> = est[x0..x0 + g]
         .iter()
         .map(|p| std::slice::from_raw_parts_mut(p.at(0).cast::<f32>().add(c0), c1 - c0))
@@ -710,6 +744,69 @@ unsafe fn estimate(
         |c| k8.at(r.cand[base + c] as usize, hk),
         &mut outs,
     );
+}
+
+/// Estimate on the OpenCL device when it is selected and present; false: do it on the CPU
+/// (not selected, or OpenCL failed: logged once).
+#[allow(clippy::too_many_arguments)]
+unsafe fn cfg_on_opencl(
+    k8: &Keys8,
+    hk: usize,
+    (x0, g): (usize, usize),
+    r: &Row,
+    est: &[Ptr],
+    (c0, c1): (usize, usize),
+    op: &Operands,
+) -> bool {
+    if !r.on_opencl {
+        return false;
+    }
+    #[cfg(feature = "opencl")]
+    {
+        let Ok(cl) = crate::opencl::estimator() else {
+            return false;
+        };
+        let mut outs: Vec<&mut [f32]> = est[x0..x0 + g]
+            .iter()
+            .map(|p| std::slice::from_raw_parts_mut(p.at(0).cast::<f32>().add(c0), c1 - c0))
+            .collect();
+        let nb = op.d / QK;
+        let keys = std::slice::from_raw_parts(k8.base, k8.len);
+        match cl.scores(
+            keys,
+            (k8.row, k8.col0, k8.head, k8.cell0, hk),
+            &r.cand,
+            r.lo + c0,
+            &r.q8[x0 * op.d..],
+            &r.qscale[x0 * nb..],
+            (g, op.d, c1 - c0),
+            &mut outs,
+        ) {
+            Ok(()) => {
+                OPENCL_CALLS.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                static ONCE: std::sync::Once = std::sync::Once::new();
+                ONCE.call_once(|| {
+                    log::warn!("leap-opencl: estimate failed ({e}); estimating on the CPU")
+                });
+                false
+            }
+        }
+    }
+    #[cfg(not(feature = "opencl"))]
+    {
+        let _ = (k8, hk, x0, g, est, c0, c1, op);
+        false
+    }
+}
+
+static OPENCL_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Estimates computed by the OpenCL device in this process.
+pub fn opencl_calls() -> u64 {
+    OPENCL_CALLS.load(Ordering::Relaxed)
 }
 
 /// Select head `h`'s keys (group member `x`) and attend them exactly; adds to `stats`.
@@ -936,7 +1033,9 @@ pub unsafe fn compute(
                     .map(|e| Ptr(e.as_mut_ptr().cast()))
                     .collect();
                 let (rr, est) = (&r, &est);
-                parallel(threads, &|tid, nth| {
+                // The OpenCL device takes the whole range in one launch.
+                let split = if r.on_opencl { 1 } else { threads };
+                parallel(split, &|tid, nth| {
                     let (c0, c1) = (m * tid / nth, m * (tid + 1) / nth);
                     for hk in 0..op.n_head_kv {
                         // SAFETY: threads write disjoint ranges of the estimate rows.
@@ -1050,6 +1149,7 @@ pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
                 && (k.nb[2] / 2).is_multiple_of(QK);
             let keys8 = Keys8 {
                 base: sh.data.as_ptr(),
+                len: sh.data.len(),
                 cell0,
                 row: sh.row_bytes,
                 col0: col0 / QK * Q8_BYTES,
@@ -1243,6 +1343,7 @@ mod tests {
         unsafe { quantize_f16_rows(p.k.as_ptr().cast(), n * 2, p.n_kv, n, buf.as_mut_ptr()) };
         let k8 = Keys8 {
             base: buf.as_ptr(),
+            len: buf.len(),
             cell0: 0,
             row,
             col0: 0,

@@ -29,6 +29,8 @@ mod est;
 pub mod f16;
 pub mod ffi;
 mod matmul;
+#[cfg(feature = "opencl")]
+pub mod opencl;
 mod par;
 
 use std::ffi::{c_char, c_void, CStr};
@@ -87,29 +89,40 @@ pub fn registry() -> g::ggml_backend_reg_t {
             },
             context: std::ptr::null_mut(),
         }));
-        let dev = Box::into_raw(Box::new(g::ggml_backend_device {
-            iface: g::ggml_backend_device_i {
-                get_name: Some(dev_name),
-                get_description: Some(dev_description),
-                get_memory: Some(dev_memory),
-                get_type: Some(dev_type),
-                get_props: Some(dev_props),
-                init_backend: Some(dev_init_backend),
-                get_buffer_type: Some(dev_buffer_type),
-                get_host_buffer_type: None,
-                buffer_from_host_ptr: None,
-                supports_op: Some(dev_supports_op),
-                supports_buft: Some(dev_supports_buft),
-                offload_op: None,
-                event_new: None,
-                event_free: None,
-                event_synchronize: None,
-            },
-            reg,
-            context: std::ptr::null_mut(),
-        }));
-        // SAFETY: both leaked above, not shared yet.
-        unsafe { (*reg).context = dev.cast() };
+        let device = |kind: &'static Kind| {
+            Box::into_raw(Box::new(g::ggml_backend_device {
+                iface: g::ggml_backend_device_i {
+                    get_name: Some(dev_name),
+                    get_description: Some(dev_description),
+                    get_memory: Some(dev_memory),
+                    get_type: Some(dev_type),
+                    get_props: Some(dev_props),
+                    init_backend: Some(dev_init_backend),
+                    get_buffer_type: Some(dev_buffer_type),
+                    get_host_buffer_type: None,
+                    buffer_from_host_ptr: None,
+                    supports_op: Some(dev_supports_op),
+                    supports_buft: Some(dev_supports_buft),
+                    offload_op: None,
+                    event_new: None,
+                    event_free: None,
+                    event_synchronize: None,
+                },
+                reg,
+                context: kind as *const Kind as *mut c_void,
+            }))
+        };
+        let mut devices = vec![device(&Kind::Cpu)];
+        if OPENCL_WANTED.load(Ordering::Relaxed) && opencl_available() {
+            devices.push(device(&Kind::OpenCl));
+        }
+        let devices: &'static [g::ggml_backend_dev_t] = Box::leak(devices.into_boxed_slice());
+        // SAFETY: leaked above, not shared yet; the registry's context is its device list.
+        unsafe {
+            (*reg).context =
+                (devices as *const [g::ggml_backend_dev_t]).cast::<Devices>() as *mut c_void
+        };
+        DEVICES.get_or_init(|| devices.iter().map(|&d| d as usize).collect());
         reg as usize
     }) as g::ggml_backend_reg_t
 }
@@ -145,8 +158,12 @@ pub fn total_calls() -> u64 {
 
 /// The device's name in ggml's registry (`--list-devices`, `GGML_SCHED_DEBUG`).
 pub const DEVICE_NAME: &str = "leap-cpu";
+/// The OpenCL device's name.
+pub const OPENCL_DEVICE_NAME: &str = "leap-opencl";
 const NAME: &CStr = c"leap-cpu";
 const DESCRIPTION: &CStr = c"Leap CPU: small-batch quantized matrix products, sparse attention";
+const CL_NAME: &CStr = c"leap-opencl";
+const CL_DESCRIPTION: &CStr = c"Leap OpenCL: sparse attention's estimate on an OpenCL device";
 
 /// Run an `extern "C"` entry point's body; a panic (a bug) must not unwind into C: it is
 /// logged and `fallback` returned.
@@ -167,15 +184,71 @@ unsafe extern "C" fn reg_name(_: g::ggml_backend_reg_t) -> *const c_char {
     NAME.as_ptr()
 }
 
+/// The devices of the registry (set while the registry is made, before ggml asks).
+static DEVICES: OnceLock<Vec<usize>> = OnceLock::new();
+/// Marker type of the registry context (the device list, see [`DEVICES`]).
+enum Devices {}
+
 unsafe extern "C" fn reg_device_count(_: g::ggml_backend_reg_t) -> usize {
-    1
+    DEVICES.get().map_or(0, Vec::len)
 }
 
-unsafe extern "C" fn reg_device(reg: g::ggml_backend_reg_t, i: usize) -> g::ggml_backend_dev_t {
-    // The registry's context is its one device (ggml asks while `register` still runs).
-    match i {
-        0 => (*reg).context.cast(),
-        _ => std::ptr::null_mut(),
+unsafe extern "C" fn reg_device(_: g::ggml_backend_reg_t, i: usize) -> g::ggml_backend_dev_t {
+    DEVICES
+        .get()
+        .and_then(|d| d.get(i))
+        .map_or(std::ptr::null_mut(), |&p| p as g::ggml_backend_dev_t)
+}
+
+/// Which of the plugin's devices a `ggml_backend_device` is (its context).
+#[derive(Debug, PartialEq, Eq)]
+enum Kind {
+    /// `leap-cpu`: small-batch matrix products, K cache writes, attention estimated on the
+    /// CPU.
+    Cpu,
+    /// `leap-opencl`: attention whose estimate runs on an OpenCL device.
+    OpenCl,
+}
+
+unsafe fn kind(dev: g::ggml_backend_dev_t) -> &'static Kind {
+    &*((*dev).context as *const Kind)
+}
+
+static OPENCL_WANTED: AtomicBool = AtomicBool::new(false);
+
+/// Ask for the `leap-opencl` device; call before [`register`] / [`registry`] (setting OpenCL
+/// up compiles its kernels, which takes a moment, so a run that does not use it skips it).
+pub fn want_opencl() {
+    OPENCL_WANTED.store(true, Ordering::Relaxed);
+}
+
+/// Whether the `leap-opencl` device is in the registry.
+pub fn opencl_registered() -> bool {
+    DEVICES.get().is_some_and(|d| d.len() > 1)
+}
+
+/// Why `leap-opencl` is not available (empty if it is).
+pub fn opencl_unavailable_reason() -> String {
+    #[cfg(feature = "opencl")]
+    {
+        opencl::estimator().err().unwrap_or("").to_string()
+    }
+    #[cfg(not(feature = "opencl"))]
+    {
+        "built without the opencl feature".into()
+    }
+}
+
+/// Whether an OpenCL device with Leap's kernels is usable here (the `leap-opencl` device is
+/// registered only then, and only if [`want_opencl`] was called; the debug log says why not).
+pub fn opencl_available() -> bool {
+    #[cfg(feature = "opencl")]
+    {
+        opencl::estimator().is_ok()
+    }
+    #[cfg(not(feature = "opencl"))]
+    {
+        false
     }
 }
 
@@ -204,12 +277,18 @@ unsafe extern "C" fn reg_proc_address(
     }
 }
 
-unsafe extern "C" fn dev_name(_: g::ggml_backend_dev_t) -> *const c_char {
-    NAME.as_ptr()
+unsafe extern "C" fn dev_name(dev: g::ggml_backend_dev_t) -> *const c_char {
+    match kind(dev) {
+        Kind::Cpu => NAME.as_ptr(),
+        Kind::OpenCl => CL_NAME.as_ptr(),
+    }
 }
 
-unsafe extern "C" fn dev_description(_: g::ggml_backend_dev_t) -> *const c_char {
-    DESCRIPTION.as_ptr()
+unsafe extern "C" fn dev_description(dev: g::ggml_backend_dev_t) -> *const c_char {
+    match kind(dev) {
+        Kind::Cpu => DESCRIPTION.as_ptr(),
+        Kind::OpenCl => CL_DESCRIPTION.as_ptr(),
+    }
 }
 
 unsafe extern "C" fn dev_memory(_: g::ggml_backend_dev_t, free: *mut usize, total: *mut usize) {
@@ -224,8 +303,8 @@ unsafe extern "C" fn dev_type(_: g::ggml_backend_dev_t) -> g::ggml_backend_dev_t
 
 unsafe extern "C" fn dev_props(dev: g::ggml_backend_dev_t, props: *mut g::ggml_backend_dev_props) {
     let p = &mut *props;
-    p.name = NAME.as_ptr();
-    p.description = DESCRIPTION.as_ptr();
+    p.name = dev_name(dev);
+    p.description = dev_description(dev);
     p.memory_free = 0;
     p.memory_total = 0;
     p.type_ = dev_type(dev);
@@ -250,24 +329,30 @@ unsafe extern "C" fn dev_supports_buft(
     g::ggml_backend_buft_is_host(buft)
 }
 
-unsafe extern "C" fn dev_supports_op(_: g::ggml_backend_dev_t, op: *const g::ggml_tensor) -> bool {
+unsafe extern "C" fn dev_supports_op(
+    dev: g::ggml_backend_dev_t,
+    op: *const g::ggml_tensor,
+) -> bool {
     if !enabled() || op.is_null() {
         return false;
     }
     // SAFETY: ggml passes a valid node.
     let op = &*op;
-    guard("supports_op", false, || match op.op {
-        g::GGML_OP_MUL_MAT => matmul::supports(op),
-        g::GGML_OP_FLASH_ATTN_EXT => attn::supports_fa(op),
-        g::GGML_OP_SET_ROWS => attn::supports_set_rows(op),
+    let on_opencl = attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
+    guard("supports_op", false, || match (kind(dev), op.op) {
+        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op),
+        (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
+        // Attention goes to the device its estimate runs on.
+        (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl && attn::supports_fa(op),
+        (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl && attn::supports_fa(op),
         _ => false,
     })
 }
 
 static GUID: [u8; 16] = *b"leap-small-batch";
 
-unsafe extern "C" fn backend_name(_: g::ggml_backend_t) -> *const c_char {
-    NAME.as_ptr()
+unsafe extern "C" fn backend_name(b: g::ggml_backend_t) -> *const c_char {
+    dev_name((*b).device)
 }
 
 unsafe extern "C" fn backend_free(b: g::ggml_backend_t) {

@@ -154,6 +154,7 @@ struct AttnReport {
     sink: usize,
     recent: usize,
     reps: usize,
+    estimate: String,
     note: &'static str,
     results: Vec<AttnCtxResult>,
 }
@@ -167,6 +168,7 @@ pub struct AttnBench {
     pub threads: i32,
     pub keep: f32,
     pub reps: usize,
+    pub estimate: attn::EstimateOn,
 }
 
 /// Capture the attention nodes of one decode step at each context length (the text as
@@ -175,7 +177,16 @@ pub fn attn_bench(a: &AttnBench) -> Result<()> {
     ensure!(!a.ctx.is_empty(), "--ctx needs at least one length");
     ensure!(a.reps > 0, "--reps must be at least 1");
     let path = models::resolve(&a.model)?;
-    let cfg = with_sidecar(sparse_config(a.keep)?, &path)?;
+    let cfg = Sparse {
+        estimate_on: a.estimate,
+        ..with_sidecar(sparse_config(a.keep)?, &path)?
+    };
+    if a.estimate == attn::EstimateOn::OpenCl && !leap_backend::opencl_available() {
+        bail!(
+            "--estimate opencl: {}",
+            leap_backend::opencl_unavailable_reason()
+        );
+    }
     leap_backend::register();
     leap_backend::set_enabled(true);
     attn::set_sparse(None);
@@ -229,6 +240,7 @@ pub fn attn_bench(a: &AttnBench) -> Result<()> {
         sink: cfg.sink,
         recent: cfg.recent,
         reps: a.reps,
+        estimate: format!("{:?}", a.estimate).to_lowercase(),
         note: "one decode step's attention nodes (all layers) at each context length; \
                dense = ggml's CPU flash attention, sparse = Leap's device (ggml's time for \
                nodes it leaves to ggml: sliding-window layers and short caches); the int8 K \

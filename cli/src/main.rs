@@ -93,6 +93,10 @@ struct RuntimeArgs {
     /// used when present. Approximate: output may differ from dense attention.
     #[arg(long, default_value = "off")]
     sparse: String,
+    /// Where sparse attention's estimate runs: `cpu` (the leap-cpu device) or `opencl` (the
+    /// leap-opencl device: a phone's GPU, PoCL on a PC).
+    #[arg(long, default_value = "cpu")]
+    estimate: leap_backend::attn::EstimateOn,
 }
 
 impl RuntimeArgs {
@@ -104,14 +108,28 @@ impl RuntimeArgs {
             bail!("--sparse runs on Leap's device: drop --kernels ggml");
         }
         let on = self.kernels == "leap";
+        let opencl = sparse.is_some() && self.estimate == leap_backend::attn::EstimateOn::OpenCl;
+        if opencl {
+            leap_backend::want_opencl();
+        }
         if on {
             leap_backend::register();
         }
         leap_backend::set_enabled(on);
+        if opencl && !leap_backend::opencl_registered() {
+            bail!(
+                "--estimate opencl: no usable OpenCL device here ({}); install one (PoCL: scripts/setup) or use --estimate cpu",
+                leap_backend::opencl_unavailable_reason()
+            );
+        }
         let sparse = match (sparse, model) {
             (Some(s), Some(m)) => Some(leap_cli::attn::with_sidecar(s, m)?),
             (s, _) => s,
-        };
+        }
+        .map(|s| leap_backend::attn::Sparse {
+            estimate_on: self.estimate,
+            ..s
+        });
         leap_backend::attn::set_sparse(sparse);
         Ok(on)
     }
@@ -211,6 +229,9 @@ struct AttnBenchArgs {
     /// Timed repetitions per node (the median is reported).
     #[arg(long, default_value_t = 10)]
     reps: usize,
+    /// Where the estimate runs: cpu or opencl.
+    #[arg(long, default_value = "cpu")]
+    estimate: leap_backend::attn::EstimateOn,
     /// Threads.
     #[arg(short, long, default_value_t = default_threads())]
     threads: i32,
@@ -374,6 +395,7 @@ fn run(cmd: Cmd) -> Result<()> {
             threads: a.threads,
             keep: a.keep,
             reps: a.reps,
+            estimate: a.estimate,
         }),
         Cmd::Perplexity(a) => leap_cli::attn::perplexity(&leap_cli::attn::Perplexity {
             model: a.model,

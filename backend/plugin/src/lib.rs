@@ -11,6 +11,8 @@
 //! - `LEAP_SPARSE`: `off` (default) or the fraction of keys a query attends (`0.2`); the host
 //!   must run with flash attention on (`-fa on`) for the device to see attention.
 //! - `LEAP_KERNELS`: `on` (default) or `off` (small-batch matrix products left to ggml).
+//! - `LEAP_ESTIMATE`: `cpu` (default) or `opencl`: sparse attention's estimate on an OpenCL
+//!   device (the `leap-opencl` device, registered when OpenCL works here).
 
 use std::ffi::c_void;
 
@@ -20,11 +22,23 @@ fn configure() {
     if let Ok(v) = std::env::var("LEAP_KERNELS") {
         leap_backend::set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
     }
+    let estimate_on = match std::env::var("LEAP_ESTIMATE").as_deref().map(str::trim) {
+        Ok("opencl") => {
+            leap_backend::want_opencl();
+            attn::EstimateOn::OpenCl
+        }
+        Ok("") | Ok("cpu") | Err(_) => attn::EstimateOn::Cpu,
+        Ok(v) => {
+            eprintln!("libggml_leap: LEAP_ESTIMATE must be cpu or opencl, not {v:?}; using cpu");
+            attn::EstimateOn::Cpu
+        }
+    };
     match std::env::var("LEAP_SPARSE").as_deref().map(str::trim) {
         Ok("") | Ok("off") | Ok("0") | Err(_) => {}
         Ok(v) => match v.parse::<f32>() {
             Ok(keep) if keep > 0.0 && keep <= 1.0 => attn::set_sparse(Some(Sparse {
                 keep,
+                estimate_on,
                 ..Sparse::default()
             })),
             _ => eprintln!("libggml_leap: LEAP_SPARSE must be off or a fraction in (0, 1], not {v:?}; sparse attention stays off"),

@@ -1,0 +1,310 @@
+//! The `leap-opencl` device's kernels: sparse attention's int8 estimate in OpenCL C 1.2.
+//!
+//! Portable tier: runs on any OpenCL 1.2 device, PoCL's CPU device included (no fp16
+//! arithmetic: the keys' f16 scales are read with `vload_half`, which 1.2 has without
+//! `cl_khr_fp16`; no subgroups). Buffers wrap host memory (`CL_MEM_USE_HOST_PTR`), which is
+//! zero-copy on the devices Leap targets (PoCL, and Adreno's unified memory). An Adreno tier
+//! (fp16 dot products, subgroup reductions) would sit behind `cl_khr_fp16` and
+//! `cl_khr_subgroups` checks; it is not written yet.
+//!
+//! The OpenCL library is loaded at run time (opencl3's `dynamic`): without one, or without a
+//! device, [`estimator`] says why and Leap does not register the device.
+
+use std::sync::{Mutex, OnceLock};
+
+use opencl3::command_queue::CommandQueue;
+use opencl3::context::Context;
+use opencl3::device::{get_all_devices, Device, CL_DEVICE_TYPE_ALL, CL_DEVICE_TYPE_GPU};
+use opencl3::kernel::{ExecuteKernel, Kernel};
+use opencl3::memory::{
+    Buffer, CL_MEM_COPY_HOST_PTR, CL_MEM_READ_ONLY, CL_MEM_USE_HOST_PTR, CL_MEM_WRITE_ONLY,
+};
+use opencl3::program::Program;
+use opencl3::types::{cl_float, cl_uint, CL_BLOCKING};
+
+use crate::est::{BLOCK, BLOCK_BYTES};
+
+const SOURCE: &str = r#"
+// Estimated scores of g int8 query heads against candidate keys (Q8_0 rows: per block of 32
+// an f16 scale then 32 int8 values): out[h*n + c] = sum_b qs[h][b] * dk_b * (q_h . k)_b.
+__kernel void est_q8(__global const char *keys, uint row, uint col0, uint head,
+                     uint cell0, uint hk, __global const uint *cand, uint base,
+                     __global const char *q, __global const float *qs, uint g, uint nb,
+                     __global float *out, uint n)
+{
+    uint c = get_global_id(0);
+    if (c >= n) return;
+    __global const char *k = keys + (ulong)(cell0 + cand[base + c]) * row + col0 + hk * head;
+    for (uint h = 0; h < g; h++) {
+        float s = 0.0f;
+        for (uint b = 0; b < nb; b++) {
+            __global const char *blk = k + b * 34;
+            float dk = vload_half(0, (__global const half *)blk);
+            __global const char *qb = q + (h * nb + b) * 32;
+            int acc = 0;
+            for (uint x = 0; x < 32; x++) acc += (int)blk[2 + x] * (int)qb[x];
+            s += qs[h * nb + b] * dk * (float)acc;
+        }
+        out[h * n + c] = s;
+    }
+}
+"#;
+
+/// An OpenCL device with the estimate kernel built.
+pub struct ClEstimator {
+    /// Device name and OpenCL C version, for logs and reports.
+    pub device: String,
+    context: Context,
+    queue: CommandQueue,
+    kernel: Mutex<Kernel>,
+    _program: Program,
+}
+
+// SAFETY: OpenCL contexts, queues and programs are thread-safe objects (OpenCL 1.2 §A.2);
+// the kernel, whose arguments are per-object state, is behind a mutex.
+unsafe impl Send for ClEstimator {}
+unsafe impl Sync for ClEstimator {}
+
+fn pick_device() -> Result<Device, String> {
+    let gpus = get_all_devices(CL_DEVICE_TYPE_GPU).unwrap_or_default();
+    let any = if gpus.is_empty() {
+        get_all_devices(CL_DEVICE_TYPE_ALL).map_err(|e| format!("no OpenCL platform ({e})"))?
+    } else {
+        gpus
+    };
+    let id = *any.first().ok_or("no OpenCL device")?;
+    Ok(Device::new(id))
+}
+
+impl ClEstimator {
+    /// The first GPU (else any device) of the first platform that has one, with the kernel
+    /// built.
+    ///
+    /// # Errors
+    /// Why OpenCL cannot be used here (no library, no device, build failure).
+    pub fn new() -> Result<Self, String> {
+        let device = pick_device()?;
+        let name = device.name().unwrap_or_default();
+        let version = device.opencl_c_version().unwrap_or_default();
+        let context = Context::from_device(&device).map_err(|e| format!("clCreateContext: {e}"))?;
+        #[allow(deprecated)]
+        let queue = CommandQueue::create_default(&context, 0)
+            .map_err(|e| format!("clCreateCommandQueue: {e}"))?;
+        let program = Program::create_and_build_from_source(&context, SOURCE, "-cl-std=CL1.2")
+            .map_err(|e| format!("building the estimate kernel on {name}: {e}"))?;
+        let kernel =
+            Kernel::create(&program, "est_q8").map_err(|e| format!("clCreateKernel: {e}"))?;
+        Ok(Self {
+            device: format!("{name} ({version})"),
+            context,
+            queue,
+            kernel: Mutex::new(kernel),
+            _program: program,
+        })
+    }
+
+    /// `out[h][c]` for heads `0..g` of `q` (int8, `g * d`) with block scales `qs`, and
+    /// candidates `c` in `0..n`: key `cand[base + c]` of the shadow `keys` (rows of `row`
+    /// bytes from cell `cell0`; KV head `hk` at `col0 + hk * head` bytes in the row).
+    ///
+    /// # Errors
+    /// OpenCL failures.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scores(
+        &self,
+        keys: &[u8],
+        (row, col0, head, cell0, hk): (usize, usize, usize, usize, usize),
+        cand: &[u32],
+        base: usize,
+        q: &[i8],
+        qs: &[f32],
+        (g, d, n): (usize, usize, usize),
+        out: &mut [&mut [f32]],
+    ) -> Result<(), String> {
+        if n == 0 {
+            return Ok(());
+        }
+        let nb = d / BLOCK;
+        debug_assert!(q.len() >= g * d && qs.len() >= g * nb && out.len() >= g);
+        debug_assert!(d.is_multiple_of(BLOCK) && col0.is_multiple_of(BLOCK_BYTES));
+        fn err(what: &'static str) -> impl Fn(opencl3::error_codes::ClError) -> String {
+            move |e| format!("{what}: {e}")
+        }
+        let mut flat = vec![0f32; g * n];
+        // SAFETY: each buffer wraps (USE_HOST_PTR, read-only) or copies (COPY_HOST_PTR) host
+        // memory that outlives the blocking read below, after which OpenCL holds no reference
+        // to it; the kernel reads only inside the given rows and candidate indices.
+        unsafe {
+            let kb = Buffer::<u8>::create(
+                &self.context,
+                CL_MEM_READ_ONLY | CL_MEM_USE_HOST_PTR,
+                keys.len(),
+                keys.as_ptr() as *mut _,
+            )
+            .map_err(err("keys buffer"))?;
+            let cb = Buffer::<u32>::create(
+                &self.context,
+                CL_MEM_READ_ONLY | CL_MEM_USE_HOST_PTR,
+                cand.len(),
+                cand.as_ptr() as *mut _,
+            )
+            .map_err(err("candidates buffer"))?;
+            let qb = Buffer::<i8>::create(
+                &self.context,
+                CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                g * d,
+                q.as_ptr() as *mut _,
+            )
+            .map_err(err("query buffer"))?;
+            let sb = Buffer::<f32>::create(
+                &self.context,
+                CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                g * nb,
+                qs.as_ptr() as *mut _,
+            )
+            .map_err(err("scales buffer"))?;
+            let ob = Buffer::<cl_float>::create(
+                &self.context,
+                CL_MEM_WRITE_ONLY,
+                g * n,
+                std::ptr::null_mut(),
+            )
+            .map_err(err("output buffer"))?;
+            let kernel = self.kernel.lock().unwrap_or_else(|e| e.into_inner());
+            let u = |x: usize| x as cl_uint;
+            ExecuteKernel::new(&kernel)
+                .set_arg(&kb)
+                .set_arg(&u(row))
+                .set_arg(&u(col0))
+                .set_arg(&u(head))
+                .set_arg(&u(cell0))
+                .set_arg(&u(hk))
+                .set_arg(&cb)
+                .set_arg(&u(base))
+                .set_arg(&qb)
+                .set_arg(&sb)
+                .set_arg(&u(g))
+                .set_arg(&u(nb))
+                .set_arg(&ob)
+                .set_arg(&u(n))
+                .set_global_work_size(n)
+                .enqueue_nd_range(&self.queue)
+                .map_err(err("enqueue est_q8"))?;
+            drop(kernel);
+            self.queue
+                .enqueue_read_buffer(&ob, CL_BLOCKING, 0, &mut flat, &[])
+                .map_err(err("reading the estimates"))?;
+        }
+        for (h, o) in out.iter_mut().enumerate().take(g) {
+            o[..n].copy_from_slice(&flat[h * n..(h + 1) * n]);
+        }
+        Ok(())
+    }
+}
+
+/// The process's OpenCL estimator, set up on first use, or why there is none.
+pub fn estimator() -> Result<&'static ClEstimator, &'static str> {
+    static CL: OnceLock<Result<ClEstimator, String>> = OnceLock::new();
+    CL.get_or_init(|| {
+        let r = std::panic::catch_unwind(ClEstimator::new)
+            .unwrap_or_else(|_| Err("the OpenCL library panicked while loading".into()));
+        match &r {
+            Ok(e) => log::info!("leap-opencl: estimate kernel built on {}", e.device),
+            Err(why) => log::debug!("leap-opencl: not available: {why}"),
+        }
+        r
+    })
+    .as_ref()
+    .map_err(String::as_str)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{est, f16};
+
+    /// Needs an OpenCL device (`make test` installs PoCL); `LEAP_SKIP_OPENCL=1` skips.
+    fn cl() -> Option<&'static ClEstimator> {
+        if std::env::var_os("LEAP_SKIP_OPENCL").is_some() {
+            return None;
+        }
+        Some(estimator().unwrap_or_else(|why| {
+            panic!(
+                "no OpenCL device ({why}); install PoCL (scripts/setup) or set LEAP_SKIP_OPENCL=1"
+            )
+        }))
+    }
+
+    #[test]
+    fn opencl_estimate_matches_the_cpu_reference() {
+        let Some(cl) = cl() else { return };
+        // Two KV heads of d = 64 per cell, 300 cells; estimate head group of KV head 1 for
+        // a scattered candidate list.
+        let (d, hkv, cells, g) = (64usize, 2usize, 300usize, 3usize);
+        let row = hkv * d / BLOCK * BLOCK_BYTES;
+        let mut keys = vec![0u8; cells * row];
+        let mut seed = 7u64;
+        let mut rnd = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 40) as u32
+        };
+        for blk in keys.chunks_exact_mut(BLOCK_BYTES) {
+            let s = f16::from_f32(0.001 + (rnd() % 1000) as f32 * 1e-5).to_le_bytes();
+            blk[0] = s[0];
+            blk[1] = s[1];
+            for v in blk[2..].iter_mut() {
+                *v = ((rnd() % 255) as i32 - 127) as i8 as u8;
+            }
+        }
+        let q: Vec<i8> = (0..g * d)
+            .map(|_| ((rnd() % 255) as i32 - 127) as i8)
+            .collect();
+        let qs: Vec<f32> = (0..g * d / BLOCK).map(|i| 0.01 * (i + 1) as f32).collect();
+        let cand: Vec<u32> = (0..cells as u32).filter(|c| c % 3 != 1).collect();
+        let (cell0, hk, base) = (0usize, 1usize, 5usize);
+        let n = cand.len() - base;
+        let head = d / BLOCK * BLOCK_BYTES;
+        let mut got = vec![vec![0f32; n]; g];
+        let mut want = got.clone();
+        {
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|v| v.as_mut_slice()).collect();
+            cl.scores(
+                &keys,
+                (row, 0, head, cell0, hk),
+                &cand,
+                base,
+                &q,
+                &qs,
+                (g, d, n),
+                &mut outs,
+            )
+            .expect("OpenCL estimate");
+        }
+        {
+            let mut outs: Vec<&mut [f32]> = want.iter_mut().map(|v| v.as_mut_slice()).collect();
+            // SAFETY: every candidate's row lies inside `keys`.
+            unsafe {
+                est::scores(
+                    &q,
+                    &qs,
+                    g,
+                    d,
+                    n,
+                    |c| keys.as_ptr().add(cand[base + c] as usize * row + hk * head),
+                    &mut outs,
+                )
+            };
+        }
+        for h in 0..g {
+            for c in 0..n {
+                let (a, b) = (got[h][c], want[h][c]);
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                    "head {h} cand {c}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
