@@ -484,9 +484,14 @@ pub fn parse_sparse(v: &str) -> Result<Option<Sparse>> {
 
 /// Per-head budgets from the model's sidecar (`MODEL.leap.gguf`), if it has a profile for
 /// this model's shape; scaled so that they average to `s.keep`.
-pub fn with_sidecar(mut s: Sparse, model: &Path) -> Result<Sparse> {
-    let path = leap_host::sidecar::path_for(model);
-    let Some(side) = leap_host::sidecar::Sidecar::load(&path)? else {
+pub fn with_sidecar(s: Sparse, model: &Path) -> Result<Sparse> {
+    with_sidecar_at(s, &leap_host::sidecar::path_for(model))
+}
+
+/// [`with_sidecar`] from the sidecar at `path` (unchanged settings if there is none, or it
+/// has no attention profile).
+pub fn with_sidecar_at(mut s: Sparse, path: &Path) -> Result<Sparse> {
+    let Some(side) = leap_host::sidecar::Sidecar::load(path)? else {
         return Ok(s);
     };
     let (Some(keep), Some(nl), Some(nh)) = (
@@ -701,4 +706,47 @@ pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
     attn::set_ablation(None);
     attn::set_take_all(false);
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_budgets_follow_importance_and_average_the_global_keep() {
+        // 3 layers x 4 heads; layer 1 matters most, head 2 of each layer most.
+        let layer = [0.5, 2.0, 0.1];
+        let head: Vec<f64> = (0..12)
+            .map(|i| match i % 4 {
+                2 => 0.3,
+                3 => -0.05, // removing it helped: the floor
+                x => 0.05 * (x + 1) as f64,
+            })
+            .collect();
+        let r = 0.2;
+        let k = head_budgets(&head, &layer, 4, r);
+        let mean = k.iter().sum::<f32>() / k.len() as f32;
+        assert!((mean - r).abs() < 1e-4, "mean {mean}");
+        assert!(
+            k.iter().all(|&x| (r / 4.0 - 1e-6..=1.0).contains(&x)),
+            "{k:?}"
+        );
+        for l in 0..3 {
+            assert!(k[l * 4 + 2] >= k[l * 4 + 1] && k[l * 4 + 1] >= k[l * 4]);
+            assert!((k[l * 4 + 3] - r / 4.0).abs() < 1e-6, "floor: {k:?}");
+        }
+        assert!(k[4 + 2] >= k[2] && k[2] >= k[8 + 2], "layer order: {k:?}");
+        // Uniform importance: every head gets the global keep.
+        let u = head_budgets(&[1.0; 8], &[1.0, 1.0], 4, r);
+        assert!(u.iter().all(|&x| (x - r).abs() < 1e-6), "{u:?}");
+    }
+
+    #[test]
+    fn sparse_flag_parses() {
+        assert!(parse_sparse("off").unwrap().is_none());
+        assert_eq!(parse_sparse("on").unwrap().unwrap().keep, 0.2);
+        assert_eq!(parse_sparse("0.3").unwrap().unwrap().keep, 0.3);
+        assert!(parse_sparse("1.5").is_err());
+        assert!(parse_sparse("lots").is_err());
+    }
 }
