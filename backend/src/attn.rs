@@ -1043,11 +1043,25 @@ pub unsafe fn compute(
                     }
                 });
             }
-            let rr = &r;
-            parallel(threads.min(op.n_head), &|tid, nth| {
+            // Heads to threads by expected work (their budgets: 004 §3.4 reorders heads for
+            // the same reason), largest first onto the least loaded thread.
+            let nth = threads.min(op.n_head);
+            let mut order: Vec<usize> = (0..op.n_head).collect();
+            order.sort_by(|&a, &b| keep[b].total_cmp(&keep[a]));
+            let mut load = vec![0f32; nth];
+            let mut owner = vec![0usize; op.n_head];
+            for &h in &order {
+                let t = (0..nth)
+                    .min_by(|&a, &b| load[a].total_cmp(&load[b]))
+                    .unwrap();
+                owner[h] = t;
+                load[t] += keep[h].max(0.01);
+            }
+            let (rr, owner) = (&r, &owner);
+            parallel(nth, &|tid, team| {
                 let (mut s, mut local) = (Head::default(), Stats::default());
-                let mut h = tid;
-                while h < op.n_head {
+                // (A smaller team than asked for still covers every head.)
+                for h in (0..op.n_head).filter(|&h| owner[h] % team == tid) {
                     // SAFETY: each thread writes its own heads' output rows.
                     unsafe {
                         finish(
@@ -1062,7 +1076,6 @@ pub unsafe fn compute(
                             slot(i, h),
                         )
                     };
-                    h += nth;
                 }
                 add(&totals, &local);
             });
