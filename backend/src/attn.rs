@@ -638,6 +638,8 @@ struct Row {
     est: Vec<Vec<f32>>,
     q8: Vec<i8>,
     qscale: Vec<f32>,
+    /// The queries as they are (the CPU estimate quantizes only the keys).
+    qf: Vec<f32>,
 }
 
 /// One head's scratch for selection and exact attention.
@@ -694,18 +696,24 @@ unsafe fn prepare(
     let n = r.cand.len();
     r.lo = cfg.sink.min(n);
     r.hi = n - cfg.recent.min(n - r.lo);
-    r.sparse = sparse && n >= cfg.min_keys && (0..g).any(|x| budget(keep[h0 + x], n, cfg) < n);
     r.on_opencl = cfg.estimate_on == EstimateOn::OpenCl;
+    r.sparse = sparse && n >= cfg.min_keys && (0..g).any(|x| budget(keep[h0 + x], n, cfg) < n);
     if r.sparse {
         let nb = op.d / QK;
         r.q8.resize(g * op.d, 0);
         r.qscale.resize(g * nb, 0.0);
+        r.qf.clear();
         for x in 0..g {
-            est::quantize_query(
-                query(op, i, h0 + x),
-                &mut r.q8[x * op.d..(x + 1) * op.d],
-                &mut r.qscale[x * nb..(x + 1) * nb],
-            );
+            // The OpenCL kernel (like an NPU) multiplies int8 by int8; the CPU takes the
+            // queries in f32 against the int8 keys.
+            if r.on_opencl {
+                est::quantize_query(
+                    query(op, i, h0 + x),
+                    &mut r.q8[x * op.d..(x + 1) * op.d],
+                    &mut r.qscale[x * nb..(x + 1) * nb],
+                );
+            }
+            r.qf.extend_from_slice(query(op, i, h0 + x));
         }
         r.est.resize_with(g, Vec::new);
         for e in r.est.iter_mut() {
@@ -734,10 +742,8 @@ unsafe fn estimate(
         .map(|p| std::slice::from_raw_parts_mut(p.at(0).cast::<f32>().add(c0), c1 - c0))
         .collect();
     let base = r.lo + c0;
-    let nb = op.d / QK;
-    est::scores(
-        &r.q8[x0 * op.d..],
-        &r.qscale[x0 * nb..],
+    est::scores_f32q(
+        &r.qf[x0 * op.d..],
         g,
         op.d,
         c1 - c0,

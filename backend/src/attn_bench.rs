@@ -199,20 +199,17 @@ fn quality(c: &Captured, cfg: &Sparse, chosen: &[Chosen]) -> (f64, f64, f64) {
                     .count();
                 recall += hits as f64 / take as f64;
                 // The int8 estimate's own top-k, before the exact re-ranking.
-                est::quantize_query(q, &mut q8, &mut qs);
                 let mut e = vec![0f32; hi - lo];
                 // SAFETY: the shadow holds every key's int8 row.
                 unsafe {
                     let mut outs = [e.as_mut_slice()];
-                    est::scores(
-                        &q8,
-                        &qs,
-                        1,
-                        c.d,
-                        hi - lo,
-                        |x| k8.at(scores[lo + x].1 as usize, hk),
-                        &mut outs,
-                    );
+                    let key = |x: usize| k8.at(scores[lo + x].1 as usize, hk);
+                    if cfg.estimate_on == attn::EstimateOn::OpenCl {
+                        est::quantize_query(q, &mut q8, &mut qs);
+                        est::scores(&q8, &qs, 1, c.d, hi - lo, key, &mut outs);
+                    } else {
+                        est::scores_f32q(q, 1, c.d, hi - lo, key, &mut outs);
+                    }
                 }
                 let mut by_est: Vec<(f32, u32)> = e
                     .iter()

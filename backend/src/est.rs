@@ -60,6 +60,53 @@ pub unsafe fn scores(
     scalar(q, qs, g, d, n, key, out)
 }
 
+/// For each key `c` in `0..n` and each of the `g` f32 query heads in `q` (`g * d` values):
+/// `out[h][c] = Σ_blocks scale(k) · (q_h · k)`: only the keys are quantized, so the ranking
+/// errs only by the int8 cache copy.
+///
+/// # Safety
+/// As [`scores`].
+#[inline]
+pub unsafe fn scores_f32q(
+    q: &[f32],
+    g: usize,
+    d: usize,
+    n: usize,
+    key: impl Fn(usize) -> *const u8,
+    out: &mut [&mut [f32]],
+) {
+    debug_assert!(q.len() >= g * d && out.len() >= g && d.is_multiple_of(BLOCK));
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "f16c"
+    ))]
+    {
+        if g <= 8 {
+            avx2::scores_f32q(q, g, d, n, key, out);
+            return;
+        }
+    }
+    #[allow(clippy::needless_range_loop)]
+    for c in 0..n {
+        let k = key(c);
+        for h in 0..g {
+            let mut s = 0f32;
+            for b in 0..d / BLOCK {
+                let blk = k.add(b * BLOCK_BYTES);
+                let scale = crate::f16::to_f32(u16::from_le_bytes([*blk, *blk.add(1)]));
+                let vals = blk.add(2).cast::<i8>();
+                let mut acc = 0f32;
+                for x in 0..BLOCK {
+                    acc += q[h * d + b * BLOCK + x] * *vals.add(x) as f32;
+                }
+                s += scale * acc;
+            }
+            out[h][c] = s;
+        }
+    }
+}
+
 unsafe fn scalar(
     q: &[i8],
     qs: &[f32],
@@ -104,6 +151,44 @@ mod avx2 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+    }
+
+    pub(super) unsafe fn scores_f32q(
+        q: &[f32],
+        g: usize,
+        d: usize,
+        n: usize,
+        key: impl Fn(usize) -> *const u8,
+        out: &mut [&mut [f32]],
+    ) {
+        let blocks = d / BLOCK;
+        for c in 0..n {
+            let k = key(c);
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for b in 0..blocks {
+                let blk = k.add(b * BLOCK_BYTES);
+                let bits = u16::from_le_bytes([*blk, *blk.add(1)]) as i32;
+                let scale = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+                let v = blk.add(2);
+                let k0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(v.cast())));
+                let k1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(v.add(8).cast())));
+                let k2 =
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(v.add(16).cast())));
+                let k3 =
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(v.add(24).cast())));
+                for (h, a) in acc.iter_mut().enumerate().take(g) {
+                    let qp = q.as_ptr().add(h * d + b * BLOCK);
+                    let mut t = _mm256_mul_ps(_mm256_loadu_ps(qp), k0);
+                    t = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(8)), k1, t);
+                    t = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(16)), k2, t);
+                    t = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(24)), k3, t);
+                    *a = _mm256_fmadd_ps(t, scale, *a);
+                }
+            }
+            for h in 0..g {
+                *out[h].get_unchecked_mut(c) = hsum(acc[h]);
+            }
+        }
     }
 
     pub(super) unsafe fn scores(

@@ -39,6 +39,14 @@ use std::sync::OnceLock;
 
 use ffi as g;
 
+// The interface this code fills in (struct layouts of `ggml-backend-impl.h`): bindgen reads
+// the header of the llama.cpp tree being built, and a different version fails the build
+// here instead of crashing at run time.
+const _: () = assert!(
+    g::GGML_BACKEND_API_VERSION == 3,
+    "ggml backend API changed: review backend/src/lib.rs against ggml-backend-impl.h"
+);
+
 /// Fewest and most rows of a batch the device claims: from verification's small batches to
 /// prefill's (whose matrix products the kernels also compute faster than one row at a time).
 pub const MIN_ROWS: i64 = 2;
