@@ -1,6 +1,6 @@
 //! Leap's ggml backend plugin: a device llama.cpp's scheduler registers like its own.
 //!
-//! What it does today: an accelerator (`ACCEL`) device, `LEAP`, that claims the quantized
+//! What it does: an accelerator (`ACCEL`) device, `leap-cpu`, that claims the quantized
 //! matrix products of batches of 2 rows or more (speculative verification, and prefill)
 //! whose weights are `Q8_0`, `Q5_0` or `Q4_1` in host memory, and computes them with Leap's
 //! weight-stationary kernels ([`leap_host::qdot`]): each weight block is unpacked once for all
@@ -16,11 +16,13 @@
 //! ggml's CPU backend uses (`GOMP_parallel`, found at run time), else scoped threads.
 //!
 //! With sparse attention on ([`attn::set_sparse`], contexts with flash attention), the device
-//! also takes `FLASH_ATTN_EXT` on full-attention layers and the K cache writes that feed it:
-//! shadowAttn's estimated top-k attention ([`attn`]).
+//! also takes `FLASH_ATTN_EXT` (decode and verification shapes) and the K cache writes that
+//! feed its int8 copy of the cache: shadowAttn's estimated top-k attention ([`attn`]). A
+//! second device, `leap-opencl` ([`want_opencl`]; feature `opencl`), takes the attention
+//! instead when its estimate is to run on OpenCL ([`opencl`]).
 //!
 //! Two ways in: [`register`] in-process (what `leap` does), or the cdylib of `backend/plugin`
-//! (`libggml-leap.so`), which exports `ggml_backend_init` for an unmodified llama.cpp that
+//! (`libggml_leap.so`), which exports `ggml_backend_init` for an unmodified llama.cpp that
 //! loads it through `GGML_BACKEND_PATH`.
 
 pub mod attn;
