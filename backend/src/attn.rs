@@ -4,8 +4,7 @@
 //! For every query row and head: a cheap low-precision estimate of `q · k` over all visible
 //! keys, the top keys by that estimate (a per-head budget, the first keys and the most recent
 //! ones always kept), then exact attention (f32 arithmetic on the f16 cache) over those keys
-//! only. A query that sees fewer than [`Sparse::min_keys`] keys attends densely; a node whose
-//! cache has fewer cells is left to ggml.
+//! only. A query that sees fewer than [`Sparse::min_keys`] keys attends densely (same code).
 //!
 //! The estimate reads an int8 shadow of the K cache (ggml's `Q8_0`: a scale per 32 values)
 //! instead of the f16 cache: the device takes the cache's `SET_ROWS` writes too (bit-identical
@@ -27,18 +26,19 @@ use crate::{est, f16};
 pub struct Sparse {
     /// Fraction of a query's visible keys attended exactly (004: 20%).
     pub keep: f32,
-    /// Visible keys below which a query attends densely; a node whose cache has fewer cells
-    /// stays on ggml's CPU backend.
+    /// Visible keys below which a query attends densely.
     pub min_keys: usize,
     /// First keys (attention sinks) always kept.
     pub sink: usize,
     /// Most recent keys always kept.
     pub recent: usize,
-    /// Query rows above which the device leaves a node to ggml (prefill): on a CPU the
-    /// estimate of a long batch is a full `Q·K` product, as costly as ggml's tiled dense
-    /// attention, so sparse attention pays for decode and verification shapes; a device with
-    /// a cheap estimator (an NPU) lifts this. Each row is computed the same way whatever the
-    /// batch, so raising it (perplexity runs do) measures exactly what decoding computes.
+    /// Query rows above which the device leaves a node to ggml (unlimited by default). Every
+    /// row is computed alike whatever its batch only while the device takes every node:
+    /// with a limit, a prompt token prefilled in a long batch (ggml, dense) and the same token
+    /// in a short one (sparse) attend differently, and speculative decoding, whose prompt
+    /// calibration prefills in short chunks, no longer reproduces plain decoding exactly. A
+    /// limit suits plain decoding of long prompts: on a CPU the estimate of a long batch is a
+    /// full `Q·K` product, about as costly as ggml's tiled dense attention.
     pub max_rows: usize,
     /// Extra candidates (a fraction of the estimated budget) whose exact scores are
     /// computed, so that the estimate's errors near the cut are corrected: the budget's
@@ -81,7 +81,7 @@ impl Default for Sparse {
             sink: 4,
             recent: 64,
             refine: 0.25,
-            max_rows: 16,
+            max_rows: usize::MAX,
             heads: None,
             estimate_on: EstimateOn::Cpu,
         }
@@ -491,9 +491,10 @@ pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
     let taken = if capturing {
         any_k_cache(root).is_some()
     } else {
-        k_cache_layer(root).is_some()
-            && k.ne[1] as usize >= cfg.min_keys
-            && q.ne[1] as usize <= cfg.max_rows
+        // Every node up to `max_rows` rows, short contexts included (attended densely by the
+        // same per-row code): a row's attention then does not depend on its batch, so
+        // speculative decoding under sparse attention still gives plain decoding's tokens.
+        k_cache_layer(root).is_some() && q.ne[1] as usize <= cfg.max_rows
     };
     taken
         && mask_ok
@@ -1441,6 +1442,48 @@ mod tests {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(err < 0.02, "max abs err {err}");
+    }
+
+    #[test]
+    fn a_row_attends_alike_in_any_batch() {
+        init();
+        let p = problem(12, 1500, 11);
+        let (_buf, k8) = keys8(&p);
+        let cfg = Sparse {
+            min_keys: 256,
+            ..Sparse::default()
+        };
+        let mut all = vec![0f32; p.n_q * p.n_head * p.d];
+        // SAFETY: operands point into `p` and `all`; k8 covers every cell.
+        unsafe { compute(&operands(&p, &mut all), Some(&k8), &cfg, &[0.2; 4], 2, None) };
+        for i in 0..p.n_q {
+            // Row i alone: a one-row problem with that row's query and mask.
+            let one = Problem {
+                q: p.q[i * p.n_head * p.d..(i + 1) * p.n_head * p.d].to_vec(),
+                mask: p.mask[i * p.n_kv..(i + 1) * p.n_kv].to_vec(),
+                n_q: 1,
+                k: p.k.clone(),
+                v: p.v.clone(),
+                ..p
+            };
+            let mut out = vec![0f32; p.n_head * p.d];
+            // SAFETY: as above.
+            unsafe {
+                compute(
+                    &operands(&one, &mut out),
+                    Some(&k8),
+                    &cfg,
+                    &[0.2; 4],
+                    2,
+                    None,
+                )
+            };
+            assert_eq!(
+                out,
+                all[i * p.n_head * p.d..(i + 1) * p.n_head * p.d],
+                "row {i}"
+            );
+        }
     }
 
     #[test]

@@ -372,8 +372,7 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
     let path = models::resolve(&a.model)?;
     leap_backend::register();
     leap_backend::set_enabled(true);
-    // Every row sparse, also in the batches this runs in (each row is computed as it would
-    // be decoded alone).
+    // Every row as decoding computes it, also in the batches this runs in.
     attn::set_sparse(if a.sparse {
         Some(with_sidecar(
             Sparse {

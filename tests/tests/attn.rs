@@ -9,14 +9,10 @@ use leap_host::{Batch, Context, ContextParams, FlashAttn};
 use leap_spec::plain::argmax;
 use leap_tests::{model, threads, SMOLLM};
 
-/// Real text longer than the contexts below: this repository's own sources.
+/// A fixed text (tests/data), repeated past the contexts below: the outcome must not depend on
+/// the repository's sources changing.
 fn text() -> String {
-    [
-        include_str!("../../backend/src/attn.rs"),
-        include_str!("../../backend/src/lib.rs"),
-        include_str!("../../host/src/qdot.rs"),
-    ]
-    .concat()
+    include_str!("../data/attention-notes.txt").repeat(3)
 }
 
 fn fa_context_with(fa: FlashAttn) -> Context {
@@ -78,9 +74,10 @@ fn sparse_attention_on_smollm2() {
         .fold(0.0, f32::max);
     assert_eq!(attn::stats().nodes, 0, "off: ggml computes attention");
 
-    // keep = 1: every visible key, through the device's own path: as close to ggml's flash
-    // attention as ggml's attention without flash attention is (a wrong head or key moves
-    // logits by several units).
+    // keep = 1: every visible key, through the device's own path (f32 queries, f32 sums):
+    // within twice the distance between ggml's two attention paths (which round queries and
+    // sums to f16 in different places); a wrong head or key moves logits by several units and
+    // changes the predictions.
     attn::set_sparse(Some(Sparse {
         keep: 1.0,
         ..Sparse::default()
@@ -97,7 +94,7 @@ fn sparse_attention_on_smollm2() {
         let d = max_abs_diff(a, b);
         eprintln!("step {s}: device dense vs ggml: {d} (ggml's paths: {ggml_spread})");
         assert!(
-            d <= 1.5 * ggml_spread,
+            d <= 2.0 * ggml_spread.max(0.5),
             "step {s}: dense paths differ by {d}"
         );
         assert_eq!(argmax(a), argmax(b), "step {s}");
@@ -138,6 +135,46 @@ fn sparse_attention_on_smollm2() {
     assert!(
         agree >= steps,
         "sparse attention changed the model's predictions"
+    );
+
+    // Under sparse attention Leap's engine still decodes plain decoding's tokens: the device
+    // computes each row of a verification batch as it computes a row decoded alone.
+    let p = ContextParams {
+        n_ctx: 2048,
+        n_batch: 2048,
+        n_seq_max: 8,
+        n_threads: threads(),
+        n_threads_batch: threads(),
+        flash_attn: FlashAttn::On,
+        ..Default::default()
+    };
+    let single = ContextParams {
+        n_seq_max: 1,
+        ..p.clone()
+    };
+    let mut pc = Context::new(&m, &single).unwrap();
+    let want = leap_tests::plain_greedy(&mut pc, &prompt, 40);
+    let (mut ec, od) = leap_host::project::OnDemand::context(&m, &p).unwrap();
+    let mut engine = leap_spec::engine::Engine::new(leap_spec::engine::EngineConfig {
+        adaptive: false,
+        max_draft: 8,
+        ..Default::default()
+    })
+    .with_on_demand(od);
+    let got = leap_tests::leap_greedy(&mut engine, &mut ec, &prompt, 40);
+    eprintln!(
+        "sparse: engine {} tokens in {} target calls ({} drafted)",
+        got.tokens.len(),
+        got.target_calls,
+        got.drafted_tokens
+    );
+    assert_eq!(
+        got.tokens, want.tokens,
+        "speculative decoding under sparse attention"
+    );
+    assert!(
+        got.target_calls < got.tokens.len() as u64,
+        "speculation verified batches"
     );
     attn::set_sparse(None);
 }
