@@ -637,9 +637,7 @@ struct Row {
     /// Estimate on the OpenCL device.
     on_opencl: bool,
     est: Vec<Vec<f32>>,
-    q8: Vec<i8>,
-    qscale: Vec<f32>,
-    /// The queries as they are (the CPU estimate quantizes only the keys).
+    /// The queries as they are (the estimate quantizes only the keys).
     qf: Vec<f32>,
 }
 
@@ -700,20 +698,9 @@ unsafe fn prepare(
     r.on_opencl = cfg.estimate_on == EstimateOn::OpenCl;
     r.sparse = sparse && n >= cfg.min_keys && (0..g).any(|x| budget(keep[h0 + x], n, cfg) < n);
     if r.sparse {
-        let nb = op.d / QK;
-        r.q8.resize(g * op.d, 0);
-        r.qscale.resize(g * nb, 0.0);
         r.qf.clear();
         for x in 0..g {
-            // The OpenCL kernel (like an NPU) multiplies int8 by int8; the CPU takes the
-            // queries in f32 against the int8 keys.
-            if r.on_opencl {
-                est::quantize_query(
-                    query(op, i, h0 + x),
-                    &mut r.q8[x * op.d..(x + 1) * op.d],
-                    &mut r.qscale[x * nb..(x + 1) * nb],
-                );
-            }
+            // f32 queries against the int8 keys, on the CPU and in OpenCL alike.
             r.qf.extend_from_slice(query(op, i, h0 + x));
         }
         r.est.resize_with(g, Vec::new);
@@ -777,15 +764,13 @@ unsafe fn cfg_on_opencl(
             .iter()
             .map(|p| std::slice::from_raw_parts_mut(p.at(0).cast::<f32>().add(c0), c1 - c0))
             .collect();
-        let nb = op.d / QK;
         let keys = std::slice::from_raw_parts(k8.base, k8.len);
         match cl.scores(
             keys,
             (k8.row, k8.col0, k8.head, k8.cell0, hk),
             &r.cand,
             r.lo + c0,
-            &r.q8[x0 * op.d..],
-            &r.qscale[x0 * nb..],
+            &r.qf[x0 * op.d..],
             (g, op.d, c1 - c0),
             &mut outs,
         ) {

@@ -152,8 +152,6 @@ fn quality(c: &Captured, cfg: &Sparse, chosen: &[Chosen]) -> (f64, f64, f64) {
     let (mut recall, mut mass, mut n) = (0.0, 0.0, 0usize);
     let mut est_recall = 0.0;
     let (_buf, k8) = c.shadow();
-    let nb = c.d / 32;
-    let (mut q8, mut qs) = (vec![0i8; c.d], vec![0f32; nb]);
     for i in 0..c.n_q {
         for h in 0..c.n_head {
             let hk = h / (c.n_head / c.n_head_kv);
@@ -204,12 +202,7 @@ fn quality(c: &Captured, cfg: &Sparse, chosen: &[Chosen]) -> (f64, f64, f64) {
                 unsafe {
                     let mut outs = [e.as_mut_slice()];
                     let key = |x: usize| k8.at(scores[lo + x].1 as usize, hk);
-                    if cfg.estimate_on == attn::EstimateOn::OpenCl {
-                        est::quantize_query(q, &mut q8, &mut qs);
-                        est::scores(&q8, &qs, 1, c.d, hi - lo, key, &mut outs);
-                    } else {
-                        est::scores_f32q(q, 1, c.d, hi - lo, key, &mut outs);
-                    }
+                    est::scores_f32q(q, 1, c.d, hi - lo, key, &mut outs);
                 }
                 let mut by_est: Vec<(f32, u32)> = e
                     .iter()

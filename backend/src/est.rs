@@ -1,71 +1,18 @@
-//! The estimate of sparse attention: int8 queries against the int8 (`Q8_0`) shadow of the K
-//! cache, several query heads per key load (grouped-query attention), integer dot products per
-//! block of 32, one float multiply-add per block.
+//! The estimate of sparse attention: f32 queries against the int8 (`Q8_0`) shadow of the K
+//! cache, several query heads per key load (grouped-query attention), one scale per block of
+//! 32. (An NPU would quantize the queries too, with a scale per head: issue 6's QNN device.)
 
 /// Bytes of a `Q8_0` block: an f16 scale and 32 int8 values.
 pub const BLOCK_BYTES: usize = 34;
 /// Values per block.
 pub const BLOCK: usize = 32;
 
-/// Quantize `x` to int8 with a scale per block of 32 (absmax / 127, as the keys are), written
-/// to `scales`.
-pub fn quantize_query(x: &[f32], out: &mut [i8], scales: &mut [f32]) {
-    for ((xb, ob), s) in x
-        .chunks(BLOCK)
-        .zip(out.chunks_mut(BLOCK))
-        .zip(scales.iter_mut())
-    {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        if amax == 0.0 {
-            ob.fill(0);
-            *s = 0.0;
-            continue;
-        }
-        let inv = 127.0 / amax;
-        for (o, v) in ob.iter_mut().zip(xb) {
-            *o = (v * inv).round() as i8;
-        }
-        *s = amax / 127.0;
-    }
-}
-
-/// For each key `c` in `0..n` (its Q8_0 row of `d` values at `key(c)`) and each of the `g`
-/// int8 query heads in `q` (`g * d` values, head after head, block scales in `qs`):
-/// `out[h][c] = Σ_blocks scale(q_h) · scale(k) · (q_h · k)`.
-///
-/// # Safety
-/// Every `key(c)` points to `d / 32` readable blocks; `out` has `g` rows of at least `n`.
-#[inline]
-pub unsafe fn scores(
-    q: &[i8],
-    qs: &[f32],
-    g: usize,
-    d: usize,
-    n: usize,
-    key: impl Fn(usize) -> *const u8,
-    out: &mut [&mut [f32]],
-) {
-    debug_assert!(q.len() >= g * d && out.len() >= g && d.is_multiple_of(BLOCK));
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "f16c"
-    ))]
-    {
-        if g <= 8 {
-            avx2::scores(q, qs, g, d, n, key, out);
-            return;
-        }
-    }
-    scalar(q, qs, g, d, n, key, out)
-}
-
 /// For each key `c` in `0..n` and each of the `g` f32 query heads in `q` (`g * d` values):
 /// `out[h][c] = Σ_blocks scale(k) · (q_h · k)`: only the keys are quantized, so the ranking
 /// errs only by the int8 cache copy.
 ///
 /// # Safety
-/// As [`scores`].
+/// Every `key(c)` points to `d / 32` readable blocks; `out` has `g` rows of at least `n`.
 #[inline]
 pub unsafe fn scores_f32q(
     q: &[f32],
@@ -101,36 +48,6 @@ pub unsafe fn scores_f32q(
                     acc += q[h * d + b * BLOCK + x] * *vals.add(x) as f32;
                 }
                 s += scale * acc;
-            }
-            out[h][c] = s;
-        }
-    }
-}
-
-unsafe fn scalar(
-    q: &[i8],
-    qs: &[f32],
-    g: usize,
-    d: usize,
-    n: usize,
-    key: impl Fn(usize) -> *const u8,
-    out: &mut [&mut [f32]],
-) {
-    #[allow(clippy::needless_range_loop)]
-    for c in 0..n {
-        let k = key(c);
-        for h in 0..g {
-            let qh = &q[h * d..(h + 1) * d];
-            let mut s = 0f32;
-            for b in 0..d / BLOCK {
-                let blk = k.add(b * BLOCK_BYTES);
-                let scale = crate::f16::to_f32(u16::from_le_bytes([*blk, *blk.add(1)]));
-                let vals = blk.add(2).cast::<i8>();
-                let mut acc = 0i32;
-                for x in 0..BLOCK {
-                    acc += qh[b * BLOCK + x] as i32 * *vals.add(x) as i32;
-                }
-                s += qs[h * (d / BLOCK) + b] * scale * acc as f32;
             }
             out[h][c] = s;
         }
@@ -190,42 +107,6 @@ mod avx2 {
             }
         }
     }
-
-    pub(super) unsafe fn scores(
-        q: &[i8],
-        qs: &[f32],
-        g: usize,
-        d: usize,
-        n: usize,
-        key: impl Fn(usize) -> *const u8,
-        out: &mut [&mut [f32]],
-    ) {
-        let blocks = d / BLOCK;
-        let ones = _mm256_set1_epi16(1);
-        for c in 0..n {
-            let k = key(c);
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for b in 0..blocks {
-                let blk = k.add(b * BLOCK_BYTES);
-                let bits = u16::from_le_bytes([*blk, *blk.add(1)]) as i32;
-                let scale = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
-                let kv = _mm256_loadu_si256(blk.add(2).cast());
-                // maddubs multiplies unsigned by signed: |k| times q with k's sign.
-                let ka = _mm256_sign_epi8(kv, kv);
-                for (h, a) in acc.iter_mut().enumerate().take(g) {
-                    let qv = _mm256_loadu_si256(q.as_ptr().add(h * d + b * BLOCK).cast());
-                    let p16 = _mm256_maddubs_epi16(ka, _mm256_sign_epi8(qv, kv));
-                    let p32 = _mm256_madd_epi16(p16, ones);
-                    let sc =
-                        _mm256_mul_ps(scale, _mm256_set1_ps(*qs.get_unchecked(h * blocks + b)));
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), sc, *a);
-                }
-            }
-            for h in 0..g {
-                *out[h].get_unchecked_mut(c) = hsum(acc[h]);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -233,10 +114,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn simd_matches_scalar_and_exact_integers() {
+    fn estimates_are_block_scaled_dot_products() {
         let (g, d, n) = (3, 64, 37);
-        let q: Vec<i8> = (0..g * d)
-            .map(|i| ((i * 37 % 255) as i32 - 127) as i8)
+        let q: Vec<f32> = (0..g * d)
+            .map(|i| ((i * 37 % 255) as f32 - 127.0) / 50.0)
             .collect();
         let mut keys = vec![0u8; n * (d / BLOCK) * BLOCK_BYTES];
         for (i, b) in keys.chunks_exact_mut(BLOCK_BYTES).enumerate() {
@@ -249,37 +130,29 @@ mod tests {
         }
         let row = (d / BLOCK) * BLOCK_BYTES;
         let key = |c: usize| keys.as_ptr().wrapping_add(c * row);
-        let qs: Vec<f32> = (0..g * d / BLOCK).map(|i| 0.5 + i as f32 * 0.1).collect();
-        let mut a = vec![vec![0f32; n]; g];
-        let mut b = a.clone();
+        let mut got = vec![vec![0f32; n]; g];
         // SAFETY: `keys` holds n rows of d/32 blocks.
         unsafe {
-            let mut oa: Vec<&mut [f32]> = a.iter_mut().map(|v| v.as_mut_slice()).collect();
-            scores(&q, &qs, g, d, n, key, &mut oa);
-            let mut ob: Vec<&mut [f32]> = b.iter_mut().map(|v| v.as_mut_slice()).collect();
-            scalar(&q, &qs, g, d, n, key, &mut ob);
+            let mut outs: Vec<&mut [f32]> = got.iter_mut().map(|v| v.as_mut_slice()).collect();
+            scores_f32q(&q, g, d, n, key, &mut outs);
         }
         for h in 0..g {
             for c in 0..n {
+                let mut want = 0f64;
+                for b in 0..d / BLOCK {
+                    let blk = &keys[c * row + b * BLOCK_BYTES..][..BLOCK_BYTES];
+                    let scale = crate::f16::to_f32(u16::from_le_bytes([blk[0], blk[1]])) as f64;
+                    let dot: f64 = (0..BLOCK)
+                        .map(|x| q[h * d + b * BLOCK + x] as f64 * blk[2 + x] as i8 as f64)
+                        .sum();
+                    want += scale * dot;
+                }
+                let v = got[h][c] as f64;
                 assert!(
-                    (a[h][c] - b[h][c]).abs() <= 1e-3 * b[h][c].abs().max(1.0),
-                    "{h} {c}"
+                    (v - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{h} {c}: {v} vs {want}"
                 );
             }
         }
-    }
-
-    #[test]
-    fn query_quantization_is_symmetric() {
-        let mut x = [0f32; 64];
-        x[..4].copy_from_slice(&[0.5, -1.0, 0.25, 0.0]);
-        x[32] = 2.0;
-        let mut q = [0i8; 64];
-        let mut s = [0f32; 2];
-        quantize_query(&x, &mut q, &mut s);
-        assert_eq!(q[..4], [64, -127, 32, 0]);
-        assert_eq!(q[32], 127);
-        assert!((s[0] - 1.0 / 127.0).abs() < 1e-9);
-        assert!((s[1] - 2.0 / 127.0).abs() < 1e-9);
     }
 }

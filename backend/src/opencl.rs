@@ -1,5 +1,8 @@
 //! The `leap-opencl` device's kernels: sparse attention's int8 estimate in OpenCL C 1.2.
 //!
+//! The queries stay f32 (a GPU multiplies floats as fast as integers); int8 x int8 with
+//! per-head scales is the NPU's form (issue 6).
+//!
 //! Portable tier: runs on any OpenCL 1.2 device, PoCL's CPU device included (no fp16
 //! arithmetic: the keys' f16 scales are read with `vload_half`, which 1.2 has without
 //! `cl_khr_fp16`; no subgroups). Buffers wrap host memory (`CL_MEM_USE_HOST_PTR`), which is
@@ -25,11 +28,11 @@ use opencl3::types::{cl_float, cl_uint, CL_BLOCKING};
 use crate::est::{BLOCK, BLOCK_BYTES};
 
 const SOURCE: &str = r#"
-// Estimated scores of g int8 query heads against candidate keys (Q8_0 rows: per block of 32
-// an f16 scale then 32 int8 values): out[h*n + c] = sum_b qs[h][b] * dk_b * (q_h . k)_b.
+// Estimated scores of g f32 query heads against candidate keys (Q8_0 rows: per block of 32
+// an f16 scale then 32 int8 values): out[h*n + c] = sum_b dk_b * (q_h . k)_b.
 __kernel void est_q8(__global const char *keys, uint row, uint col0, uint head,
                      uint cell0, uint hk, __global const uint *cand, uint base,
-                     __global const char *q, __global const float *qs, uint g, uint nb,
+                     __global const float *q, uint g, uint nb,
                      __global float *out, uint n)
 {
     uint c = get_global_id(0);
@@ -40,10 +43,10 @@ __kernel void est_q8(__global const char *keys, uint row, uint col0, uint head,
         for (uint b = 0; b < nb; b++) {
             __global const char *blk = k + b * 34;
             float dk = vload_half(0, (__global const half *)blk);
-            __global const char *qb = q + (h * nb + b) * 32;
-            int acc = 0;
-            for (uint x = 0; x < 32; x++) acc += (int)blk[2 + x] * (int)qb[x];
-            s += qs[h * nb + b] * dk * (float)acc;
+            __global const float *qb = q + (h * nb + b) * 32;
+            float acc = 0.0f;
+            for (uint x = 0; x < 32; x++) acc += (float)blk[2 + x] * qb[x];
+            s += dk * acc;
         }
         out[h * n + c] = s;
     }
@@ -103,7 +106,8 @@ impl ClEstimator {
         })
     }
 
-    /// `out[h][c]` for heads `0..g` of `q` (int8, `g * d`) with block scales `qs`, and
+    /// `out[h][c]` for heads `0..g` of `q` (f32, `g * d`: a GPU multiplies floats as fast as
+    /// integers, and the CPU estimate takes f32 queries too, so both rank alike), and
     /// candidates `c` in `0..n`: key `cand[base + c]` of the shadow `keys` (rows of `row`
     /// bytes from cell `cell0`; KV head `hk` at `col0 + hk * head` bytes in the row).
     ///
@@ -116,8 +120,7 @@ impl ClEstimator {
         (row, col0, head, cell0, hk): (usize, usize, usize, usize, usize),
         cand: &[u32],
         base: usize,
-        q: &[i8],
-        qs: &[f32],
+        q: &[f32],
         (g, d, n): (usize, usize, usize),
         out: &mut [&mut [f32]],
     ) -> Result<(), String> {
@@ -125,7 +128,7 @@ impl ClEstimator {
             return Ok(());
         }
         let nb = d / BLOCK;
-        debug_assert!(q.len() >= g * d && qs.len() >= g * nb && out.len() >= g);
+        debug_assert!(q.len() >= g * d && out.len() >= g);
         debug_assert!(d.is_multiple_of(BLOCK) && col0.is_multiple_of(BLOCK_BYTES));
         fn err(what: &'static str) -> impl Fn(opencl3::error_codes::ClError) -> String {
             move |e| format!("{what}: {e}")
@@ -149,20 +152,13 @@ impl ClEstimator {
                 cand.as_ptr() as *mut _,
             )
             .map_err(err("candidates buffer"))?;
-            let qb = Buffer::<i8>::create(
+            let qb = Buffer::<f32>::create(
                 &self.context,
                 CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
                 g * d,
                 q.as_ptr() as *mut _,
             )
             .map_err(err("query buffer"))?;
-            let sb = Buffer::<f32>::create(
-                &self.context,
-                CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
-                g * nb,
-                qs.as_ptr() as *mut _,
-            )
-            .map_err(err("scales buffer"))?;
             let ob = Buffer::<cl_float>::create(
                 &self.context,
                 CL_MEM_WRITE_ONLY,
@@ -182,7 +178,6 @@ impl ClEstimator {
                 .set_arg(&cb)
                 .set_arg(&u(base))
                 .set_arg(&qb)
-                .set_arg(&sb)
                 .set_arg(&u(g))
                 .set_arg(&u(nb))
                 .set_arg(&ob)
@@ -258,10 +253,9 @@ mod tests {
                 *v = ((rnd() % 255) as i32 - 127) as i8 as u8;
             }
         }
-        let q: Vec<i8> = (0..g * d)
-            .map(|_| ((rnd() % 255) as i32 - 127) as i8)
+        let q: Vec<f32> = (0..g * d)
+            .map(|_| (rnd() % 2001) as f32 / 1000.0 - 1.0)
             .collect();
-        let qs: Vec<f32> = (0..g * d / BLOCK).map(|i| 0.01 * (i + 1) as f32).collect();
         let cand: Vec<u32> = (0..cells as u32).filter(|c| c % 3 != 1).collect();
         let (cell0, hk, base) = (0usize, 1usize, 5usize);
         let n = cand.len() - base;
@@ -276,7 +270,6 @@ mod tests {
                 &cand,
                 base,
                 &q,
-                &qs,
                 (g, d, n),
                 &mut outs,
             )
@@ -286,9 +279,8 @@ mod tests {
             let mut outs: Vec<&mut [f32]> = want.iter_mut().map(|v| v.as_mut_slice()).collect();
             // SAFETY: every candidate's row lies inside `keys`.
             unsafe {
-                est::scores(
+                est::scores_f32q(
                     &q,
-                    &qs,
                     g,
                     d,
                     n,
