@@ -641,6 +641,12 @@ struct Row {
     qf: Vec<f32>,
 }
 
+thread_local! {
+    /// Scratch of the thread computing attention (ggml's OpenMP team and the scheduler's
+    /// thread live as long as the process): no allocation per node once warm.
+    static SCRATCH: std::cell::RefCell<(Row, Head)> = std::cell::RefCell::new(Default::default());
+}
+
 /// One head's scratch for selection and exact attention.
 #[derive(Default)]
 struct Head {
@@ -649,6 +655,7 @@ struct Head {
     scores: Vec<f32>,
     acc: Vec<f32>,
     rows: Vec<*const u16>,
+    gone: Vec<bool>,
 }
 
 /// Which keys a (row, head) pair attends (for recall measurements).
@@ -901,12 +908,13 @@ unsafe fn exact(
         let keep = s.top.len() - drop;
         s.top
             .select_nth_unstable_by(keep, |a, b| b.0.total_cmp(&a.0));
-        let mut gone = vec![false; s.pick.len()];
+        s.gone.clear();
+        s.gone.resize(s.pick.len(), false);
         for &(_, t) in &s.top[keep..] {
-            gone[t as usize] = true;
+            s.gone[t as usize] = true;
         }
         let mut w = 0;
-        for (t, &g) in gone.iter().enumerate() {
+        for (t, &g) in s.gone.iter().enumerate() {
             if !g {
                 s.pick[w] = s.pick[t];
                 s.scores[w] = s.scores[t];
@@ -977,21 +985,23 @@ pub unsafe fn compute(
     let groups = op.n_q * op.n_head_kv;
     if groups >= 2 * threads || threads <= 1 {
         parallel(threads.min(groups).max(1), &|tid, nth| {
-            let (mut r, mut s, mut local) = (Row::default(), Head::default(), Stats::default());
+            let mut scratch = SCRATCH.with(|c| c.take());
+            let (r, s) = (&mut scratch.0, &mut scratch.1);
+            let mut local = Stats::default();
             let mut t = tid;
             while t < groups {
                 let (i, hk) = (t / op.n_head_kv, t % op.n_head_kv);
                 let h0 = hk * g;
                 // SAFETY: each task writes its own output rows and `chosen` slots.
                 unsafe {
-                    prepare(op, keys8.is_some(), cfg, keep, i, (h0, g), &mut r);
+                    prepare(op, keys8.is_some(), cfg, keep, i, (h0, g), r);
                     if r.sparse {
                         let est: Vec<Ptr> = r
                             .est
                             .iter_mut()
                             .map(|e| Ptr(e.as_mut_ptr().cast()))
                             .collect();
-                        estimate(op, keys8.unwrap(), hk, (0, g), &r, &est, (0, r.hi - r.lo));
+                        estimate(op, keys8.unwrap(), hk, (0, g), r, &est, (0, r.hi - r.lo));
                     }
                     for x in 0..g {
                         finish(
@@ -1000,8 +1010,8 @@ pub unsafe fn compute(
                             keep[h0 + x],
                             i,
                             (h0 + x, x),
-                            &r,
-                            &mut s,
+                            r,
+                            s,
                             &mut local,
                             slot(i, h0 + x),
                         );
@@ -1009,12 +1019,16 @@ pub unsafe fn compute(
                 }
                 t += nth;
             }
+            SCRATCH.with(|c| c.replace(scratch));
             add(&totals, &local);
         });
     } else {
         // Few rows (decode): per row, every head's estimate split by key ranges, then the
         // heads' selection and exact attention split by heads.
-        let mut r = Row::default();
+        thread_local! {
+            static ROW: std::cell::RefCell<Row> = std::cell::RefCell::new(Row::default());
+        }
+        let mut r = ROW.with(|c| c.take());
         for i in 0..op.n_q {
             prepare(op, keys8.is_some(), cfg, keep, i, (0, op.n_head), &mut r);
             if r.sparse {
@@ -1051,7 +1065,8 @@ pub unsafe fn compute(
             }
             let (rr, owner) = (&r, &owner);
             parallel(nth, &|tid, team| {
-                let (mut s, mut local) = (Head::default(), Stats::default());
+                let mut scratch = SCRATCH.with(|c| c.take());
+                let mut local = Stats::default();
                 // (A smaller team than asked for still covers every head.)
                 for h in (0..op.n_head).filter(|&h| owner[h] % team == tid) {
                     // SAFETY: each thread writes its own heads' output rows.
@@ -1063,15 +1078,17 @@ pub unsafe fn compute(
                             i,
                             (h, h),
                             rr,
-                            &mut s,
+                            &mut scratch.1,
                             &mut local,
                             slot(i, h),
                         )
                     };
                 }
+                SCRATCH.with(|c| c.replace(scratch));
                 add(&totals, &local);
             });
         }
+        ROW.with(|c| c.replace(r));
     }
     let mut s = totals.into_inner().unwrap_or_else(|e| e.into_inner());
     s.nodes = 1;
@@ -1219,18 +1236,9 @@ fn ablation() -> Option<Ablation> {
 mod tests {
     use super::*;
 
-    /// A random attention problem in cache layout (cell-major rows of all heads).
-    struct Problem {
-        d: usize,
-        n_head: usize,
-        n_head_kv: usize,
-        n_kv: usize,
-        q: Vec<f32>,
-        k: Vec<u16>,
-        v: Vec<u16>,
-        mask: Vec<u16>,
-        n_q: usize,
-    }
+    /// A random attention problem in cache layout (cell-major rows of all heads), as a node
+    /// captured from a model would be.
+    type Problem = Captured;
 
     fn rng(seed: &mut u64) -> f32 {
         *seed = seed
@@ -1263,8 +1271,12 @@ mod tests {
                 mask[i * n_kv + j] = 0;
             }
         }
-        Problem {
+        Captured {
+            layer: 0,
+            swa: false,
             d,
+            dv: d,
+            n_q,
             n_head,
             n_head_kv,
             n_kv,
@@ -1272,36 +1284,13 @@ mod tests {
             k,
             v,
             mask,
-            n_q,
+            scale: 1.0 / (d as f32).sqrt(),
+            softcap: 0.0,
         }
     }
 
     fn operands(p: &Problem, dst: &mut [f32]) -> Operands {
-        let d = p.d;
-        Operands {
-            d,
-            dv: d,
-            n_q: p.n_q,
-            n_head: p.n_head,
-            n_head_kv: p.n_head_kv,
-            n_kv: p.n_kv,
-            q: p.q.as_ptr().cast(),
-            q_row: p.n_head * d * 4,
-            q_head: d * 4,
-            k: p.k.as_ptr().cast(),
-            k_row: p.n_head_kv * d * 2,
-            k_head: d * 2,
-            v: p.v.as_ptr().cast(),
-            v_row: p.n_head_kv * d * 2,
-            v_head: d * 2,
-            mask: p.mask.as_ptr().cast(),
-            mask_row: p.n_kv * 2,
-            dst: dst.as_mut_ptr().cast(),
-            dst_row: p.n_head * d * 4,
-            dst_head: d * 4,
-            scale: 1.0 / (d as f32).sqrt(),
-            softcap: 0.0,
-        }
+        p.operands(dst)
     }
 
     /// Textbook softmax attention in f64.
@@ -1341,20 +1330,7 @@ mod tests {
     }
 
     fn keys8(p: &Problem) -> (Vec<u8>, Keys8) {
-        let n = p.n_head_kv * p.d;
-        let row = q8_row_bytes(n);
-        let mut buf = vec![0u8; p.n_kv * row];
-        // SAFETY: k holds n_kv rows of n halves; buf has room.
-        unsafe { quantize_f16_rows(p.k.as_ptr().cast(), n * 2, p.n_kv, n, buf.as_mut_ptr()) };
-        let k8 = Keys8 {
-            base: buf.as_ptr(),
-            len: buf.len(),
-            cell0: 0,
-            row,
-            col0: 0,
-            head: q8_row_bytes(p.d),
-        };
-        (buf, k8)
+        p.shadow()
     }
 
     fn init() {

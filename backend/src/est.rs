@@ -26,7 +26,8 @@ pub unsafe fn scores_f32q(
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
-        target_feature = "f16c"
+        target_feature = "f16c",
+        target_feature = "fma"
     ))]
     {
         if g <= 8 {
@@ -57,18 +58,13 @@ pub unsafe fn scores_f32q(
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "f16c"
+    target_feature = "f16c",
+    target_feature = "fma"
 ))]
 mod avx2 {
     use super::{BLOCK, BLOCK_BYTES};
+    use crate::f16::simd::hsum;
     use std::arch::x86_64::*;
-
-    #[inline]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
-    }
 
     pub(super) unsafe fn scores_f32q(
         q: &[f32],

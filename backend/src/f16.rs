@@ -62,8 +62,16 @@ pub fn from_f32(x: f32) -> u16 {
     target_feature = "f16c",
     target_feature = "fma"
 ))]
-mod simd {
+pub(crate) mod simd {
     use std::arch::x86_64::*;
+
+    /// The sum of a register's 8 lanes.
+    #[inline]
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+    }
 
     #[inline]
     pub unsafe fn dot(q: &[f32], k: *const u16) -> f32 {
@@ -78,11 +86,7 @@ mod simd {
             a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i + 8)), k1, a1);
             i += 16;
         }
-        let a = _mm256_add_ps(a0, a1);
-        let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        let mut sum = _mm_cvtss_f32(s);
+        let mut sum = hsum(_mm256_add_ps(a0, a1));
         while i < n {
             sum += q[i] * super::to_f32(*k.add(i));
             i += 1;

@@ -91,3 +91,40 @@ pub fn leap_context(
 ) -> (leap_host::Context, Option<leap_host::project::OnDemand>) {
     leap_host::project::OnDemand::context(&model(name), &params(n_ctx, n_seq_max)).expect("context")
 }
+
+/// Logits after `prompt` (decoded in one batch) and after each of `steps` greedy tokens
+/// (decoded one at a time), in a fresh context on `name` with 2048 tokens and this flash
+/// attention setting.
+pub fn greedy_logits(
+    name: &str,
+    prompt: &[i32],
+    steps: usize,
+    flash_attn: leap_host::FlashAttn,
+) -> Vec<Vec<f32>> {
+    let p = leap_host::ContextParams {
+        n_batch: 2048,
+        flash_attn,
+        ..params(2048, 1)
+    };
+    let mut c = leap_host::Context::new(&model(name), &p).expect("context");
+    let mut b = leap_host::Batch::new(prompt.len(), 1);
+    b.add_sequence(prompt, 0, 0, true).unwrap();
+    c.decode(&b).unwrap();
+    let mut out = vec![c.logits(-1).unwrap().to_vec()];
+    for s in 0..steps {
+        let t = leap_spec::plain::argmax(out.last().unwrap());
+        let mut b = leap_host::Batch::new(1, 1);
+        b.add(t, (prompt.len() + s) as i32, &[0], true).unwrap();
+        c.decode(&b).unwrap();
+        out.push(c.logits(-1).unwrap().to_vec());
+    }
+    out
+}
+
+/// Largest absolute difference between two logit vectors.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}

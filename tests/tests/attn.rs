@@ -5,9 +5,9 @@
 //! Its own test binary: sparse attention is a process-wide setting.
 
 use leap_backend::attn::{self, Sparse};
-use leap_host::{Batch, Context, ContextParams, FlashAttn};
+use leap_host::{Context, ContextParams, FlashAttn};
 use leap_spec::plain::argmax;
-use leap_tests::{model, threads, SMOLLM};
+use leap_tests::{greedy_logits, max_abs_diff, model, threads, SMOLLM};
 
 /// A fixed text (tests/data), repeated past the contexts below: the outcome must not depend on
 /// the repository's sources changing.
@@ -15,44 +15,8 @@ fn text() -> String {
     include_str!("../data/attention-notes.txt").repeat(3)
 }
 
-fn fa_context_with(fa: FlashAttn) -> Context {
-    let p = ContextParams {
-        n_ctx: 2048,
-        n_batch: 2048,
-        n_threads: threads(),
-        n_threads_batch: threads(),
-        flash_attn: fa,
-        ..Default::default()
-    };
-    Context::new(&model(SMOLLM), &p).expect("context")
-}
-
-/// Logits after the prompt, then after each of `steps` greedy tokens.
 fn run(prompt: &[i32], steps: usize) -> Vec<Vec<f32>> {
-    run_with(prompt, steps, FlashAttn::On)
-}
-
-fn run_with(prompt: &[i32], steps: usize, fa: FlashAttn) -> Vec<Vec<f32>> {
-    let mut c = fa_context_with(fa);
-    let mut b = Batch::new(prompt.len(), 1);
-    b.add_sequence(prompt, 0, 0, true).unwrap();
-    c.decode(&b).unwrap();
-    let mut out = vec![c.logits(-1).unwrap().to_vec()];
-    for s in 0..steps {
-        let t = argmax(out.last().unwrap());
-        let mut b = Batch::new(1, 1);
-        b.add(t, (prompt.len() + s) as i32, &[0], true).unwrap();
-        c.decode(&b).unwrap();
-        out.push(c.logits(-1).unwrap().to_vec());
-    }
-    out
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    greedy_logits(SMOLLM, prompt, steps, FlashAttn::On)
 }
 
 #[test]
@@ -66,7 +30,7 @@ fn sparse_attention_on_smollm2() {
     let dense = run(&prompt, steps);
     // ggml's two attention paths (flash attention converts queries to f16 and accumulates
     // values in f16) differ this much from each other: the yardstick for the device's.
-    let nofa = run_with(&prompt, steps, FlashAttn::Off);
+    let nofa = greedy_logits(SMOLLM, &prompt, steps, FlashAttn::Off);
     let ggml_spread = dense
         .iter()
         .zip(&nofa)

@@ -7,7 +7,7 @@ use leap_host::{
     TensorView,
 };
 use leap_spec::plain::{self as decode, argmax};
-use leap_tests::{context, model, model_path, plain_greedy, threads, GEMMA, SMOLLM};
+use leap_tests::{context, max_abs_diff, model, model_path, plain_greedy, threads, GEMMA, SMOLLM};
 
 fn ctx(name: &str, n_seq_max: u32) -> Context {
     context(name, 1024, n_seq_max)
@@ -104,13 +104,6 @@ fn alone(c: &mut Context, tokens: &[i32]) -> Vec<f32> {
     b.add_sequence(tokens, 0, 0, true).unwrap();
     c.decode(&b).unwrap();
     c.logits(-1).unwrap().to_vec()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Coupling sequences in one batch, and the KV operations that move them, must not mix them

@@ -5,33 +5,9 @@
 //! Its own test binary: the device list and sparse attention are process-wide.
 
 use leap_backend::attn::{self, EstimateOn, Sparse};
-use leap_host::{Batch, Context, ContextParams, FlashAttn};
+use leap_host::FlashAttn;
 use leap_spec::plain::argmax;
-use leap_tests::{model, threads, SMOLLM};
-
-fn logits_after(prompt: &[i32], steps: usize) -> Vec<Vec<f32>> {
-    let p = ContextParams {
-        n_ctx: 2048,
-        n_batch: 2048,
-        n_threads: threads(),
-        n_threads_batch: threads(),
-        flash_attn: FlashAttn::On,
-        ..Default::default()
-    };
-    let mut c = Context::new(&model(SMOLLM), &p).expect("context");
-    let mut b = Batch::new(prompt.len(), 1);
-    b.add_sequence(prompt, 0, 0, true).unwrap();
-    c.decode(&b).unwrap();
-    let mut out = vec![c.logits(-1).unwrap().to_vec()];
-    for s in 0..steps {
-        let t = argmax(out.last().unwrap());
-        let mut b = Batch::new(1, 1);
-        b.add(t, (prompt.len() + s) as i32, &[0], true).unwrap();
-        c.decode(&b).unwrap();
-        out.push(c.logits(-1).unwrap().to_vec());
-    }
-    out
-}
+use leap_tests::{greedy_logits, max_abs_diff, model, SMOLLM};
 
 #[test]
 fn opencl_estimate_decodes_like_the_cpu_estimate() {
@@ -61,24 +37,20 @@ fn opencl_estimate_decodes_like_the_cpu_estimate() {
     };
 
     attn::set_sparse(Some(cfg.clone()));
-    let cpu = logits_after(&prompt, 4);
+    let cpu = greedy_logits(SMOLLM, &prompt, 4, FlashAttn::On);
     let before = attn::opencl_calls();
     attn::set_sparse(Some(Sparse {
         estimate_on: EstimateOn::OpenCl,
         ..cfg
     }));
-    let cl = logits_after(&prompt, 4);
+    let cl = greedy_logits(SMOLLM, &prompt, 4, FlashAttn::On);
     attn::set_sparse(None);
     assert!(
         attn::opencl_calls() > before,
         "the OpenCL device estimated the decode steps' attention"
     );
     for (s, (a, b)) in cpu.iter().zip(&cl).enumerate() {
-        let d = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max);
+        let d = max_abs_diff(a, b);
         eprintln!("step {s}: CPU vs OpenCL estimate: max |dlogit| {d}");
         // Both estimates are f32 queries times the same int8 keys, summed in another order:
         // a near-tie at the cut may fall the other way, which the exact re-ranking settles.
