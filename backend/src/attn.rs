@@ -50,6 +50,10 @@ pub struct Sparse {
     /// Where the estimate runs (the device that takes attention: `leap-cpu` or
     /// `leap-opencl`).
     pub estimate_on: EstimateOn,
+    /// With the estimate on OpenCL, run the head-wise pipeline (004 §3.4: the device
+    /// estimates the next head while the CPU attends this one). `None`: when the OpenCL
+    /// device is a GPU; on a CPU device (PoCL) the launches cost more than they hide.
+    pub pipeline: Option<bool>,
 }
 
 /// Where sparse attention's int8 estimate runs.
@@ -84,6 +88,7 @@ impl Default for Sparse {
             max_rows: usize::MAX,
             heads: None,
             estimate_on: EstimateOn::Cpu,
+            pipeline: None,
         }
     }
 }
@@ -955,6 +960,87 @@ fn add(tot: &Mutex<Stats>, s: &Stats) {
     t.keys_kept += s.keys_kept;
 }
 
+/// The head-wise pipeline of 004 §3.4 (Algorithm 1) for one row whose estimate runs on the
+/// OpenCL device: the device estimates head `k+1` while this thread attends head `k`
+/// exactly; heads go in order of their budgets, largest first, so that the device's work
+/// hides behind the longest exact parts. False (nothing written) when OpenCL failed: the
+/// caller estimates the usual way (not asked for, or OpenCL failed).
+#[allow(clippy::too_many_arguments)]
+unsafe fn pipelined<'a>(
+    op: &Operands,
+    k8: &Keys8,
+    cfg: &Sparse,
+    keep: &[f32],
+    i: usize,
+    r: &mut Row,
+    stats: &mut Stats,
+    slot: &dyn Fn(usize, usize) -> Option<&'a mut Chosen>,
+) -> bool {
+    #[cfg(feature = "opencl")]
+    {
+        let Ok(cl) = crate::opencl::estimator() else {
+            return false;
+        };
+        if !cfg.pipeline.unwrap_or(cl.is_gpu) {
+            return false;
+        }
+        let g = op.n_head / op.n_head_kv;
+        let m = r.hi - r.lo;
+        let mut order: Vec<usize> = (0..op.n_head).collect();
+        order.sort_by(|&a, &b| keep[b].total_cmp(&keep[a]));
+        let keys = std::slice::from_raw_parts(k8.base, k8.len);
+        let launch = |r: &Row, h: usize| {
+            // SAFETY: the shadow and `r.cand` stay untouched until the wait below.
+            cl.launch(
+                keys,
+                (k8.row, k8.col0, k8.head, k8.cell0, h / g),
+                &r.cand,
+                r.lo,
+                &r.qf[h * op.d..(h + 1) * op.d],
+                (1, op.d, m),
+            )
+        };
+        let mut pending = match launch(r, order[0]) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                log::warn!("leap-opencl: estimate failed ({e}); estimating on the CPU");
+                return false;
+            }
+        };
+        let mut head = Head::default();
+        for (k, &h) in order.iter().enumerate() {
+            let Some(p) = pending.take() else {
+                return false;
+            };
+            let est = match p.wait() {
+                Ok(e) => e,
+                Err(e) => {
+                    log::warn!("leap-opencl: estimate failed ({e}); estimating on the CPU");
+                    return false;
+                }
+            };
+            r.est[h][..m].copy_from_slice(&est[..m]);
+            if let Some(&next) = order.get(k + 1) {
+                pending = match launch(r, next) {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        log::warn!("leap-opencl: estimate failed ({e}); estimating on the CPU");
+                        return false;
+                    }
+                };
+            }
+            OPENCL_CALLS.fetch_add(1, Ordering::Relaxed);
+            finish(op, cfg, keep[h], i, (h, h), r, &mut head, stats, slot(i, h));
+        }
+        true
+    }
+    #[cfg(not(feature = "opencl"))]
+    {
+        let _ = (op, k8, cfg, keep, i, r, stats, slot);
+        false
+    }
+}
+
 /// Compute a node's attention, sparse where `keys8` is given: `keep[h]` per head.
 /// Returns the (row, head) pairs' stats, and fills `chosen[i*n_head+h]` if given.
 ///
@@ -1031,6 +1117,13 @@ pub unsafe fn compute(
         let mut r = ROW.with(|c| c.take());
         for i in 0..op.n_q {
             prepare(op, keys8.is_some(), cfg, keep, i, (0, op.n_head), &mut r);
+            if r.sparse && r.on_opencl {
+                let mut local = Stats::default();
+                if pipelined(op, keys8.unwrap(), cfg, keep, i, &mut r, &mut local, &slot) {
+                    add(&totals, &local);
+                    continue;
+                }
+            }
             if r.sparse {
                 let m = r.hi - r.lo;
                 let est: Vec<Ptr> = r

@@ -18,12 +18,13 @@ use std::sync::{Mutex, OnceLock};
 use opencl3::command_queue::CommandQueue;
 use opencl3::context::Context;
 use opencl3::device::{get_all_devices, Device, CL_DEVICE_TYPE_ALL, CL_DEVICE_TYPE_GPU};
+use opencl3::event::Event;
 use opencl3::kernel::{ExecuteKernel, Kernel};
 use opencl3::memory::{
     Buffer, CL_MEM_COPY_HOST_PTR, CL_MEM_READ_ONLY, CL_MEM_USE_HOST_PTR, CL_MEM_WRITE_ONLY,
 };
 use opencl3::program::Program;
-use opencl3::types::{cl_float, cl_uint, CL_BLOCKING};
+use opencl3::types::{cl_float, cl_uint, CL_BLOCKING, CL_NON_BLOCKING};
 
 use crate::est::{BLOCK, BLOCK_BYTES};
 
@@ -44,9 +45,14 @@ __kernel void est_q8(__global const char *keys, uint row, uint col0, uint head,
             __global const char *blk = k + b * 34;
             float dk = vload_half(0, (__global const half *)blk);
             __global const float *qb = q + (h * nb + b) * 32;
-            float acc = 0.0f;
-            for (uint x = 0; x < 32; x++) acc += (float)blk[2 + x] * qb[x];
-            s += dk * acc;
+            // Eight lanes at a time: explicit vectors, since a compiler may not reorder a
+            // float sum on its own.
+            float8 acc = (float8)(0.0f);
+            for (uint x = 0; x < 32; x += 8)
+                acc += convert_float8(vload8(0, blk + 2 + x)) * vload8(0, qb + x);
+            float4 a4 = acc.lo + acc.hi;
+            float2 a2 = a4.lo + a4.hi;
+            s += dk * (a2.x + a2.y);
         }
         out[h * n + c] = s;
     }
@@ -57,6 +63,9 @@ __kernel void est_q8(__global const char *keys, uint row, uint col0, uint head,
 pub struct ClEstimator {
     /// Device name and OpenCL C version, for logs and reports.
     pub device: String,
+    /// Whether the device is a GPU (its own hardware: the head-wise pipeline pays); PoCL's
+    /// CPU device shares the cores the exact part runs on.
+    pub is_gpu: bool,
     context: Context,
     queue: CommandQueue,
     kernel: Mutex<Kernel>,
@@ -88,6 +97,7 @@ impl ClEstimator {
     pub fn new() -> Result<Self, String> {
         let device = pick_device()?;
         let name = device.name().unwrap_or_default();
+        let is_gpu = device.dev_type().is_ok_and(|t| t & CL_DEVICE_TYPE_GPU != 0);
         let version = device.opencl_c_version().unwrap_or_default();
         let context = Context::from_device(&device).map_err(|e| format!("clCreateContext: {e}"))?;
         #[allow(deprecated)]
@@ -99,6 +109,7 @@ impl ClEstimator {
             Kernel::create(&program, "est_q8").map_err(|e| format!("clCreateKernel: {e}"))?;
         Ok(Self {
             device: format!("{name} ({version})"),
+            is_gpu,
             context,
             queue,
             kernel: Mutex::new(kernel),
@@ -117,7 +128,7 @@ impl ClEstimator {
     pub fn scores(
         &self,
         keys: &[u8],
-        (row, col0, head, cell0, hk): (usize, usize, usize, usize, usize),
+        layout: (usize, usize, usize, usize, usize),
         cand: &[u32],
         base: usize,
         q: &[f32],
@@ -127,73 +138,153 @@ impl ClEstimator {
         if n == 0 {
             return Ok(());
         }
-        let nb = d / BLOCK;
-        debug_assert!(q.len() >= g * d && out.len() >= g);
-        debug_assert!(d.is_multiple_of(BLOCK) && col0.is_multiple_of(BLOCK_BYTES));
-        fn err(what: &'static str) -> impl Fn(opencl3::error_codes::ClError) -> String {
-            move |e| format!("{what}: {e}")
-        }
-        let mut flat = vec![0f32; g * n];
-        // SAFETY: each buffer wraps (USE_HOST_PTR, read-only) or copies (COPY_HOST_PTR) host
-        // memory that outlives the blocking read below, after which OpenCL holds no reference
-        // to it; the kernel reads only inside the given rows and candidate indices.
-        unsafe {
-            let kb = Buffer::<u8>::create(
-                &self.context,
-                CL_MEM_READ_ONLY | CL_MEM_USE_HOST_PTR,
-                keys.len(),
-                keys.as_ptr() as *mut _,
-            )
-            .map_err(err("keys buffer"))?;
-            let cb = Buffer::<u32>::create(
-                &self.context,
-                CL_MEM_READ_ONLY | CL_MEM_USE_HOST_PTR,
-                cand.len(),
-                cand.as_ptr() as *mut _,
-            )
-            .map_err(err("candidates buffer"))?;
-            let qb = Buffer::<f32>::create(
-                &self.context,
-                CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
-                g * d,
-                q.as_ptr() as *mut _,
-            )
-            .map_err(err("query buffer"))?;
-            let ob = Buffer::<cl_float>::create(
-                &self.context,
-                CL_MEM_WRITE_ONLY,
-                g * n,
-                std::ptr::null_mut(),
-            )
-            .map_err(err("output buffer"))?;
-            let kernel = self.kernel.lock().unwrap_or_else(|e| e.into_inner());
-            let u = |x: usize| x as cl_uint;
-            ExecuteKernel::new(&kernel)
-                .set_arg(&kb)
-                .set_arg(&u(row))
-                .set_arg(&u(col0))
-                .set_arg(&u(head))
-                .set_arg(&u(cell0))
-                .set_arg(&u(hk))
-                .set_arg(&cb)
-                .set_arg(&u(base))
-                .set_arg(&qb)
-                .set_arg(&u(g))
-                .set_arg(&u(nb))
-                .set_arg(&ob)
-                .set_arg(&u(n))
-                .set_global_work_size(n)
-                .enqueue_nd_range(&self.queue)
-                .map_err(err("enqueue est_q8"))?;
-            drop(kernel);
-            self.queue
-                .enqueue_read_buffer(&ob, CL_BLOCKING, 0, &mut flat, &[])
-                .map_err(err("reading the estimates"))?;
-        }
+        // SAFETY: `keys` and `cand` outlive the (blocking) read.
+        let flat = unsafe { self.enqueue(keys, layout, cand, base, q, (g, d, n), true)? }.wait()?;
         for (h, o) in out.iter_mut().enumerate().take(g) {
             o[..n].copy_from_slice(&flat[h * n..(h + 1) * n]);
         }
         Ok(())
+    }
+
+    /// Start [`ClEstimator::scores`] without waiting: the estimates come from
+    /// [`Pending::wait`] (`g * n` values, head after head). What the device computes
+    /// meanwhile is the head-wise pipeline of 004 §3.4.
+    ///
+    /// # Safety
+    /// `keys` and `cand` are read in place (`CL_MEM_USE_HOST_PTR`): they must stay valid and
+    /// unchanged until the returned [`Pending`] has been waited for or dropped.
+    ///
+    /// # Errors
+    /// OpenCL failures.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        &self,
+        keys: &[u8],
+        layout: (usize, usize, usize, usize, usize),
+        cand: &[u32],
+        base: usize,
+        q: &[f32],
+        shape: (usize, usize, usize),
+    ) -> Result<Pending, String> {
+        self.enqueue(keys, layout, cand, base, q, shape, false)
+    }
+
+    /// [`ClEstimator::launch`], reading the results back blocking or not (a blocking read is
+    /// much cheaper than an event wait on PoCL).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue(
+        &self,
+        keys: &[u8],
+        (row, col0, head, cell0, hk): (usize, usize, usize, usize, usize),
+        cand: &[u32],
+        base: usize,
+        q: &[f32],
+        (g, d, n): (usize, usize, usize),
+        blocking: bool,
+    ) -> Result<Pending, String> {
+        let nb = d / BLOCK;
+        debug_assert!(q.len() >= g * d && n > 0);
+        debug_assert!(d.is_multiple_of(BLOCK) && col0.is_multiple_of(BLOCK_BYTES));
+        fn err(what: &'static str) -> impl Fn(opencl3::error_codes::ClError) -> String {
+            move |e| format!("{what}: {e}")
+        }
+        let mut flat = vec![0f32; g * n].into_boxed_slice();
+        let kb = Buffer::<u8>::create(
+            &self.context,
+            CL_MEM_READ_ONLY | CL_MEM_USE_HOST_PTR,
+            keys.len(),
+            keys.as_ptr() as *mut _,
+        )
+        .map_err(err("keys buffer"))?;
+        let cb = Buffer::<u32>::create(
+            &self.context,
+            CL_MEM_READ_ONLY | CL_MEM_USE_HOST_PTR,
+            cand.len(),
+            cand.as_ptr() as *mut _,
+        )
+        .map_err(err("candidates buffer"))?;
+        let qb = Buffer::<f32>::create(
+            &self.context,
+            CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+            g * d,
+            q.as_ptr() as *mut _,
+        )
+        .map_err(err("query buffer"))?;
+        let ob = Buffer::<cl_float>::create(
+            &self.context,
+            CL_MEM_WRITE_ONLY,
+            g * n,
+            std::ptr::null_mut(),
+        )
+        .map_err(err("output buffer"))?;
+        let kernel = self.kernel.lock().unwrap_or_else(|e| e.into_inner());
+        let u = |x: usize| x as cl_uint;
+        ExecuteKernel::new(&kernel)
+            .set_arg(&kb)
+            .set_arg(&u(row))
+            .set_arg(&u(col0))
+            .set_arg(&u(head))
+            .set_arg(&u(cell0))
+            .set_arg(&u(hk))
+            .set_arg(&cb)
+            .set_arg(&u(base))
+            .set_arg(&qb)
+            .set_arg(&u(g))
+            .set_arg(&u(nb))
+            .set_arg(&ob)
+            .set_arg(&u(n))
+            .set_global_work_size(n)
+            .enqueue_nd_range(&self.queue)
+            .map_err(err("enqueue est_q8"))?;
+        drop(kernel);
+        // In-order queue: the read runs after the kernel. `flat` is a boxed slice whose heap
+        // block stays put when the box moves into `Pending`.
+        let read = self
+            .queue
+            .enqueue_read_buffer(
+                &ob,
+                if blocking {
+                    CL_BLOCKING
+                } else {
+                    CL_NON_BLOCKING
+                },
+                0,
+                &mut flat,
+                &[],
+            )
+            .map_err(err("reading the estimates"))?;
+        Ok(Pending {
+            read,
+            flat,
+            _buffers: (kb, cb, qb, ob),
+        })
+    }
+}
+
+/// Estimates on their way back from the device ([`ClEstimator::launch`]).
+pub struct Pending {
+    read: Event,
+    flat: Box<[f32]>,
+    _buffers: (Buffer<u8>, Buffer<u32>, Buffer<f32>, Buffer<cl_float>),
+}
+
+impl Pending {
+    /// Wait for the estimates.
+    ///
+    /// # Errors
+    /// OpenCL failures.
+    pub fn wait(mut self) -> Result<Box<[f32]>, String> {
+        self.read
+            .wait()
+            .map_err(|e| format!("waiting for the estimates: {e}"))?;
+        Ok(std::mem::take(&mut self.flat))
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        // The device may still write `flat`: never free it before the read is done.
+        let _ = self.read.wait();
     }
 }
 

@@ -41,9 +41,17 @@ fn opencl_estimate_decodes_like_the_cpu_estimate() {
     let before = attn::opencl_calls();
     attn::set_sparse(Some(Sparse {
         estimate_on: EstimateOn::OpenCl,
-        ..cfg
+        ..cfg.clone()
     }));
     let cl = greedy_logits(SMOLLM, &prompt, 4, FlashAttn::On);
+    // The head-wise pipeline (the device estimates the next head while the CPU attends this
+    // one; on by default only for a GPU) decodes the same.
+    attn::set_sparse(Some(Sparse {
+        estimate_on: EstimateOn::OpenCl,
+        pipeline: Some(true),
+        ..cfg.clone()
+    }));
+    let piped = greedy_logits(SMOLLM, &prompt, 4, FlashAttn::On);
     attn::set_sparse(None);
     assert!(
         attn::opencl_calls() > before,
@@ -57,4 +65,8 @@ fn opencl_estimate_decodes_like_the_cpu_estimate() {
         assert!(d < 0.5, "step {s}: {d}");
         assert_eq!(argmax(a), argmax(b), "step {s}");
     }
+    assert_eq!(
+        cl, piped,
+        "pipelined or not, the same estimates and the same attention"
+    );
 }
