@@ -533,6 +533,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn run_bench(a: BenchArgs) -> Result<()> {
+    if a.runtime.sparse != "off" {
+        // Its anchors (plain, llama:*) run without Leap's device, on ggml's dense attention:
+        // the comparison would mix two models.
+        bail!(
+            "leap bench does not measure --sparse yet; use leap attn-bench, leap perplexity or \
+             leap generate --sparse"
+        );
+    }
     let kernels = a.runtime.setup();
     let cfg = bench::BenchConfig {
         kernels,
