@@ -648,7 +648,8 @@ struct Row {
 
 thread_local! {
     /// Scratch of the thread computing attention (ggml's OpenMP team and the scheduler's
-    /// thread live as long as the process): no allocation per node once warm.
+    /// thread live as long as the process): the per-key buffers (candidates, estimates,
+    /// picks, scores) are reused from node to node; only a few per-head vectors are not.
     static SCRATCH: std::cell::RefCell<(Row, Head)> = std::cell::RefCell::new(Default::default());
 }
 

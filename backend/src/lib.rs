@@ -348,13 +348,14 @@ unsafe extern "C" fn dev_supports_op(
     }
     // SAFETY: ggml passes a valid node.
     let op = &*op;
-    let on_opencl = attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
+    // Read only for attention nodes (the settings are cloned under a lock).
+    let on_opencl = || attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
     guard("supports_op", false, || match (kind(dev), op.op) {
         (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op),
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
         // Attention goes to the device its estimate runs on.
-        (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl && attn::supports_fa(op),
-        (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl && attn::supports_fa(op),
+        (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && attn::supports_fa(op),
+        (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl() && attn::supports_fa(op),
         _ => false,
     })
 }

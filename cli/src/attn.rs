@@ -78,6 +78,13 @@ fn fa_context(model: &Arc<Model>, n_ctx: u32, n_batch: u32, threads: i32) -> Res
     )?)
 }
 
+/// `-log p(next)` under the softmax of `logits` (f64 sums, max-shifted).
+fn next_token_nll(logits: &[f32], next: i32) -> f64 {
+    let max = logits.iter().copied().fold(f32::MIN, f32::max);
+    let z: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    z.ln() - (logits[next as usize] - max) as f64
+}
+
 /// Decode `tokens` from position `pos0` in batches of `n_batch`, with logits for the rows
 /// where `want(pos)` holds; `f(pos, logits)` sees them.
 fn decode_run(
@@ -415,10 +422,7 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
         // the next token).
         let score = |pos: usize| pos + 1 >= half && pos + 1 < a.ctx;
         decode_run(&mut ctx, w, 0, n_batch, score, |pos, logits| {
-            let next = w[pos + 1] as usize;
-            let max = logits.iter().copied().fold(f32::MIN, f32::max);
-            let z: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-            nll += z.ln() - (logits[next] - max) as f64;
+            nll += next_token_nll(logits, w[pos + 1]);
             count += 1;
             Ok(())
         })?;
@@ -648,10 +652,7 @@ pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
                     a.tail,
                     |p| p + 1 < a.ctx,
                     |pos, logits| {
-                        let next = win[pos + 1] as usize;
-                        let max = logits.iter().copied().fold(f32::MIN, f32::max);
-                        let z: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
-                        nll += z.ln() - (logits[next] - max) as f64;
+                        nll += next_token_nll(logits, win[pos + 1]);
                         n += 1;
                         Ok(())
                     },
