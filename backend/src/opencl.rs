@@ -6,9 +6,15 @@
 //! Portable tier: runs on any OpenCL 1.2 device, PoCL's CPU device included (no fp16
 //! arithmetic: the keys' f16 scales are read with `vload_half`, which 1.2 has without
 //! `cl_khr_fp16`; no subgroups). Buffers wrap host memory (`CL_MEM_USE_HOST_PTR`), which is
-//! zero-copy on the devices Leap targets (PoCL, and Adreno's unified memory). An Adreno tier
-//! (fp16 dot products, subgroup reductions) would sit behind `cl_khr_fp16` and
-//! `cl_khr_subgroups` checks; it is not written yet.
+//! zero-copy on the devices Leap targets (PoCL, and Adreno's unified memory).
+//!
+//! Adreno tier ([`Tier::Wide`]): on a GPU with OpenCL C 2.0 and `cl_khr_fp16` (Adreno 6xx and
+//! later), one work-group per key reads the key row with adjacent work-items (coalesced
+//! loads), multiplies in fp16 and adds in f32, then reduces with `work_group_reduce_add`. It
+//! cannot run here: PoCL is OpenCL C 1.2 without fp16, and refuses the kernel under
+//! `-cl-std=CL2.0` (no `cl_khr_fp16`) and `CL3.0` (no work-group collectives). The selection
+//! and the fallback are tested here; the kernel itself only where a device has the features
+//! (`the_adreno_tier_runs_or_falls_back` compares it with the CPU there).
 //!
 //! The OpenCL library is loaded at run time (opencl3's `dynamic`): without one, or without a
 //! device, [`estimator`] says why and Leap does not register the device.
@@ -59,6 +65,89 @@ __kernel void est_q8(__global const char *keys, uint row, uint col0, uint head,
 }
 "#;
 
+/// The Adreno tier's kernel (OpenCL C 2.0 + `cl_khr_fp16`): same arguments and output as
+/// `est_q8`, one work-group per candidate (global size `n * local size`).
+const SOURCE_WIDE: &str = r#"
+#pragma OPENCL EXTENSION cl_khr_fp16 : enable
+__kernel void est_q8_wg(__global const char *keys, uint row, uint col0, uint head,
+                        uint cell0, uint hk, __global const uint *cand, uint base,
+                        __global const float *q, uint g, uint nb,
+                        __global float *out, uint n)
+{
+    uint c = get_group_id(0);
+    uint l = get_local_id(0), w = get_local_size(0);
+    __global const char *k = keys + (ulong)(cell0 + cand[base + c]) * row + col0 + hk * head;
+    uint d = nb * 32;
+    for (uint h = 0; h < g; h++) {
+        float s = 0.0f;
+        for (uint i = l * 8; i < d; i += w * 8) {
+            __global const char *blk = k + (i / 32) * 34;
+            float dk = vload_half(0, (__global const half *)blk);
+            half8 p = convert_half8(vload8(0, blk + 2 + i % 32))
+                    * convert_half8(vload8(0, q + h * d + i));
+            float8 f = convert_float8(p);
+            float4 a4 = f.lo + f.hi;
+            float2 a2 = a4.lo + a4.hi;
+            s += dk * (a2.x + a2.y);
+        }
+        s = work_group_reduce_add(s);
+        if (l == 0)
+            out[h * n + c] = s;
+    }
+}
+"#;
+
+/// Which estimate kernel a device runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// OpenCL C 1.2, one work-item per key: any device, PoCL's CPU device included.
+    Portable,
+    /// The Adreno tier: one work-group per key, fp16 products, work-group reduction. Needs a
+    /// GPU with OpenCL C 2.0 or later and `cl_khr_fp16`.
+    Wide,
+}
+
+/// `"OpenCL C 2.0 Adreno(TM) 640"` -> (2, 0).
+fn c_version(v: &str) -> Option<(u32, u32)> {
+    let rest = v.strip_prefix("OpenCL C ")?;
+    let num = rest.split_whitespace().next()?;
+    let (a, b) = num.split_once('.')?;
+    Some((a.parse().ok()?, b.parse().ok()?))
+}
+
+/// The tier for a device (`LEAP_OPENCL_TIER=portable|adreno` can ask for one), and why when
+/// the one asked for cannot run.
+pub fn tier_for(
+    is_gpu: bool,
+    opencl_c: &str,
+    extensions: &str,
+    asked: Option<&str>,
+) -> (Tier, Option<String>) {
+    let fp16 = extensions.split_whitespace().any(|e| e == "cl_khr_fp16");
+    let c2 = c_version(opencl_c).is_some_and(|v| v >= (2, 0));
+    let wide_ok = fp16 && c2;
+    match asked {
+        Some("portable") => (Tier::Portable, None),
+        Some("adreno") if wide_ok => (Tier::Wide, None),
+        Some("adreno") => (
+            Tier::Portable,
+            Some(format!(
+                "the Adreno tier needs OpenCL C 2.0 and cl_khr_fp16 (device: {opencl_c}{}); \
+                 using the portable tier",
+                if fp16 { "" } else { ", no cl_khr_fp16" }
+            )),
+        ),
+        Some(other) => (
+            Tier::Portable,
+            Some(format!(
+                "LEAP_OPENCL_TIER={other}: expected portable or adreno; using the portable tier"
+            )),
+        ),
+        None if wide_ok && is_gpu => (Tier::Wide, None),
+        None => (Tier::Portable, None),
+    }
+}
+
 /// An OpenCL device with the estimate kernel built.
 pub struct ClEstimator {
     /// Device name and OpenCL C version, for logs and reports.
@@ -66,6 +155,8 @@ pub struct ClEstimator {
     /// Whether the device is a GPU (its own hardware: the head-wise pipeline pays); PoCL's
     /// CPU device shares the cores the exact part runs on.
     pub is_gpu: bool,
+    /// The kernel tier in use.
+    pub tier: Tier,
     context: Context,
     queue: CommandQueue,
     kernel: Mutex<Kernel>,
@@ -95,21 +186,52 @@ impl ClEstimator {
     /// # Errors
     /// Why OpenCL cannot be used here (no library, no device, build failure).
     pub fn new() -> Result<Self, String> {
+        Self::with_tier(std::env::var("LEAP_OPENCL_TIER").ok().as_deref())
+    }
+
+    /// As [`ClEstimator::new`], asking for a tier (`"portable"`, `"adreno"`; `None`: the best
+    /// the device has). A tier the device cannot run falls back to the portable one (logged).
+    ///
+    /// # Errors
+    /// Why OpenCL cannot be used here.
+    pub fn with_tier(asked: Option<&str>) -> Result<Self, String> {
         let device = pick_device()?;
         let name = device.name().unwrap_or_default();
         let is_gpu = device.dev_type().is_ok_and(|t| t & CL_DEVICE_TYPE_GPU != 0);
         let version = device.opencl_c_version().unwrap_or_default();
+        let extensions = device.extensions().unwrap_or_default();
+        let (mut tier, why) = tier_for(is_gpu, &version, &extensions, asked);
+        if let Some(why) = why {
+            log::warn!("leap-opencl: {why}");
+        }
         let context = Context::from_device(&device).map_err(|e| format!("clCreateContext: {e}"))?;
         #[allow(deprecated)]
         let queue = CommandQueue::create_default(&context, 0)
             .map_err(|e| format!("clCreateCommandQueue: {e}"))?;
-        let program = Program::create_and_build_from_source(&context, SOURCE, "-cl-std=CL1.2")
-            .map_err(|e| format!("building the estimate kernel on {name}: {e}"))?;
-        let kernel =
-            Kernel::create(&program, "est_q8").map_err(|e| format!("clCreateKernel: {e}"))?;
+        let build = |tier: Tier| {
+            let (src, opts, entry) = match tier {
+                Tier::Portable => (SOURCE, "-cl-std=CL1.2", "est_q8"),
+                Tier::Wide => (SOURCE_WIDE, "-cl-std=CL2.0", "est_q8_wg"),
+            };
+            let program = Program::create_and_build_from_source(&context, src, opts)
+                .map_err(|e| format!("building the {tier:?} estimate kernel on {name}: {e}"))?;
+            let kernel =
+                Kernel::create(&program, entry).map_err(|e| format!("clCreateKernel: {e}"))?;
+            Ok::<_, String>((program, kernel))
+        };
+        let (program, kernel) = match build(tier) {
+            Ok(pk) => pk,
+            Err(e) if tier == Tier::Wide => {
+                log::warn!("leap-opencl: {e}; using the portable tier");
+                tier = Tier::Portable;
+                build(tier)?
+            }
+            Err(e) => return Err(e),
+        };
         Ok(Self {
             device: format!("{name} ({version})"),
             is_gpu,
+            tier,
             context,
             queue,
             kernel: Mutex::new(kernel),
@@ -219,8 +341,8 @@ impl ClEstimator {
         .map_err(err("output buffer"))?;
         let kernel = self.kernel.lock().unwrap_or_else(|e| e.into_inner());
         let u = |x: usize| x as cl_uint;
-        ExecuteKernel::new(&kernel)
-            .set_arg(&kb)
+        let mut exec = ExecuteKernel::new(&kernel);
+        exec.set_arg(&kb)
             .set_arg(&u(row))
             .set_arg(&u(col0))
             .set_arg(&u(head))
@@ -232,10 +354,17 @@ impl ClEstimator {
             .set_arg(&u(g))
             .set_arg(&u(nb))
             .set_arg(&ob)
-            .set_arg(&u(n))
-            .set_global_work_size(n)
-            .enqueue_nd_range(&self.queue)
-            .map_err(err("enqueue est_q8"))?;
+            .set_arg(&u(n));
+        match self.tier {
+            Tier::Portable => exec.set_global_work_size(n),
+            Tier::Wide => {
+                // One work-group per key, 8 values per work-item and step.
+                let w = (d / 8).clamp(1, 32);
+                exec.set_global_work_size(n * w).set_local_work_size(w)
+            }
+        };
+        exec.enqueue_nd_range(&self.queue)
+            .map_err(err("enqueue the estimate kernel"))?;
         drop(kernel);
         // In-order queue: the read runs after the kernel. `flat` is a boxed slice whose heap
         // block stays put when the box moves into `Pending`.
@@ -295,7 +424,11 @@ pub fn estimator() -> Result<&'static ClEstimator, &'static str> {
         let r = std::panic::catch_unwind(ClEstimator::new)
             .unwrap_or_else(|_| Err("the OpenCL library panicked while loading".into()));
         match &r {
-            Ok(e) => log::info!("leap-opencl: estimate kernel built on {}", e.device),
+            Ok(e) => log::info!(
+                "leap-opencl: estimate kernel ({:?} tier) built on {}",
+                e.tier,
+                e.device
+            ),
             Err(why) => log::debug!("leap-opencl: not available: {why}"),
         }
         r
@@ -322,8 +455,73 @@ mod tests {
     }
 
     #[test]
+    fn tiers_follow_the_device_features() {
+        let adreno_ext =
+            "cl_khr_fp16 cl_khr_3d_image_writes cl_qcom_android_native_buffer_host_ptr";
+        let adreno = "OpenCL C 2.0 Adreno(TM) 640";
+        assert_eq!(tier_for(true, adreno, adreno_ext, None), (Tier::Wide, None));
+        assert_eq!(
+            tier_for(true, "OpenCL C 3.0 ", adreno_ext, None).0,
+            Tier::Wide
+        );
+        // A CPU device stays portable unless asked; no fp16 or OpenCL C 1.2: portable.
+        assert_eq!(tier_for(false, adreno, adreno_ext, None).0, Tier::Portable);
+        assert_eq!(
+            tier_for(false, adreno, adreno_ext, Some("adreno")).0,
+            Tier::Wide
+        );
+        assert_eq!(
+            tier_for(true, "OpenCL C 1.2 ", adreno_ext, None).0,
+            Tier::Portable
+        );
+        assert_eq!(
+            tier_for(true, adreno, "cl_khr_fp64", None).0,
+            Tier::Portable
+        );
+        assert_eq!(
+            tier_for(true, adreno, adreno_ext, Some("portable")).0,
+            Tier::Portable
+        );
+        let (t, why) = tier_for(false, "OpenCL C 1.2 pocl", "cl_khr_fp64", Some("adreno"));
+        assert_eq!(t, Tier::Portable);
+        assert!(why.unwrap().contains("no cl_khr_fp16"));
+        assert!(tier_for(true, adreno, adreno_ext, Some("fast")).1.is_some());
+        assert_eq!(c_version("OpenCL C 1.2 pocl"), Some((1, 2)));
+        assert_eq!(c_version("OpenCL 3.0"), None);
+    }
+
+    /// Asking for the Adreno tier where the device lacks it (PoCL) still gives a working
+    /// estimator on the portable tier; where the device has it, the Adreno tier matches the
+    /// CPU reference.
+    #[test]
+    fn the_adreno_tier_runs_or_falls_back() {
+        if cl().is_none() {
+            return;
+        }
+        let wide = ClEstimator::with_tier(Some("adreno")).expect("an estimator");
+        if wide.tier == Tier::Portable {
+            eprintln!(
+                "{}: no Adreno tier here (checked the fallback)",
+                wide.device
+            );
+        }
+        matches_the_cpu_reference(&wide, if wide.tier == Tier::Wide { 2e-3 } else { 1e-4 });
+    }
+
+    #[test]
     fn opencl_estimate_matches_the_cpu_reference() {
         let Some(cl) = cl() else { return };
+        if !cl.is_gpu {
+            assert_eq!(
+                cl.tier,
+                Tier::Portable,
+                "a CPU device runs the portable tier"
+            );
+        }
+        matches_the_cpu_reference(cl, 1e-4);
+    }
+
+    fn matches_the_cpu_reference(cl: &ClEstimator, tol: f32) {
         // Two KV heads of d = 64 per cell, 300 cells; estimate head group of KV head 1 for
         // a scattered candidate list.
         let (d, hkv, cells, g) = (64usize, 2usize, 300usize, 3usize);
@@ -384,7 +582,7 @@ mod tests {
             for c in 0..n {
                 let (a, b) = (got[h][c], want[h][c]);
                 assert!(
-                    (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                    (a - b).abs() <= tol * b.abs().max(1.0),
                     "head {h} cand {c}: {a} vs {b}"
                 );
             }
