@@ -2,7 +2,7 @@
 //!
 //! What it does: an accelerator (`ACCEL`) device, `leap-cpu`, that claims the quantized
 //! matrix products of batches of 2 rows or more (speculative verification, and prefill)
-//! whose weights are `Q8_0`, `Q5_0` or `Q4_1` in host memory, and computes them with Leap's
+//! whose weights are `Q8_0`, `Q5_0`, `Q4_1`, `Q4_K` or `Q6_K` in host memory, and computes them with Leap's
 //! weight-stationary kernels ([`leap_host::qdot`]): each weight block is unpacked once for all
 //! rows instead of once per row, and every row's result is bit-identical to what ggml's CPU
 //! backend computes for that row alone, so speculative output stays token-identical to plain

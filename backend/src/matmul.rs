@@ -15,6 +15,8 @@ fn kind_of(t: g::ggml_type) -> Option<Kind> {
         g::GGML_TYPE_Q8_0 => Some(Kind::Q8_0),
         g::GGML_TYPE_Q5_0 => Some(Kind::Q5_0),
         g::GGML_TYPE_Q4_1 => Some(Kind::Q4_1),
+        g::GGML_TYPE_Q4_K => Some(Kind::Q4K),
+        g::GGML_TYPE_Q6_K => Some(Kind::Q6K),
         _ => None,
     }
 }
@@ -54,7 +56,7 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
         && s1.ne[2] == 1
         && s1.ne[3] == 1
         && s0.ne[0] == s1.ne[0]
-        && s0.ne[0] % 32 == 0
+        && (s0.ne[0] as usize).is_multiple_of(kind.block_len())
         && (MIN_ROWS..=MAX_ROWS).contains(&s1.ne[1])
         && s1.nb[0] == 4
         && op.nb[0] == 4

@@ -22,6 +22,10 @@ pub enum Kind {
     Q5_0,
     /// `Q4_1` weights x `Q8_1` activations.
     Q4_1,
+    /// `Q4_K` weights (super-blocks of 256) x `Q8_K` activations.
+    Q4K,
+    /// `Q6_K` weights x `Q8_K` activations.
+    Q6K,
 }
 
 impl Kind {
@@ -31,26 +35,55 @@ impl Kind {
             "q8_0" => Some(Self::Q8_0),
             "q5_0" => Some(Self::Q5_0),
             "q4_1" => Some(Self::Q4_1),
+            "q4_K" => Some(Self::Q4K),
+            "q6_K" => Some(Self::Q6K),
             _ => None,
         }
     }
 
-    /// Bytes of one 32-weight block.
+    /// Values per block (32, or 256 for the k-quants' super-blocks).
+    pub fn block_len(self) -> usize {
+        if self.is_k() {
+            kquant::QK_K
+        } else {
+            32
+        }
+    }
+
+    /// A k-quant (super-blocks, `Q8_K` activations).
+    pub fn is_k(self) -> bool {
+        matches!(self, Self::Q4K | Self::Q6K)
+    }
+
+    /// Bytes of one weight block ([`Kind::block_len`] weights).
     pub fn weight_block(self) -> usize {
         match self {
             Self::Q8_0 => 34,
             Self::Q5_0 => 22,
             Self::Q4_1 => 20,
+            Self::Q4K => kquant::Q4K_BYTES,
+            Self::Q6K => kquant::Q6K_BYTES,
         }
     }
 
-    /// Bytes of one 32-value activation block (`Q8_0`: 34, `Q8_1`: 36).
+    /// Bytes of one activation block (`Q8_0`: 34, `Q8_1`: 36, `Q8_K`: 292).
     pub fn act_block(self) -> usize {
         match self {
             Self::Q8_0 | Self::Q5_0 => 34,
             Self::Q4_1 => 36,
+            Self::Q4K | Self::Q6K => kquant::Q8K_BYTES,
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod kquant;
+#[cfg(not(target_arch = "x86_64"))]
+mod kquant {
+    pub(super) const QK_K: usize = 256;
+    pub(super) const Q8K_BYTES: usize = 292;
+    pub(super) const Q4K_BYTES: usize = 144;
+    pub(super) const Q6K_BYTES: usize = 210;
 }
 
 /// Rows per pass over a weight block: enough to amortise the unpacking, few enough to keep
@@ -137,6 +170,23 @@ impl Kernel {
     /// # Panics
     /// When `n` is not a multiple of 32 or a row is shorter than `n` needs.
     pub fn prepare<'a>(&self, n: usize, acts: &[&'a [u8]]) -> Acts<'a> {
+        if self.kind.is_k() {
+            assert_eq!(n % kquant::QK_K, 0, "row length not a multiple of 256");
+            let nb = n / kquant::QK_K;
+            for a in acts {
+                assert!(
+                    a.len() >= nb * kquant::Q8K_BYTES,
+                    "activation row too short"
+                );
+            }
+            return Acts {
+                rows: acts.to_vec(),
+                scales: Vec::new(),
+                qs: Vec::new(),
+                sums: Vec::new(),
+                nb,
+            };
+        }
         assert_eq!(n % 32, 0, "row length not a multiple of 32");
         let (nb, ab) = (n / 32, self.kind.act_block());
         let mut scales = Vec::with_capacity(acts.len() * nb);
@@ -185,7 +235,11 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `new` checked the CPU features; lengths checked above and in `prepare`.
         unsafe {
-            if self.zmm {
+            if self.kind == Kind::Q4K {
+                kquant::q4k(&acts.rows, acts.nb, w, out)
+            } else if self.kind == Kind::Q6K {
+                kquant::q6k(&acts.rows, acts.nb, w, out)
+            } else if self.zmm {
                 x86::zmm::many(self.kind, acts, w, out)
             } else if self.vnni {
                 x86::vnni::many(self.kind, acts, w, out)
@@ -205,7 +259,7 @@ impl Kernel {
         acts: &[&[u8]],
         mut reference: impl FnMut(&[u8], &[u8]) -> f32,
     ) -> bool {
-        let row = n / 32 * self.kind.weight_block();
+        let row = n / self.kind.block_len() * self.kind.weight_block();
         let a = self.prepare(n, acts);
         let mut out = vec![0.0f32; weights.len() / row * acts.len()];
         self.dot_many(
@@ -366,6 +420,7 @@ mod x86 {
                                 *out.add(r) = hsum(acc[r]) + summs[r];
                             }
                         }
+                        Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
                     }
                 }
 
@@ -452,6 +507,7 @@ mod x86 {
                     _mm256_or_si256(nibbles(x.add(6)), hi)
                 }
                 Kind::Q4_1 => nibbles(x.add(4)),
+                Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
             }
         }
 
@@ -541,6 +597,7 @@ mod x86 {
                     Kind::Q5_0 => q5_0_pair(xa, xb),
                     Kind::Q4_1 => nibbles_pair(xa.add(4), xb.add(4)),
                     Kind::Q8_0 => pair256(weights(kind, xa), weights(kind, xb)),
+                    Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
                 };
                 let d = pair_ps(f16(xa), f16(xb));
                 if kind == Kind::Q4_1 {
@@ -629,6 +686,8 @@ fn ggml_type(kind: Kind) -> llama_cpp_sys_2::ggml_type {
         Kind::Q8_0 => sys::GGML_TYPE_Q8_0,
         Kind::Q5_0 => sys::GGML_TYPE_Q5_0,
         Kind::Q4_1 => sys::GGML_TYPE_Q4_1,
+        Kind::Q4K => sys::GGML_TYPE_Q4_K,
+        Kind::Q6K => sys::GGML_TYPE_Q6_K,
     }
 }
 
@@ -685,7 +744,7 @@ pub fn agrees_with_ggml(k: &Kernel) -> bool {
     let Some(vec_dot) = tr.vec_dot else {
         return false;
     };
-    let n = 640;
+    let n = if k.kind.is_k() { 768 } else { 640 };
     let w = quantized(ty, n, 47, &mut seed);
     let a = quantized(tr.vec_dot_type, n, 9, &mut seed);
     if w.is_empty() || a.is_empty() {
@@ -718,12 +777,19 @@ pub fn agrees_with_ggml(k: &Kernel) -> bool {
 /// per process and type).
 pub fn checked(kind: Kind) -> Option<Kernel> {
     use std::sync::OnceLock;
-    static CHECKED: [OnceLock<Option<Kernel>>; 3] =
-        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    static CHECKED: [OnceLock<Option<Kernel>>; 5] = [
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+        OnceLock::new(),
+    ];
     let i = match kind {
         Kind::Q8_0 => 0,
         Kind::Q5_0 => 1,
         Kind::Q4_1 => 2,
+        Kind::Q4K => 3,
+        Kind::Q6K => 4,
     };
     *CHECKED[i].get_or_init(|| {
         let k = Kernel::new(kind)?;
@@ -742,7 +808,7 @@ mod tests {
     /// Every kernel (with and without VNNI) matches ggml's single-row `vec_dot` bit for bit.
     #[test]
     fn kernels_match_ggml_vec_dot() {
-        for kind in [Kind::Q8_0, Kind::Q5_0, Kind::Q4_1] {
+        for kind in [Kind::Q8_0, Kind::Q5_0, Kind::Q4_1, Kind::Q4K, Kind::Q6K] {
             let Some(fast) = Kernel::new(kind) else {
                 eprintln!("no {kind:?} kernel on this CPU");
                 continue;
