@@ -6,7 +6,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{bail, ensure, Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 use leap_cli::{bench, models};
 use leap_host::model::ChatMessage;
@@ -58,6 +58,11 @@ enum Cmd {
         /// Also list every tensor.
         #[arg(long)]
         tensors: bool,
+        /// Also show what flash streaming would keep resident with this fraction of the
+        /// weights (or bytes, with a unit: `64M`) as the DRAM budget, and how much of each
+        /// part of the file is in DRAM now.
+        #[arg(long)]
+        flash_budget: Option<String>,
     },
 }
 
@@ -386,7 +391,11 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Bench(a) => run_bench(a),
         Cmd::Models { cmd } => run_models(cmd),
         Cmd::Profile(a) => profile(a),
-        Cmd::Info { model, tensors } => info(&model, tensors),
+        Cmd::Info {
+            model,
+            tensors,
+            flash_budget,
+        } => info(&model, tensors, flash_budget.as_deref()),
         Cmd::AttnBench(a) => leap_cli::attn::attn_bench(&leap_cli::attn::AttnBench {
             model: a.model,
             ctx: a.ctx,
@@ -683,7 +692,75 @@ fn profile(a: ProfileArgs) -> Result<()> {
     Ok(())
 }
 
-fn info(model: &str, tensors: bool) -> Result<()> {
+/// A budget as a fraction of `total` (`0.25`) or bytes with a unit (`64M`, `1.5G`, `800K`).
+fn parse_budget(s: &str, total: u64) -> Result<u64> {
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1e3),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1e6),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1e9),
+        _ => (s, 0.0),
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("--flash-budget {s:?}: a fraction (0.25) or a size (64M)"))?;
+    ensure!(v >= 0.0, "--flash-budget must not be negative");
+    Ok(if mul == 0.0 {
+        (v * total as f64) as u64
+    } else {
+        (v * mul) as u64
+    })
+}
+
+/// The flash layer's view of a model: its sections, what a budget keeps resident, and what
+/// is in DRAM now.
+fn flash_info(path: &std::path::Path, budget: &str) -> Result<()> {
+    use leap_flash::{plan, LayerMap, Pages, Section, Strategy};
+    let map = LayerMap::open(path)?;
+    let pages = Pages::open(path)?;
+    let per_call: u64 = map.per_call().iter().map(|&s| map.bytes(s)).sum();
+    let budget = parse_budget(budget, per_call)?;
+    let mb = |b: u64| b as f64 / 1e6;
+    let resident = |s: Section| -> Result<u64> {
+        map.ranges(s)
+            .iter()
+            .map(|r| Ok(pages.resident(r.clone())?))
+            .sum()
+    };
+    println!(
+        "flash         {:.1} MB read by every target call ({} blocks, output projection {}{:.1} MB)",
+        mb(per_call),
+        map.blocks(),
+        if map.tied_output { "tied to the embeddings: " } else { "" },
+        mb(map.bytes(if map.tied_output { Section::Embed } else { Section::Output }))
+    );
+    for (s, _) in &map.sections {
+        println!(
+            "  {:<14} {:>8.2} MB, {:>8.2} MB in DRAM now",
+            format!("{s:?}"),
+            mb(map.bytes(*s)),
+            mb(resident(*s)?)
+        );
+    }
+    // Streamed a block at a time (the output projection in chunks of that size), one ahead.
+    let chunk = (0..map.blocks())
+        .map(|i| map.bytes(Section::Block(i)))
+        .max()
+        .unwrap_or(1 << 20);
+    for strategy in [Strategy::FirstLayers, Strategy::OutputFirst] {
+        let p = plan(&map, budget, chunk, 1, strategy);
+        println!(
+            "budget {:.1} MB, {strategy:?}: {:.1} MB pinned ({} sections), {:.1} MB streamed a call, window {:.1} MB",
+            mb(budget),
+            mb(p.pinned_bytes),
+            p.pinned.len(),
+            mb(p.streamed_bytes),
+            mb(p.window)
+        );
+    }
+    Ok(())
+}
+
+fn info(model: &str, tensors: bool, flash_budget: Option<&str>) -> Result<()> {
     let path = models::resolve(model)?;
     let g = GgufInfo::open(&path)?;
     let m = Model::load(&path, &ModelParams::default())?;
@@ -722,6 +799,9 @@ fn info(model: &str, tensors: bool) -> Result<()> {
                 t.name, t.ggml_type, t.ne, t.size, t.offset
             );
         }
+    }
+    if let Some(b) = flash_budget {
+        flash_info(&path, b)?;
     }
     Ok(())
 }

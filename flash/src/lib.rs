@@ -1,7 +1,47 @@
-//! Flash-streamed target weights: a GGUF layer map, a DRAM budget, prefetch/evict during a
-//! target call, and I/O accounting.
+//! Flash-streamed target weights (Lever's setting, `../shared/papers/002`): a GGUF layer map,
+//! a DRAM budget planner, and residency control over the model file's pages, with I/O
+//! accounting.
 //!
-//! **Nothing is implemented here yet**; `leap bench --flash-budget` says so and stops. The
-//! layer map will be built on `leap_host::GgufInfo` (ggml's own GGUF parser, absolute tensor
-//! byte ranges), which exists today.
-#![forbid(unsafe_code)]
+//! What is here: [`LayerMap`] (each block's byte ranges, the embeddings and the output
+//! projection, from ggml's own GGUF parser), [`plan`] (which sections stay resident under a
+//! budget, leaving room for the layers in flight), and [`Pages`] (a read-only mapping of the
+//! model file whose ranges can be prefetched, evicted from DRAM — the page cache included —
+//! and measured with `mincore`), plus [`io_read_bytes`] (what the process really read from
+//! storage). What is not here yet: the driver that prefetches and evicts during a target call
+//! (llama.cpp's eval callback at layer boundaries), and `leap bench --flash-budget`, which
+//! says so and stops.
+
+mod map;
+mod pages;
+mod plan;
+
+pub use map::{LayerMap, Section};
+pub use pages::{io_read_bytes, Pages};
+pub use plan::{plan, Plan, Strategy};
+
+/// Errors of the flash layer.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The model file cannot be read or mapped.
+    #[error("{path}: {what}: {source}")]
+    Io {
+        path: String,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The GGUF cannot be parsed.
+    #[error(transparent)]
+    Gguf(#[from] leap_host::Error),
+    /// A range outside the file (a truncated or replaced model).
+    #[error("{path}: bytes {start}..{end} are outside the file ({len} bytes): was it truncated or replaced?")]
+    OutOfFile {
+        path: String,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
+}
+
+/// Results of the flash layer.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,177 @@
+//! Residency control over a model file's pages: a read-only shared mapping (the same page
+//! cache llama.cpp's own mapping of the file uses), with prefetch, eviction and `mincore`.
+
+use std::fs::File;
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use crate::{Error, Result};
+
+/// A read-only mapping of a whole file.
+pub struct Pages {
+    path: PathBuf,
+    file: File,
+    base: *mut libc::c_void,
+    len: usize,
+    page: usize,
+}
+
+// SAFETY: the mapping is read-only and lives as long as the value.
+unsafe impl Send for Pages {}
+unsafe impl Sync for Pages {}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` are the mapping made in `open`.
+        unsafe { libc::munmap(self.base, self.len) };
+    }
+}
+
+fn io<'a>(path: &'a Path, what: &'static str) -> impl Fn(std::io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        path: path.display().to_string(),
+        what,
+        source,
+    }
+}
+
+impl Pages {
+    /// Map `path` read-only.
+    ///
+    /// # Errors
+    /// The file cannot be opened or mapped.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(io(path, "opening"))?;
+        let len = file.metadata().map_err(io(path, "reading metadata"))?.len() as usize;
+        // SAFETY: a fresh read-only shared mapping of an open file; checked below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io(path, "mapping")(std::io::Error::last_os_error()));
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        Ok(Self {
+            path: path.to_owned(),
+            file,
+            base,
+            len,
+            page,
+        })
+    }
+
+    /// Bytes mapped (the file's size when opened).
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// An empty file.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `r` widened to whole pages, after checking it lies in the file as it is now (a
+    /// truncated file would fault on access: SIGBUS).
+    fn span(&self, r: &Range<u64>) -> Result<(usize, usize)> {
+        let now = self
+            .file
+            .metadata()
+            .map_err(io(&self.path, "reading metadata"))?
+            .len();
+        if r.end > self.len as u64 || r.end > now || r.start > r.end {
+            return Err(Error::OutOfFile {
+                path: self.path.display().to_string(),
+                start: r.start,
+                end: r.end,
+                len: now.min(self.len as u64),
+            });
+        }
+        let start = r.start as usize / self.page * self.page;
+        let end = (r.end as usize).div_ceil(self.page) * self.page;
+        Ok((
+            start,
+            end.min(self.len.div_ceil(self.page) * self.page) - start,
+        ))
+    }
+
+    /// Bytes of `r` (in whole pages) resident in DRAM now, by `mincore`.
+    ///
+    /// # Errors
+    /// `r` outside the file, or `mincore` failing.
+    pub fn resident(&self, r: Range<u64>) -> Result<u64> {
+        let (start, len) = self.span(&r)?;
+        let mut vec = vec![0u8; len.div_ceil(self.page)];
+        // SAFETY: the span lies inside the mapping; `vec` has a byte per page.
+        let rc = unsafe { libc::mincore(self.base.add(start), len, vec.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(io(&self.path, "mincore")(std::io::Error::last_os_error()));
+        }
+        Ok(vec.iter().filter(|&&v| v & 1 != 0).count() as u64 * self.page as u64)
+    }
+
+    /// Ask the kernel to start reading `r` (returns at once).
+    ///
+    /// # Errors
+    /// `r` outside the file.
+    pub fn prefetch(&self, r: Range<u64>) -> Result<()> {
+        let (start, len) = self.span(&r)?;
+        // SAFETY: inside the mapping; advice only.
+        unsafe { libc::madvise(self.base.add(start), len, libc::MADV_WILLNEED) };
+        Ok(())
+    }
+
+    /// Read `r` into DRAM now (one byte a page); returns the bytes covered.
+    ///
+    /// # Errors
+    /// `r` outside the file.
+    pub fn load(&self, r: Range<u64>) -> Result<u64> {
+        let (start, len) = self.span(&r)?;
+        let mut sum = 0u8;
+        for off in (start..start + len).step_by(self.page) {
+            // SAFETY: inside the mapping, which the file still covers (checked in `span`).
+            sum = sum
+                .wrapping_add(unsafe { std::ptr::read_volatile(self.base.add(off).cast::<u8>()) });
+        }
+        std::hint::black_box(sum);
+        Ok(len as u64)
+    }
+
+    /// Drop `r`'s pages from DRAM: this mapping's references, then the page cache (pages
+    /// another mapping still uses stay: evict those through that mapping too).
+    ///
+    /// # Errors
+    /// `r` outside the file.
+    pub fn evict(&self, r: Range<u64>) -> Result<()> {
+        let (start, len) = self.span(&r)?;
+        // SAFETY: inside the mapping; a read-only shared file mapping is refilled from the
+        // file on the next access.
+        unsafe {
+            libc::madvise(self.base.add(start), len, libc::MADV_DONTNEED);
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                start as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Bytes this process has caused to be read from storage (`/proc/self/io`'s `read_bytes`:
+/// page-cache hits do not count), or `None` where the kernel does not say.
+pub fn io_read_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/io").ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}

@@ -1,0 +1,159 @@
+//! The flash layer on the real Gemma 3 270M file: its layer map, budget plans, and residency
+//! control measured with `mincore` (no model is loaded in this test binary, so nothing else
+//! maps the file's pages).
+
+use leap_flash::{io_read_bytes, plan, LayerMap, Pages, Section, Strategy};
+use leap_host::GgufInfo;
+use leap_tests::model_path;
+
+#[test]
+fn the_layer_map_covers_every_tensor_once() {
+    let path = model_path("gemma3-270m");
+    let info = GgufInfo::open(&path).expect("gguf");
+    let map = LayerMap::from_info(&info);
+    assert_eq!(map.blocks(), 18);
+    assert!(
+        map.tied_output,
+        "Gemma 3 ties its output projection to the embeddings"
+    );
+    assert_eq!(map.bytes(Section::Output), 0);
+    // Every tensor lies in exactly one section's ranges.
+    for t in &info.tensors {
+        let hits = map
+            .sections
+            .iter()
+            .flat_map(|(_, r)| r)
+            .filter(|r| r.start <= t.offset && t.offset + t.size <= r.end)
+            .count();
+        assert_eq!(hits, 1, "{}", t.name);
+    }
+    // Merging only swallows alignment padding.
+    let total = map.total();
+    assert!(total >= info.tensor_bytes() && total - info.tensor_bytes() < 64 * 1024);
+    // The embedding matrix (262144 x 640, Q8_0) is most of this model.
+    let embed = map.bytes(Section::Embed) as f64 / total as f64;
+    assert!((0.6..0.8).contains(&embed), "{embed}");
+    assert_eq!(map.per_call().len(), 20);
+}
+
+#[test]
+fn plans_respect_the_budget() {
+    let map = LayerMap::open(&model_path("gemma3-270m")).expect("map");
+    let total: u64 = map.per_call().iter().map(|&s| map.bytes(s)).sum();
+    let chunk = 8 << 20;
+    for strategy in [Strategy::FirstLayers, Strategy::OutputFirst] {
+        let mut last = 0;
+        for f in [0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.2] {
+            let budget = (total as f64 * f) as u64;
+            let p = plan(&map, budget, chunk, 1, strategy);
+            assert!(p.pinned_bytes + p.window <= budget.max(map.bytes(Section::Rest) + p.window));
+            assert_eq!(p.pinned_bytes + p.streamed_bytes, total, "{strategy:?} {f}");
+            assert!(p.pinned_bytes >= last, "more budget never pins less");
+            last = p.pinned_bytes;
+            if strategy == Strategy::FirstLayers {
+                // A prefix of the blocks.
+                let blocks: Vec<usize> = p
+                    .pinned
+                    .iter()
+                    .filter_map(|s| match s {
+                        Section::Block(i) => Some(*i),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(blocks, (0..blocks.len()).collect::<Vec<_>>());
+            }
+        }
+        let none = plan(&map, 0, chunk, 1, strategy);
+        assert_eq!(none.window, 0);
+        let all = plan(&map, total + 2 * chunk, chunk, 1, strategy);
+        assert!(all.streamed.is_empty(), "{strategy:?}: {:?}", all.streamed);
+    }
+    // At a quarter of the weights, the output projection (70%) cannot be resident.
+    let q = plan(&map, total / 4, chunk, 1, Strategy::OutputFirst);
+    assert!(q.streamed.contains(&Section::Embed));
+    assert!(q.pinned.iter().any(|s| matches!(s, Section::Block(_))));
+}
+
+/// A scratch file on disk (cargo's target tmp dir, not a tmpfs), mapped by nobody else.
+fn scratch(name: &str, bytes: usize) -> std::path::PathBuf {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let path = dir.join(name);
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let data: Vec<u8> = (0..bytes)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let mut f = std::fs::File::create(&path).expect("scratch file");
+    std::io::Write::write_all(&mut f, &data).expect("scratch file");
+    // Clean pages: the kernel does not drop dirty ones.
+    f.sync_all().expect("sync");
+    path
+}
+
+#[test]
+fn pages_are_evicted_and_loaded_for_real() {
+    let path = scratch("flash-pages.bin", 40 << 20);
+    let pages = Pages::open(&path).expect("pages");
+    let r = (3 << 20) + 100..(19 << 20) + 5;
+    let bytes = r.end - r.start;
+    pages.evict(0..pages.len()).expect("evict");
+    let after_evict = pages.resident(r.clone()).expect("mincore");
+    assert!(
+        after_evict * 10 < bytes,
+        "evicted, {after_evict} of {bytes} bytes still resident"
+    );
+    let read0 = io_read_bytes();
+    let loaded = pages.load(r.clone()).expect("load");
+    assert!(loaded >= bytes);
+    let resident = pages.resident(r.clone()).expect("mincore");
+    assert!(resident >= bytes, "{resident} < {bytes}");
+    if let (Some(a), Some(b)) = (read0, io_read_bytes()) {
+        // Read from storage, not from the page cache.
+        assert!(
+            b - a >= bytes / 2,
+            "read {} of {bytes} bytes from storage",
+            b - a
+        );
+    }
+    // Only the range asked for was loaded (the kernel's readahead reaches a few MB past it).
+    let tail = r.end + (12 << 20)..pages.len();
+    let rest = pages.resident(tail.clone()).expect("mincore");
+    assert!(
+        rest * 2 < tail.end - tail.start,
+        "{rest} bytes far past the range resident"
+    );
+    pages.evict(r.clone()).expect("evict");
+    assert!(pages.resident(r).expect("mincore") * 10 < bytes);
+    // The real model maps and reports residency too.
+    let model = Pages::open(&model_path("gemma3-270m")).expect("model pages");
+    let map = LayerMap::open(&model_path("gemma3-270m")).expect("map");
+    let b0 = map.ranges(Section::Block(0))[0].clone();
+    model.load(b0.clone()).expect("load");
+    assert!(model.resident(b0.clone()).expect("mincore") >= b0.end - b0.start);
+}
+
+#[test]
+fn a_truncated_model_is_an_error_not_a_crash() {
+    let path = model_path("gemma3-270m");
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let copy = dir.path().join("model.gguf");
+    std::fs::copy(&path, &copy).expect("copy");
+    let map = LayerMap::open(&copy).expect("map");
+    let pages = Pages::open(&copy).expect("pages");
+    let last = map.ranges(Section::Block(17))[0].clone();
+    // Truncated after mapping: reading the lost range would be SIGBUS.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&copy)
+        .expect("open");
+    f.set_len(last.start).expect("truncate");
+    let err = pages.load(last).expect_err("outside the file now");
+    let msg = err.to_string();
+    assert!(msg.contains("truncated or replaced"), "{msg}");
+    // What is still there reads fine.
+    pages.load(0..4096).expect("the header");
+}
