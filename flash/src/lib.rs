@@ -7,17 +7,20 @@
 //! budget, leaving room for the layers in flight), and [`Pages`] (a read-only mapping of the
 //! model file whose ranges can be prefetched, evicted from DRAM — the page cache included —
 //! and measured with `mincore`), plus [`io_read_bytes`] (what the process really read from
-//! storage). What is not here yet: the driver that prefetches and evicts during a target call
-//! (llama.cpp's eval callback at layer boundaries), and `leap bench --flash-budget`, which
-//! says so and stops.
+//! storage), and [`Streamer`], the driver that reads blocks ahead and evicts them during a
+//! target call (llama.cpp's eval callback at layer boundaries). Not here yet: streaming the
+//! output projection in chunks, the engine's cost model with the I/O in it, and `leap bench
+//! --flash-budget`, which says so and stops.
 
 mod map;
 mod pages;
 mod plan;
+mod stream;
 
 pub use map::{LayerMap, Section};
 pub use pages::{io_read_bytes, Pages};
 pub use plan::{plan, Plan, Strategy};
+pub use stream::{CallStats, Streamer};
 
 /// Errors of the flash layer.
 #[derive(Debug, thiserror::Error)]

@@ -58,8 +58,11 @@ impl Pages {
         if base == libc::MAP_FAILED {
             return Err(io(path, "mapping")(std::io::Error::last_os_error()));
         }
-        // SAFETY: sysconf has no preconditions.
+        // SAFETY: sysconf has no preconditions; advice on the fresh mapping. No readahead on
+        // faults: this mapping reads exactly the ranges asked for (with WILLNEED, in large
+        // reads), so what is resident is what the plan says.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        unsafe { libc::madvise(base, len.max(1), libc::MADV_RANDOM) };
         Ok(Self {
             path: path.to_owned(),
             file,
@@ -135,6 +138,8 @@ impl Pages {
     /// `r` outside the file.
     pub fn load(&self, r: Range<u64>) -> Result<u64> {
         let (start, len) = self.span(&r)?;
+        // SAFETY: inside the mapping; the kernel reads the range in large requests.
+        unsafe { libc::madvise(self.base.add(start), len, libc::MADV_WILLNEED) };
         let mut sum = 0u8;
         for off in (start..start + len).step_by(self.page) {
             // SAFETY: inside the mapping, which the file still covers (checked in `span`).
@@ -164,6 +169,38 @@ impl Pages {
             );
         }
         Ok(())
+    }
+}
+
+impl Pages {
+    /// Address of this mapping (to tell it from other mappings of the file).
+    pub fn address(&self) -> usize {
+        self.base as usize
+    }
+
+    /// Drop `r`'s pages from another read-only mapping of the same whole file at `base`
+    /// (llama.cpp's), so that the page cache can let them go ([`Pages::evict`] after).
+    pub fn evict_at(&self, base: usize, r: Range<u64>) {
+        if let Ok((start, len)) = self.span(&r) {
+            // SAFETY: advice on pages of a file mapping the caller found in /proc/self/maps;
+            // MADV_DONTNEED on a shared read-only file mapping refaults from the file.
+            unsafe {
+                libc::madvise(
+                    (base + start) as *mut libc::c_void,
+                    len,
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
+    }
+
+    /// Lock `r` in memory (pinned sections); false where the system refuses.
+    pub fn lock(&self, r: Range<u64>) -> bool {
+        match self.span(&r) {
+            // SAFETY: inside the mapping.
+            Ok((start, len)) => unsafe { libc::mlock(self.base.add(start), len) == 0 },
+            Err(_) => false,
+        }
     }
 }
 
