@@ -9,7 +9,6 @@
 //! needs Leap's own projection (not done yet).
 
 use std::collections::HashSet;
-use std::ops::Range;
 use std::path::Path;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
@@ -25,7 +24,8 @@ pub struct CallStats {
     pub read_bytes: u64,
     /// Seconds the call waited for a streamed block to be read.
     pub blocked_seconds: f64,
-    /// Seconds of the whole call (from its first layer to its output).
+    /// Seconds of the call (from its first layer to its output; for a call cut before its
+    /// output, to the next call).
     pub seconds: f64,
     /// Most bytes of streamed blocks resident at a layer boundary (`mincore`).
     pub peak_streamed_resident: u64,
@@ -33,10 +33,10 @@ pub struct CallStats {
 
 #[derive(Default)]
 struct State {
-    /// Blocks the loader finished (cleared when evicted).
-    loaded: HashSet<usize>,
-    /// Blocks asked for and not evicted since.
-    requested: HashSet<usize>,
+    /// Sections the loader finished (cleared when evicted).
+    loaded: HashSet<Section>,
+    /// Sections asked for and not evicted since.
+    requested: HashSet<Section>,
     call: Option<(Instant, Option<u64>)>,
     current: CallStats,
     calls: Vec<CallStats>,
@@ -47,12 +47,13 @@ struct Shared {
     plan: Plan,
     pages: Pages,
     path: std::path::PathBuf,
-    /// Where llama.cpp mapped the file's offset 0 (from /proc/self/maps on first use).
-    llama_base: Mutex<Option<usize>>,
+    /// Where other mappings of the file (llama.cpp's, Leap's on-demand projection's) have
+    /// its offset 0, from /proc/self/maps (looked up again while empty).
+    bases: Mutex<Vec<usize>>,
     state: Mutex<State>,
     done: Condvar,
     ahead: usize,
-    load: Mutex<mpsc::Sender<usize>>,
+    load: Mutex<mpsc::Sender<Section>>,
 }
 
 /// Streams a model's blocks during llama.cpp's decodes: give [`Streamer::observer`] to the
@@ -77,13 +78,13 @@ impl Streamer {
                 }
             }
         }
-        let (tx, rx) = mpsc::channel::<usize>();
+        let (tx, rx) = mpsc::channel::<Section>();
         let shared = Arc::new(Shared {
             map,
             plan,
             pages,
             path: path.to_owned(),
-            llama_base: Mutex::new(None),
+            bases: Mutex::new(Vec::new()),
             state: Mutex::new(State::default()),
             done: Condvar::new(),
             ahead: ahead.max(1),
@@ -93,22 +94,22 @@ impl Streamer {
         std::thread::Builder::new()
             .name("leap-flash-loader".into())
             .spawn(move || {
-                while let Ok(b) = rx.recv() {
+                while let Ok(s) = rx.recv() {
                     let Some(sh) = weak.upgrade() else { break };
-                    for r in sh.map.ranges(Section::Block(b)) {
+                    for r in sh.map.ranges(s) {
                         if let Err(e) = sh.pages.load(r.clone()) {
-                            log::error!("flash: reading block {b}: {e}");
+                            log::error!("flash: reading {s:?}: {e}");
                         }
                     }
                     let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
-                    st.loaded.insert(b);
+                    st.loaded.insert(s);
                     sh.done.notify_all();
                 }
             })
             .expect("spawning the flash loader");
         // The first streamed block before the first call.
         let s = Self { shared };
-        s.shared.request(0);
+        s.shared.request(Section::Block(0));
         Ok(s)
     }
 
@@ -120,6 +121,13 @@ impl Streamer {
     /// The plan in use.
     pub fn plan(&self) -> &Plan {
         &self.shared.plan
+    }
+
+    /// Close the last call's statistics (a call cut before its output projection, as Leap's
+    /// on-demand projection does, is otherwise closed when the next one starts: its storage
+    /// reads include the projection's).
+    pub fn flush(&self) {
+        finish(&mut self.shared.state.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
     /// Statistics of every call so far.
@@ -151,67 +159,83 @@ impl Shared {
         self.plan.streamed.contains(&Section::Block(b))
     }
 
-    /// Ask the loader for block `b` if it is streamed and not asked for yet.
-    fn request(&self, b: usize) {
-        if b >= self.map.blocks() || !self.streamed(b) {
+    /// The output projection's section when it is streamed.
+    fn streamed_output(&self) -> Option<Section> {
+        self.plan
+            .streamed
+            .iter()
+            .copied()
+            .find(|s| matches!(s, Section::Output | Section::Embed))
+    }
+
+    /// Ask the loader for `s` if it is streamed and not asked for yet.
+    fn request(&self, s: Section) {
+        if !self.plan.streamed.contains(&s) {
             return;
         }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if st.requested.insert(b) {
-            let _ = self.load.lock().unwrap_or_else(|e| e.into_inner()).send(b);
+        if st.requested.insert(s) {
+            let _ = self.load.lock().unwrap_or_else(|e| e.into_inner()).send(s);
         }
     }
 
-    /// Wait until block `b` (if streamed) is read; the seconds waited.
-    fn wait(&self, b: usize) -> f64 {
-        if !self.streamed(b) {
+    /// Wait until `s` (if streamed) is read; the seconds waited.
+    fn wait(&self, s: Section) -> f64 {
+        if !self.plan.streamed.contains(&s) {
             return 0.0;
         }
-        self.request(b);
+        self.request(s);
         let t = Instant::now();
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        while !st.loaded.contains(&b) {
+        while !st.loaded.contains(&s) {
             st = self.done.wait(st).unwrap_or_else(|e| e.into_inner());
         }
         t.elapsed().as_secs_f64()
     }
 
-    /// Where llama.cpp mapped the model file (offset 0), from /proc/self/maps.
-    fn llama_base(&self) -> Option<usize> {
-        let mut base = self.llama_base.lock().unwrap_or_else(|e| e.into_inner());
-        if base.is_none() {
+    /// The other mappings of the model file (see `bases`).
+    fn bases(&self) -> Vec<usize> {
+        let mut bases = self.bases.lock().unwrap_or_else(|e| e.into_inner());
+        if bases.is_empty() {
             let ours = self.pages.address();
-            let want = std::fs::canonicalize(&self.path).ok()?;
-            let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
-            *base = maps.lines().find_map(|l| {
-                let mut f = l.split_whitespace();
-                let range = f.next()?;
-                let (_perms, off, _dev, _inode) = (f.next()?, f.next()?, f.next()?, f.next()?);
-                let file = f.next()?;
-                let start = usize::from_str_radix(range.split('-').next()?, 16).ok()?;
-                // llama.cpp unmaps the parts no tensor uses, so its mapping may be several
-                // areas: each starts `offset` bytes into the one mapping of the whole file.
-                let base = start.checked_sub(usize::from_str_radix(off, 16).ok()?)?;
-                (base != ours && std::path::Path::new(file) == want).then_some(base)
-            });
+            let Ok(want) = std::fs::canonicalize(&self.path) else {
+                return Vec::new();
+            };
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+            for l in maps.lines() {
+                let found = (|| {
+                    let mut f = l.split_whitespace();
+                    let range = f.next()?;
+                    let (_perms, off, _dev, _inode) = (f.next()?, f.next()?, f.next()?, f.next()?);
+                    let file = f.next()?;
+                    let start = usize::from_str_radix(range.split('-').next()?, 16).ok()?;
+                    // llama.cpp unmaps the parts no tensor uses, so one mapping may be several
+                    // areas: each starts `offset` bytes into the mapping of the whole file.
+                    let base = start.checked_sub(usize::from_str_radix(off, 16).ok()?)?;
+                    (base != ours && Path::new(file) == want).then_some(base)
+                })();
+                if let Some(b) = found {
+                    if !bases.contains(&b) {
+                        bases.push(b);
+                    }
+                }
+            }
         }
-        *base
+        bases.clone()
     }
 
     /// Drop section `s` from DRAM: llama.cpp's mapping, ours, the page cache.
     fn evict(&self, s: Section) {
-        let base = self.llama_base();
+        let bases = self.bases();
         for r in self.map.ranges(s) {
-            if let Some(b) = base {
+            for &b in &bases {
                 self.pages.evict_at(b, r.clone());
             }
             let _ = self.pages.evict(r.clone());
         }
-        if let Section::Block(b) = s {
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            st.loaded.remove(&b);
-            st.requested.remove(&b);
-        }
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.loaded.remove(&s);
+        st.requested.remove(&s);
     }
 
     fn streamed_resident(&self) -> u64 {
@@ -219,15 +243,22 @@ impl Shared {
             .streamed
             .iter()
             .filter(|s| matches!(s, Section::Block(_)))
-            .flat_map(|&s| {
-                self.map
-                    .ranges(s)
-                    .iter()
-                    .cloned()
-                    .collect::<Vec<Range<u64>>>()
-            })
+            .flat_map(|&s| self.map.ranges(s).to_vec())
             .map(|r| self.pages.resident(r).unwrap_or(0))
             .sum()
+    }
+}
+
+/// Close the call in progress, if any.
+fn finish(st: &mut State) {
+    if let Some((t0, r0)) = st.call.take() {
+        st.current.seconds = t0.elapsed().as_secs_f64();
+        st.current.read_bytes = match (r0, io_read_bytes()) {
+            (Some(a), Some(b)) => b.saturating_sub(a),
+            _ => 0,
+        };
+        let c = st.current;
+        st.calls.push(c);
     }
 }
 
@@ -250,24 +281,36 @@ impl EvalObserver for Observer {
             if i == 0 {
                 let first = {
                     let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
+                    // A call cut before its output (Leap's on-demand projection) ends here.
+                    finish(&mut st);
                     st.call = Some((Instant::now(), io_read_bytes()));
                     st.current = CallStats::default();
                     st.calls.is_empty()
                 };
+                // The output projection, if Leap's own projection read it after the last call.
+                if let Some(out) = sh.streamed_output() {
+                    sh.evict(out);
+                }
                 if first {
                     // Loading the model may have read everything: start from the plan.
                     for s in sh.plan.streamed.clone() {
-                        let asked = matches!(s, Section::Block(b) if sh.state.lock().unwrap_or_else(|e| e.into_inner()).requested.contains(&b));
+                        let asked = sh
+                            .state
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .requested
+                            .contains(&s);
                         if !asked {
                             sh.evict(s);
                         }
                     }
                 }
             }
-            let blocked = sh.wait(i);
+            let blocked = sh.wait(Section::Block(i));
             for b in i + 1..=i + sh.ahead {
-                sh.request(b);
+                sh.request(Section::Block(b));
             }
+
             if i > 0 && sh.streamed(i - 1) {
                 sh.evict(Section::Block(i - 1));
             }
@@ -280,27 +323,17 @@ impl EvalObserver for Observer {
             if sh.streamed(last) {
                 sh.evict(Section::Block(last));
             }
-            // The output projection (a single node) next: it is read as it runs.
+            // The output projection (a single node) next: it is read as it runs (reading it
+            // ahead with the loader left the storage reads uncounted in /proc/self/io: not
+            // understood yet). With Leap's on-demand projection the graph stops here.
         } else if name == "result_output" {
-            for s in sh.plan.streamed.clone() {
-                if matches!(s, Section::Output | Section::Embed) {
-                    sh.evict(s);
-                }
+            if let Some(out) = sh.streamed_output() {
+                sh.evict(out);
             }
-            let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((t0, r0)) = st.call.take() {
-                st.current.seconds = t0.elapsed().as_secs_f64();
-                st.current.read_bytes = match (r0, io_read_bytes()) {
-                    (Some(a), Some(b)) => b.saturating_sub(a),
-                    _ => 0,
-                };
-                let c = st.current;
-                st.calls.push(c);
-            }
-            drop(st);
+            finish(&mut sh.state.lock().unwrap_or_else(|e| e.into_inner()));
             // The next call's first streamed block, between calls.
             if let Some(b) = (0..sh.map.blocks()).find(|&b| sh.streamed(b)) {
-                sh.request(b);
+                sh.request(Section::Block(b));
             }
         }
         true

@@ -65,6 +65,46 @@ pub trait EvalObserver: Send {
     fn observe(&mut self, tensor: &TensorView<'_>) -> bool;
 }
 
+/// Several observers on one context (llama.cpp has one callback): a tensor goes to every
+/// observer that wants it, in order; the computation stops if any of them says so.
+pub struct Chain {
+    observers: Vec<Box<dyn EvalObserver>>,
+    /// Which observers wanted the tensor being computed.
+    wanted: Vec<bool>,
+}
+
+impl Chain {
+    /// The observers, called in this order.
+    pub fn new(observers: Vec<Box<dyn EvalObserver>>) -> Self {
+        let n = observers.len();
+        Self {
+            observers,
+            wanted: vec![false; n],
+        }
+    }
+}
+
+impl EvalObserver for Chain {
+    fn wants(&mut self, t: &TensorView<'_>) -> bool {
+        let mut any = false;
+        for (o, w) in self.observers.iter_mut().zip(self.wanted.iter_mut()) {
+            *w = o.wants(t);
+            any |= *w;
+        }
+        any
+    }
+
+    fn observe(&mut self, t: &TensorView<'_>) -> bool {
+        let mut go_on = true;
+        for (o, &w) in self.observers.iter_mut().zip(&self.wanted) {
+            if w {
+                go_on &= o.observe(t);
+            }
+        }
+        go_on
+    }
+}
+
 /// The `cb_eval` trampoline. `user` is a `*mut Box<dyn EvalObserver>` owned by the Context.
 pub(crate) unsafe extern "C" fn eval_trampoline(
     t: *mut sys::ggml_tensor,

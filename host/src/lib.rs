@@ -38,7 +38,7 @@ pub mod usage;
 pub use batch::Batch;
 pub use context::{Context, ContextParams, FlashAttn};
 pub use error::{Error, Result};
-pub use eval::{EvalObserver, TensorView};
+pub use eval::{Chain, EvalObserver, TensorView};
 pub use gguf::GgufInfo;
 pub use model::{Model, ModelParams};
 pub use sampler::Sampler;

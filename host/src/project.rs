@@ -184,8 +184,26 @@ impl OnDemand {
     /// # Errors
     /// Context creation; a model file that cannot be read or mapped.
     pub fn context(model: &Arc<Model>, params: &ContextParams) -> Result<(Context, Option<Self>)> {
+        Self::context_with(model, params, None)
+    }
+
+    /// As [`OnDemand::context`], with another observer on the context too (called first:
+    /// flash streaming's layer hooks).
+    ///
+    /// # Errors
+    /// As [`OnDemand::context`].
+    pub fn context_with(
+        model: &Arc<Model>,
+        params: &ContextParams,
+        first: Option<Box<dyn crate::EvalObserver>>,
+    ) -> Result<(Context, Option<Self>)> {
         let shared = Arc::new(Mutex::new(Shared::default()));
-        let ctx = Context::with_observer(model, params, Some(Box::new(Capture(shared.clone()))))?;
+        let capture: Box<dyn crate::EvalObserver> = Box::new(Capture(shared.clone()));
+        let observer: Box<dyn crate::EvalObserver> = match first {
+            Some(f) => Box::new(crate::Chain::new(vec![f, capture])),
+            None => capture,
+        };
+        let ctx = Context::with_observer(model, params, Some(observer))?;
         let proj = Projection::for_model(model, params.n_threads.max(1) as usize)?;
         Ok((
             ctx,

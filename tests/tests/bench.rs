@@ -163,3 +163,27 @@ fn bad_configurations_say_what_to_do() {
     );
     assert!(e.contains("unknown mode"), "{e}");
 }
+
+#[test]
+fn flash_budget_streams_and_reports_storage_reads() {
+    let w = workload(8);
+    let mut c = config(GEMMA, w.path().to_path_buf(), &["plain", "leap"]);
+    c.flash_budget = Some(0.25);
+    let r = bench::run(&c).expect("bench under a flash budget");
+    assert_eq!(r.flash_budget, Some(0.25));
+    for m in ["plain", "leap"] {
+        let read = r.modes[m]
+            .storage_read_bytes
+            .expect("measured under a budget");
+        // Each decode call streams the non-resident blocks and the output projection.
+        let per_token = read as f64 / r.modes[m].generated_tokens.max(1) as f64;
+        assert!(
+            per_token > 10e6,
+            "{m}: {per_token} bytes a token from storage"
+        );
+    }
+    assert_eq!(r.modes["leap"].identical_to_plain, Some(true));
+    c.flash_budget = Some(1.5);
+    let e = format!("{:#}", bench::run(&c).unwrap_err());
+    assert!(e.contains("--flash-budget"), "{e}");
+}

@@ -255,8 +255,11 @@ fn file_name(p: &std::path::Path) -> String {
 /// # Errors
 /// Bad arguments, models that do not load, decode failures.
 pub fn run(cfg: &BenchConfig) -> Result<Report> {
-    if cfg.flash_budget.is_some() {
-        bail!("--flash-budget: flash-streamed weights (flash/) are not in this build yet");
+    if let Some(f) = cfg.flash_budget {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&f),
+            "--flash-budget {f}: a fraction of the weights, 0.0 to 1.0"
+        );
     }
     let kinds: Vec<ModeKind> = cfg
         .modes
@@ -294,13 +297,46 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         ..Default::default()
     };
     let mut runners = Vec::new();
+    // Flash streaming: one streamer per mode (each mode's context has its own hooks), all
+    // with the same plan.
+    let flash = match cfg.flash_budget {
+        Some(f) => {
+            let map = leap_flash::LayerMap::open(&cfg.model)?;
+            let per_call: u64 = map.per_call().iter().map(|&s| map.bytes(s)).sum();
+            let chunk = (0..map.blocks())
+                .map(|i| map.bytes(leap_flash::Section::Block(i)))
+                .max()
+                .unwrap_or(1 << 20);
+            let p = leap_flash::plan(
+                &map,
+                (f * per_call as f64) as u64,
+                chunk,
+                1,
+                leap_flash::Strategy::FirstLayers,
+            );
+            Some((map, p))
+        }
+        None => None,
+    };
+    let mut streamers: Vec<Option<leap_flash::Streamer>> = Vec::new();
     for (name, kind) in cfg.modes.iter().zip(&kinds) {
         let mut params = cparams.clone();
         if let ModeKind::Leap(ec) = kind {
             params.n_seq_max = ec.max_branches as u32;
         }
+        let streamer = match &flash {
+            Some((map, p)) => Some(leap_flash::Streamer::new(
+                &cfg.model,
+                map.clone(),
+                p.clone(),
+                1,
+            )?),
+            None => None,
+        };
+        let observer = streamer.as_ref().map(|s| s.observer());
+        streamers.push(streamer);
         if let ModeKind::Leap(ec) = kind {
-            let (target, od) = OnDemand::context(&model, &params)
+            let (target, od) = OnDemand::context_with(&model, &params, observer)
                 .with_context(|| format!("creating the context for mode {name}"))?;
             let od = od.filter(|_| ec.on_demand);
             let mut engine = Engine::new(ec.clone()).with_on_demand(od);
@@ -317,7 +353,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             runners.push(Runner::Leap(target, Box::new(engine)));
             continue;
         }
-        let target = Context::new(&model, &params)
+        let target = Context::with_observer(&model, &params, observer)
             .with_context(|| format!("creating the context for mode {name}"))?;
         let runner = match kind {
             ModeKind::Plain => Runner::Plain(target),
@@ -358,6 +394,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     let mut per_mode: Vec<ModeReport> = vec![ModeReport::default(); runners.len()];
     let mut cpu = vec![0f64; runners.len()];
     let mut rss = vec![0u64; runners.len()];
+    let mut read = vec![0u64; runners.len()];
 
     let bar = crate::progress::bar(
         cfg.progress,
@@ -383,6 +420,16 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
             cpu[i] += g.decode_cpu_seconds;
             rss[i] = rss[i].max(peak_rss_bytes());
+            if let Some(st) = &streamers[i] {
+                // The decode's calls are the last `target_calls` (prefill came first).
+                st.flush();
+                let calls = st.calls();
+                let n = (g.target_calls as usize).min(calls.len());
+                read[i] += calls[calls.len() - n..]
+                    .iter()
+                    .map(|c| c.read_bytes)
+                    .sum::<u64>();
+            }
             per_mode[i].requests.push(RequestReport {
                 id: req.id.clone(),
                 task: req.task.clone(),
@@ -428,7 +475,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         m.total();
         m.cpu_seconds = cpu[i];
         m.peak_rss_bytes = rss[i];
-        m.storage_read_bytes = None;
+        m.storage_read_bytes = flash.as_ref().map(|_| read[i]);
         if let Some(plain) = &plain_outputs {
             m.differing_requests = m
                 .requests
