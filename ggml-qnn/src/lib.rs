@@ -13,13 +13,22 @@
 //! - [`error`]: [`Error`] and the QNN status names.
 //! - [`backend`]: owning types backend -> device -> context -> graph; size-checked execute.
 //! - [`tensor`]: data types, quantization and sizes (pure).
+//! - [`ops`]: the graphs Leap builds (f32 MatMul, the Q·K estimate on int8 keys, quantized MatMul
+//!   chunks) and their CPU references.
+//! - [`bucket`]: shadowAttn's scale buckets and the graph-cache key (pure).
+//! - [`schedule`]: progressive prefill-to-decode graph switching (pure).
+//! - [`binary`]: saving and reloading context binaries.
 //! - `log`: QNN's `va_list` log callback, through a C shim, into the `log` crate.
 
 pub mod backend;
+pub mod binary;
+pub mod bucket;
 pub mod error;
 pub mod ffi;
 pub mod library;
 mod log;
+pub mod ops;
+pub mod schedule;
 pub mod tensor;
 
 pub use backend::{Backend, Context, Device, Graph, GraphBuilder, Param};
