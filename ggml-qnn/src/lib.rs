@@ -18,6 +18,7 @@
 //! - [`bucket`]: shadowAttn's scale buckets and the graph-cache key (pure).
 //! - [`schedule`]: progressive prefill-to-decode graph switching (pure).
 //! - [`binary`]: saving and reloading context binaries.
+//! - [`selftest`]: `leap qnn-selftest`, every graph against its CPU reference.
 //! - `log`: QNN's `va_list` log callback, through a C shim, into the `log` crate.
 
 pub mod backend;
@@ -29,6 +30,7 @@ pub mod library;
 mod log;
 pub mod ops;
 pub mod schedule;
+pub mod selftest;
 pub mod tensor;
 
 pub use backend::{Backend, Context, Device, Graph, GraphBuilder, Param};
