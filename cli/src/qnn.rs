@@ -19,6 +19,104 @@ pub struct QnnSelftestArgs {
     /// Where context binaries are saved (default: the QNN cache's `graphs/`).
     #[arg(long)]
     pub graph_dir: Option<PathBuf>,
+    /// Measure the estimate's recall on queries and keys captured from this model's decode
+    /// step (its full-attention layers) instead of random data, e.g. `gemma3-270m`.
+    #[arg(long)]
+    pub capture: Option<String>,
+    /// The text whose tokens fill the context for `--capture`.
+    #[arg(long, default_value = "tests/data/attention-notes.txt")]
+    pub text: PathBuf,
+    /// Context length (keys) for `--capture`.
+    #[arg(long, default_value_t = 1024)]
+    pub ctx: usize,
+}
+
+/// Q and K of one decode step's attention nodes of `model` at context `n`: the full-attention
+/// layers (sliding-window layers only see their window), every query head against its KV
+/// head's keys.
+#[cfg(feature = "qnn")]
+fn capture(
+    model: &str,
+    text: &std::path::Path,
+    n: usize,
+) -> Result<leap_ggml_qnn::selftest::QkData> {
+    use anyhow::{ensure, Context as _};
+    use leap_backend::attn;
+    use leap_host::{Batch, Context, ContextParams, FlashAttn, Model, ModelParams};
+    ensure!(n >= 16, "--ctx must be at least 16");
+    let path = crate::models::resolve(model)?;
+    leap_backend::register();
+    leap_backend::set_enabled(true);
+    attn::set_sparse(None);
+    let model = Model::load(&path, &ModelParams::default())?;
+    let body =
+        std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
+    let mut toks = model.tokenize(&body, true, false)?;
+    ensure!(!toks.is_empty(), "{} has no tokens", text.display());
+    while toks.len() < n {
+        let more = toks.clone();
+        toks.extend_from_slice(&more);
+    }
+    toks.truncate(n);
+    let mut ctx = Context::new(
+        &model,
+        &ContextParams {
+            n_ctx: (n + 16) as u32,
+            n_batch: 512,
+            n_ubatch: 512,
+            flash_attn: FlashAttn::On,
+            ..Default::default()
+        },
+    )?;
+    for (c, chunk) in toks[..n - 1].chunks(512).enumerate() {
+        let mut b = Batch::new(chunk.len(), 1);
+        for (k, &t) in chunk.iter().enumerate() {
+            b.add(t, (c * 512 + k) as i32, &[0], false)?;
+        }
+        ctx.decode(&b)?;
+    }
+    attn::start_capture();
+    let mut b = Batch::new(1, 1);
+    b.add(toks[n - 1], (n - 1) as i32, &[0], true)?;
+    let r = ctx.decode(&b);
+    let nodes = attn::take_capture();
+    r?;
+    let full: Vec<_> = nodes.iter().filter(|c| !c.swa && c.n_q == 1).collect();
+    ensure!(
+        !full.is_empty(),
+        "no full-attention decode node was captured from {model:?}"
+    );
+    let (d, keys) = (full[0].d, full[0].n_kv);
+    let (mut q, mut k) = (Vec::new(), Vec::new());
+    for c in &full {
+        ensure!(c.d == d && c.n_kv == keys, "captured nodes differ in shape");
+        let group = c.n_head / c.n_head_kv.max(1);
+        for h in 0..c.n_head {
+            q.push(c.q[h * d..][..d].to_vec());
+            let hk = h / group.max(1);
+            let kh: Vec<f32> = (0..keys)
+                .flat_map(|j| {
+                    let row = &c.k[(j * c.n_head_kv + hk) * d..][..d];
+                    row.iter().map(|&x| leap_backend::f16::to_f32(x))
+                })
+                .collect();
+            k.push(kh);
+        }
+    }
+    let layers: Vec<usize> = full.iter().map(|c| c.layer).collect();
+    Ok(leap_ggml_qnn::selftest::QkData {
+        rows: 1,
+        keys,
+        d,
+        source: format!(
+            "{} decode step at context {n}: layers {layers:?}, {} heads",
+            path.file_name()
+                .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+            q.len()
+        ),
+        q,
+        k,
+    })
 }
 
 #[cfg(feature = "qnn")]
@@ -36,10 +134,14 @@ pub fn qnn_selftest(args: &QnnSelftestArgs) -> Result<()> {
             .map(|d| d.with_file_name("graphs"))
             .unwrap_or_else(|| std::env::temp_dir().join("leap-qnn-graphs")),
     };
+    let data = match &args.capture {
+        Some(model) => Some(capture(model, &args.text, args.ctx).context("capturing Q/K")?),
+        None => None,
+    };
     let report = selftest::run(selftest::Options {
         lib_dir: args.lib_dir.clone(),
         cache_dir: graph_dir,
-        data: None,
+        data,
     })
     .context("QNN self-test")?;
     eprintln!(

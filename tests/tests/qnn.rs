@@ -66,6 +66,9 @@ fn selftest_report_has_every_field_and_passes() {
         lib_dir: None,
         out: out.clone(),
         graph_dir: Some(dir.path().join("graphs")),
+        capture: None,
+        text: "tests/data/attention-notes.txt".into(),
+        ctx: 1024,
     })
     .expect("qnn-selftest passes");
     let r: serde_json::Value =
@@ -271,4 +274,47 @@ fn a_library_that_is_not_qnn_is_refused() {
     std::fs::copy(libm, dir.path().join("libQnnHtp.so")).unwrap();
     let err = Api::load(Some(dir.path())).unwrap_err();
     assert!(matches!(err, Error::NotQnn { .. }), "{err}");
+}
+
+#[test]
+fn a_soc_device_config_gives_phone_numerics() {
+    let Some(api) = api() else { return };
+    // The emulator keeps the SoC model process-wide (measured: with a SoC-57 device alive,
+    // another test's default-device f32 MatMul came out in fp16 and this graph's execute
+    // failed with 1100), so this runs in a child process of its own.
+    const CHILD: &str = "LEAP_QNN_SOC_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "a_soc_device_config_gives_phone_numerics",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        return;
+    }
+    // SM8650 (57): the emulator then computes f32 graphs in fp16 as the phone's HTP does. With
+    // the custom-config union at the wrong offset this fails with 14001 (probe §2).
+    let backend = Backend::new(api.clone()).unwrap();
+    let device = Device::new(&backend, Some(57)).expect("deviceCreate with SoC 57");
+    let ctx = Context::new(&device).unwrap();
+    let (m, k, n) = (4u32, 64u32, 64u32);
+    let mut rng = Lcg(9);
+    let x = rng.vec((m * k) as usize, 1.0);
+    let w = rng.vec((k * n) as usize, 1.0);
+    let (g, _) = ops::matmul_f32(&ctx, "soc57", (m, k, n), &w).unwrap();
+    let mut y = vec![0f32; (m * n) as usize];
+    g.execute(&[f32_bytes(&x)], &mut [f32_bytes_mut(&mut y)])
+        .unwrap();
+    let want = ops::matmul_ref(&x, &w, (m as usize, k as usize, n as usize));
+    let err = ops::max_abs_err(&y, &want);
+    let top = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+    eprintln!("SoC 57 f32 MatMul: max abs err {err:.2e} at |y| <= {top:.2}");
+    assert!(err > 1e-5, "fp16 numerics expected, got exact f32 ({err})");
+    assert!(err < 3e-3 * top.max(1.0), "{err}");
 }
