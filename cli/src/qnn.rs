@@ -31,9 +31,8 @@ pub struct QnnSelftestArgs {
     pub ctx: usize,
 }
 
-/// Q and K of one decode step's attention nodes of `model` at context `n`: the full-attention
-/// layers (sliding-window layers only see their window), every query head against its KV
-/// head's keys.
+/// Q and K of one decode step's attention nodes of `model` at context `n`: the layers whose
+/// decode row sees every key (full attention), every query head against its KV head's keys.
 #[cfg(feature = "qnn")]
 fn capture(
     model: &str,
@@ -81,7 +80,17 @@ fn capture(
     let r = ctx.decode(&b);
     let nodes = attn::take_capture();
     r?;
-    let full: Vec<_> = nodes.iter().filter(|c| !c.swa && c.n_q == 1).collect();
+    // Full attention: the decode row sees every key (sliding-window layers mask all but
+    // their window, so a top-k over all keys would rank keys attention never reads).
+    let full: Vec<_> = nodes
+        .iter()
+        .filter(|c| {
+            c.n_q == 1
+                && c.mask[..c.n_kv]
+                    .iter()
+                    .all(|&m| leap_backend::f16::to_f32(m).is_finite())
+        })
+        .collect();
     ensure!(
         !full.is_empty(),
         "no full-attention decode node was captured from {model:?}"

@@ -208,6 +208,33 @@ pub fn range_quant_u8(lo: f32, hi: f32) -> Quant {
     }
 }
 
+/// Fold the keys' per-channel ranges into the queries: channel `c` of every key is divided by
+/// `m_c = max_j |k[j][c]|` and channel `c` of every query multiplied by it, so `q·k` is
+/// unchanged while one per-tensor int8 scale fits every key channel (SmoothQuant's migration,
+/// taken all the way: the 16-bit queries have the range to spare). `q` and `k` are rows of `d`.
+pub fn smooth_keys(q: &mut [f32], k: &mut [f32], d: usize) {
+    let mut m = vec![0f32; d];
+    for row in k.chunks(d) {
+        for (mc, &v) in m.iter_mut().zip(row) {
+            *mc = mc.max(v.abs());
+        }
+    }
+    for row in k.chunks_mut(d) {
+        for (v, &mc) in row.iter_mut().zip(&m) {
+            if mc > 0.0 {
+                *v /= mc;
+            }
+        }
+    }
+    for row in q.chunks_mut(d) {
+        for (v, &mc) in row.iter_mut().zip(&m) {
+            if mc > 0.0 {
+                *v *= mc;
+            }
+        }
+    }
+}
+
 /// `y[m,n] = x[m,k] · w[k,n]`, accumulated in f64.
 pub fn matmul_ref(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32> {
     let mut y = vec![0f32; m * n];
@@ -355,6 +382,29 @@ mod tests {
         let est = [5.0, 0.0, 3.0, 2.0, 1.0, 4.0];
         assert_eq!(top_k_recall(&est, &exact, 6, 2), 0.5);
         assert_eq!(top_k_recall(&est, &exact, 3, 1), 0.5);
+    }
+
+    #[test]
+    fn smoothing_keeps_scores_and_evens_key_channels() {
+        let mut rng = Lcg(1);
+        let (d, n) = (8, 5);
+        let q0 = rng.vec(2 * d, 1.0);
+        let mut k0 = rng.vec(n * d, 1.0);
+        for row in k0.chunks_mut(d) {
+            row[3] *= 50.0; // an outlier channel
+        }
+        let (mut q, mut k) = (q0.clone(), k0.clone());
+        smooth_keys(&mut q, &mut k, d);
+        let dot = |q: &[f32], k: &[f32], r: usize, j: usize| -> f32 {
+            (0..d).map(|c| q[r * d + c] * k[j * d + c]).sum()
+        };
+        for r in 0..2 {
+            for j in 0..n {
+                assert!((dot(&q, &k, r, j) - dot(&q0, &k0, r, j)).abs() < 1e-3);
+            }
+        }
+        assert!(k.iter().all(|v| v.abs() <= 1.0));
+        assert!((0..d).all(|c| k.chunks(d).any(|row| row[c].abs() == 1.0)));
     }
 
     #[test]
