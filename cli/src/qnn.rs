@@ -182,6 +182,20 @@ pub fn qnn_selftest(args: &QnnSelftestArgs) -> Result<()> {
             .reload_ms
             .map_or("-".into(), |ms| format!("{ms:.1} ms"))
     );
+    let sched = &report.schedule;
+    match (sched.sync_ms, sched.progressive_ms) {
+        (Some(sync), Some(prog)) => eprintln!(
+            "  switching {} blocks x {} chunks: synchronous {sync:.1} ms, progressive {prog:.1} ms \
+             (chosen: {})",
+            sched.blocks,
+            sched.chunks,
+            sched.chosen.unwrap_or("-")
+        ),
+        _ => eprintln!(
+            "  switching: not measured ({})",
+            sched.error.as_deref().unwrap_or("-")
+        ),
+    }
     let json = serde_json::to_string_pretty(&report)?;
     std::fs::write(&args.out, json + "\n")
         .with_context(|| format!("writing {}", args.out.display()))?;

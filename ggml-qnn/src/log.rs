@@ -2,18 +2,22 @@
 //!
 //! QNN's callback takes a `va_list`; `shim/log.c` formats it and calls [`sink`]. The HTP
 //! emulator logs ` <E> unexpected GraphHtpSettings option 66` at ERROR on every graphCreate,
-//! which is harmless (probe §1): it is passed on at `debug`.
+//! which is harmless (probe §1): it is passed on at `debug`. Other levels go one step down
+//! ([`level_for`]).
 
 use crate::ffi;
 use std::ffi::{c_char, CStr};
 
-/// The QNN log level that matches the `log` crate's current maximum.
+/// The QNN log level to ask for, given the `log` crate's current maximum ([`level_for`] maps
+/// QNN's levels one step down).
 pub fn qnn_level() -> u32 {
     match log::max_level() {
-        log::LevelFilter::Off | log::LevelFilter::Error => ffi::LOG_LEVEL_ERROR,
-        log::LevelFilter::Warn => ffi::LOG_LEVEL_WARN,
-        log::LevelFilter::Info => ffi::LOG_LEVEL_INFO,
-        _ => ffi::LOG_LEVEL_VERBOSE,
+        log::LevelFilter::Off | log::LevelFilter::Error | log::LevelFilter::Warn => {
+            ffi::LOG_LEVEL_ERROR
+        }
+        log::LevelFilter::Info => ffi::LOG_LEVEL_WARN,
+        log::LevelFilter::Debug => ffi::LOG_LEVEL_INFO,
+        log::LevelFilter::Trace => ffi::LOG_LEVEL_VERBOSE,
     }
 }
 
@@ -23,16 +27,18 @@ pub fn install() {
     unsafe { ffi::leap_qnn_set_log_sink(Some(sink)) };
 }
 
-/// Map a QNN log level and message to a `log` record.
+/// Map a QNN log level and message to a `log` level, one step down: a QNN error is a `warn`
+/// (the failing call also returns a status, which Leap turns into an [`crate::Error`]; the
+/// log line carries the detail, e.g. the data types an op accepts), QNN's warnings are `info`
+/// (the emulator emits dozens per graph about its own tiling and settings).
 pub fn level_for(level: u32, message: &str) -> log::Level {
     match level {
         ffi::LOG_LEVEL_ERROR if message.contains("unexpected GraphHtpSettings option") => {
             log::Level::Debug
         }
-        ffi::LOG_LEVEL_ERROR => log::Level::Error,
-        ffi::LOG_LEVEL_WARN => log::Level::Warn,
-        ffi::LOG_LEVEL_INFO => log::Level::Info,
-        ffi::LOG_LEVEL_VERBOSE => log::Level::Debug,
+        ffi::LOG_LEVEL_ERROR => log::Level::Warn,
+        ffi::LOG_LEVEL_WARN => log::Level::Info,
+        ffi::LOG_LEVEL_INFO => log::Level::Debug,
         _ => log::Level::Trace,
     }
 }
@@ -60,8 +66,9 @@ mod tests {
             level_for(1, " <E> unexpected GraphHtpSettings option 66"),
             log::Level::Debug
         );
-        assert_eq!(level_for(1, "could not create op"), log::Level::Error);
-        assert_eq!(level_for(3, "x"), log::Level::Info);
+        assert_eq!(level_for(1, "could not create op"), log::Level::Warn);
+        assert_eq!(level_for(2, "tiling"), log::Level::Info);
+        assert_eq!(level_for(3, "x"), log::Level::Debug);
     }
 
     #[test]
