@@ -95,15 +95,24 @@ fn capture(
         !full.is_empty(),
         "no full-attention decode node was captured from {model:?}"
     );
-    let (d, keys) = (full[0].d, full[0].n_kv);
+    let (d, n_kv) = (full[0].d, full[0].n_kv);
+    // Only the candidates are estimated: sparse attention always keeps the first keys (sinks)
+    // and the recent window (leap_backend::attn::Sparse), as its CPU estimate does.
+    let cfg = attn::Sparse::default();
+    ensure!(
+        n_kv > cfg.sink + cfg.recent + 16,
+        "--ctx is too short for sparse attention"
+    );
+    let (lo, hi) = (cfg.sink, n_kv - cfg.recent);
+    let keys = hi - lo;
     let (mut q, mut k) = (Vec::new(), Vec::new());
     for c in &full {
-        ensure!(c.d == d && c.n_kv == keys, "captured nodes differ in shape");
+        ensure!(c.d == d && c.n_kv == n_kv, "captured nodes differ in shape");
         let group = c.n_head / c.n_head_kv.max(1);
         for h in 0..c.n_head {
             q.push(c.q[h * d..][..d].to_vec());
             let hk = h / group.max(1);
-            let kh: Vec<f32> = (0..keys)
+            let kh: Vec<f32> = (lo..hi)
                 .flat_map(|j| {
                     let row = &c.k[(j * c.n_head_kv + hk) * d..][..d];
                     row.iter().map(|&x| leap_backend::f16::to_f32(x))
@@ -118,7 +127,7 @@ fn capture(
         keys,
         d,
         source: format!(
-            "{} decode step at context {n}: layers {layers:?}, {} heads",
+            "{} decode step at context {n}: layers {layers:?}, {} heads, candidate keys {lo}..{hi}",
             path.file_name()
                 .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
             q.len()

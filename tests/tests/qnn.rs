@@ -342,6 +342,6 @@ fn estimate_recall_on_gemma_queries_and_keys() {
          (without smoothing {:.4}); {}",
         r["estimation_recall_unsmoothed"], r["estimation_data"]
     );
-    // Measured 0.976; the issue asks 0.99, which the per-head int8 keys do not reach yet.
+    // Measured 0.975; the issue asks 0.99, which the per-head int8 keys do not reach yet.
     assert!(recall >= 0.95, "{recall}");
 }
