@@ -51,6 +51,9 @@ enum Cmd {
     /// llama.cpp as `GGML_BACKEND_PATH` (with `LEAP_SPARSE=0.2` and `-fa on` for sparse
     /// attention).
     PluginPath,
+    /// Run the QNN device's graphs on the QNN library present (x86: the HTP emulator fetched by
+    /// scripts/fetch-qnn) against Leap's CPU reference; JSON report to --out.
+    QnnSelftest(leap_cli::qnn::QnnSelftestArgs),
     /// Show a GGUF model's architecture, layers, vocabulary and sizes.
     Info {
         /// A model name (`leap models`) or a path to a GGUF file.
@@ -428,6 +431,7 @@ fn run(cmd: Cmd) -> Result<()> {
             threads: a.threads,
         })
         .map(|_| ()),
+        Cmd::QnnSelftest(a) => leap_cli::qnn::qnn_selftest(&a),
         Cmd::PluginPath => {
             println!("{}", leap_cli::attn::plugin_path()?.display());
             Ok(())
