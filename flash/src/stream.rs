@@ -48,8 +48,9 @@ struct Shared {
     pages: Pages,
     path: std::path::PathBuf,
     /// Where other mappings of the file (llama.cpp's, Leap's on-demand projection's) have
-    /// its offset 0, from /proc/self/maps (looked up again while empty).
-    bases: Mutex<Vec<usize>>,
+    /// its offset 0, from /proc/self/maps (looked up at the first eviction: the contexts and
+    /// projections of a run exist by then).
+    bases: Mutex<Option<Vec<usize>>>,
     state: Mutex<State>,
     done: Condvar,
     ahead: usize,
@@ -84,7 +85,7 @@ impl Streamer {
             plan,
             pages,
             path: path.to_owned(),
-            bases: Mutex::new(Vec::new()),
+            bases: Mutex::new(None),
             state: Mutex::new(State::default()),
             done: Condvar::new(),
             ahead: ahead.max(1),
@@ -195,12 +196,11 @@ impl Shared {
 
     /// The other mappings of the model file (see `bases`).
     fn bases(&self) -> Vec<usize> {
-        let mut bases = self.bases.lock().unwrap_or_else(|e| e.into_inner());
-        if bases.is_empty() {
+        let mut cached = self.bases.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.is_none() {
+            let mut bases = Vec::new();
             let ours = self.pages.address();
-            let Ok(want) = std::fs::canonicalize(&self.path) else {
-                return Vec::new();
-            };
+            let want = std::fs::canonicalize(&self.path).unwrap_or_else(|_| self.path.clone());
             let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
             for l in maps.lines() {
                 let found = (|| {
@@ -220,8 +220,9 @@ impl Shared {
                     }
                 }
             }
+            *cached = Some(bases);
         }
-        bases.clone()
+        cached.clone().unwrap_or_default()
     }
 
     /// Drop section `s` from DRAM: llama.cpp's mapping, ours, the page cache.
