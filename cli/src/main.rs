@@ -721,7 +721,7 @@ fn flash_info(path: &std::path::Path, budget: &str) -> Result<()> {
     use leap_flash::{plan, LayerMap, Pages, Section, Strategy};
     let map = LayerMap::open(path)?;
     let pages = Pages::open(path)?;
-    let per_call: u64 = map.per_call().iter().map(|&s| map.bytes(s)).sum();
+    let per_call = map.per_call_bytes();
     let budget = parse_budget(budget, per_call)?;
     let mb = |b: u64| b as f64 / 1e6;
     let resident = |s: Section| -> Result<u64> {
@@ -746,10 +746,7 @@ fn flash_info(path: &std::path::Path, budget: &str) -> Result<()> {
         );
     }
     // Streamed a block at a time (the output projection in chunks of that size), one ahead.
-    let chunk = (0..map.blocks())
-        .map(|i| map.bytes(Section::Block(i)))
-        .max()
-        .unwrap_or(1 << 20);
+    let chunk = map.largest_block().max(1);
     for strategy in [Strategy::FirstLayers, Strategy::OutputFirst] {
         let p = plan(&map, budget, chunk, 1, strategy);
         println!(

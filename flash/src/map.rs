@@ -109,6 +109,20 @@ impl LayerMap {
             .sum()
     }
 
+    /// Bytes a target call reads: every section of [`LayerMap::per_call`].
+    pub fn per_call_bytes(&self) -> u64 {
+        self.per_call().iter().map(|&s| self.bytes(s)).sum()
+    }
+
+    /// Bytes of the largest block: the streaming unit (the output projection streams in
+    /// chunks of that size).
+    pub fn largest_block(&self) -> u64 {
+        (0..self.blocks())
+            .map(|i| self.bytes(Section::Block(i)))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The sections a target call reads all of, in the order it reads them: blocks, then the
     /// output projection (the embedding matrix when tied), then the rest (small).
     pub fn per_call(&self) -> Vec<Section> {

@@ -170,9 +170,7 @@ impl Pages {
         }
         Ok(())
     }
-}
 
-impl Pages {
     /// Address of this mapping (to tell it from other mappings of the file).
     pub fn address(&self) -> usize {
         self.base as usize

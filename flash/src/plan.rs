@@ -12,19 +12,6 @@ pub enum Strategy {
     OutputFirst,
 }
 
-impl std::str::FromStr for Strategy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "first-layers" => Ok(Self::FirstLayers),
-            "output-first" => Ok(Self::OutputFirst),
-            _ => Err(format!(
-                "unknown pinning strategy {s:?} (first-layers, output-first)"
-            )),
-        }
-    }
-}
-
 /// A resident/streamed split of the sections a target call reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {

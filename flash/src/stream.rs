@@ -244,8 +244,8 @@ impl Shared {
             .streamed
             .iter()
             .filter(|s| matches!(s, Section::Block(_)))
-            .flat_map(|&s| self.map.ranges(s).to_vec())
-            .map(|r| self.pages.resident(r).unwrap_or(0))
+            .flat_map(|&s| self.map.ranges(s))
+            .map(|r| self.pages.resident(r.clone()).unwrap_or(0))
             .sum()
     }
 }

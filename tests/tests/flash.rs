@@ -39,7 +39,7 @@ fn the_layer_map_covers_every_tensor_once() {
 #[test]
 fn plans_respect_the_budget() {
     let map = LayerMap::open(&model_path("gemma3-270m")).expect("map");
-    let total: u64 = map.per_call().iter().map(|&s| map.bytes(s)).sum();
+    let total = map.per_call_bytes();
     let chunk = 8 << 20;
     for strategy in [Strategy::FirstLayers, Strategy::OutputFirst] {
         let mut last = 0;
@@ -178,11 +178,8 @@ fn streamed_decoding_keeps_the_tokens_and_the_budget() {
         leap_tests::plain_greedy(&mut ctx, &prompt, 12).tokens
     };
     let map = LayerMap::open(&path).expect("map");
-    let total: u64 = map.per_call().iter().map(|&s| map.bytes(s)).sum();
-    let chunk = (0..map.blocks())
-        .map(|i| map.bytes(Section::Block(i)))
-        .max()
-        .unwrap();
+    let total = map.per_call_bytes();
+    let chunk = map.largest_block();
     // OutputFirst at this budget pins blocks only (the output projection does not fit).
     let p = plan(&map, total / 4, chunk, 1, Strategy::FirstLayers);
     let streamed_blocks = p

@@ -302,11 +302,8 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     let flash = match cfg.flash_budget {
         Some(f) => {
             let map = leap_flash::LayerMap::open(&cfg.model)?;
-            let per_call: u64 = map.per_call().iter().map(|&s| map.bytes(s)).sum();
-            let chunk = (0..map.blocks())
-                .map(|i| map.bytes(leap_flash::Section::Block(i)))
-                .max()
-                .unwrap_or(1 << 20);
+            let per_call = map.per_call_bytes();
+            let chunk = map.largest_block().max(1);
             let p = leap_flash::plan(
                 &map,
                 (f * per_call as f64) as u64,
