@@ -57,22 +57,26 @@ fn provider_and_versions_are_the_wheels() {
     );
 }
 
-#[test]
-fn selftest_report_has_every_field_and_passes() {
-    let Some(_) = api() else { return };
+/// `leap qnn-selftest` (with `--capture MODEL` if given) at context 1024, and its report.
+fn selftest(capture: Option<&str>) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("r.json");
     leap_cli::qnn::qnn_selftest(&leap_cli::qnn::QnnSelftestArgs {
         lib_dir: None,
         out: out.clone(),
         graph_dir: Some(dir.path().join("graphs")),
-        capture: None,
-        text: "tests/data/attention-notes.txt".into(),
+        capture: capture.map(Into::into),
+        text: concat!(env!("CARGO_MANIFEST_DIR"), "/data/attention-notes.txt").into(),
         ctx: 1024,
     })
     .expect("qnn-selftest passes");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
+}
+
+#[test]
+fn selftest_report_has_every_field_and_passes() {
+    let Some(_) = api() else { return };
+    let r = selftest(None);
     for key in [
         "provider",
         "core_api",
@@ -323,19 +327,7 @@ fn a_soc_device_config_gives_phone_numerics() {
 fn estimate_recall_on_gemma_queries_and_keys() {
     let Some(_) = api() else { return };
     leap_tests::model_path(leap_tests::GEMMA);
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("r.json");
-    leap_cli::qnn::qnn_selftest(&leap_cli::qnn::QnnSelftestArgs {
-        lib_dir: None,
-        out: out.clone(),
-        graph_dir: Some(dir.path().join("graphs")),
-        capture: Some(leap_tests::GEMMA.into()),
-        text: concat!(env!("CARGO_MANIFEST_DIR"), "/data/attention-notes.txt").into(),
-        ctx: 1024,
-    })
-    .expect("qnn-selftest --capture passes");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let r = selftest(Some(leap_tests::GEMMA));
     let recall = r["estimation_recall"].as_f64().unwrap();
     eprintln!(
         "Gemma 3 270M, ctx 1024, full-attention layers: recall@20% {recall:.4} \
