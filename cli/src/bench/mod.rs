@@ -4,6 +4,7 @@
 //! lives across requests, as in llama-server), and the modes run interleaved per request:
 //! request 1 in every mode, then request 2, so machine drift hits every mode alike.
 
+pub mod chart;
 pub mod report;
 pub mod workload;
 
