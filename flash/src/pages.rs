@@ -63,6 +63,9 @@ impl Pages {
         // reads), so what is resident is what the plan says.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
         unsafe { libc::madvise(base, len.max(1), libc::MADV_RANDOM) };
+        // Nor on reads through this descriptor: `load` reads what it is asked, no more.
+        // SAFETY: advice on an open descriptor.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
         Ok(Self {
             path: path.to_owned(),
             file,
@@ -121,6 +124,34 @@ impl Pages {
         Ok(vec.iter().filter(|&&v| v & 1 != 0).count() as u64 * self.page as u64)
     }
 
+    /// Whether the file is still the one mapped: not truncated below the mapping (a fault
+    /// there would be a SIGBUS) and not deleted.
+    ///
+    /// # Errors
+    /// [`Error::OutOfFile`] for a shorter file; [`Error::Io`] for a deleted one.
+    pub fn check(&self) -> Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let m = self
+            .file
+            .metadata()
+            .map_err(io(&self.path, "reading metadata"))?;
+        if m.len() < self.len as u64 {
+            return Err(Error::OutOfFile {
+                path: self.path.display().to_string(),
+                start: 0,
+                end: self.len as u64,
+                len: m.len(),
+            });
+        }
+        if m.nlink() == 0 {
+            return Err(io(&self.path, "streaming")(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "the model file was deleted while in use",
+            )));
+        }
+        Ok(())
+    }
+
     /// Ask the kernel to start reading `r` (returns at once).
     ///
     /// # Errors
@@ -137,16 +168,37 @@ impl Pages {
     /// # Errors
     /// `r` outside the file.
     pub fn load(&self, r: Range<u64>) -> Result<u64> {
+        use std::os::unix::fs::FileExt;
         let (start, len) = self.span(&r)?;
-        // SAFETY: inside the mapping; the kernel reads the range in large requests.
-        unsafe { libc::madvise(self.base.add(start), len, libc::MADV_WILLNEED) };
-        let mut sum = 0u8;
-        for off in (start..start + len).step_by(self.page) {
-            // SAFETY: inside the mapping, which the file still covers (checked in `span`).
-            sum = sum
-                .wrapping_add(unsafe { std::ptr::read_volatile(self.base.add(off).cast::<u8>()) });
+        // SAFETY: advice only; the kernel starts reading the whole range in large requests.
+        unsafe {
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                start as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+        // Then wait for it by reading it through the page cache into a scratch buffer:
+        // no page of any mapping is touched (faulting a page at a time costs more than the
+        // copy), and the pages are in the cache for llama.cpp's mapping to find.
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; 1 << 20]);
         }
-        std::hint::black_box(sum);
+        SCRATCH.with(|b| -> Result<()> {
+            let mut b = b.borrow_mut();
+            let mut off = start;
+            while off < start + len {
+                let n = b.len().min(start + len - off);
+                match self.file.read_at(&mut b[..n], off as u64) {
+                    Ok(0) => break,
+                    Ok(k) => off += k,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(io(&self.path, "reading")(e)),
+                }
+            }
+            Ok(())
+        })?;
         Ok(len as u64)
     }
 
@@ -189,6 +241,16 @@ impl Pages {
                     libc::MADV_DONTNEED,
                 )
             };
+        }
+    }
+
+    /// No read-around on faults in `r` of another mapping of the file at `base` (llama.cpp's):
+    /// a fault there would otherwise read neighbouring pages, streamed ones included, behind
+    /// the plan's back.
+    pub fn no_readaround_at(&self, base: usize, r: Range<u64>) {
+        if let Ok((start, len)) = self.span(&r) {
+            // SAFETY: advice only, on pages of a file mapping found in /proc/self/maps.
+            unsafe { libc::madvise((base + start) as *mut libc::c_void, len, libc::MADV_RANDOM) };
         }
     }
 

@@ -13,6 +13,7 @@ use std::path::Path;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use leap_host::project::RowStream;
 use leap_host::{EvalObserver, TensorView};
 
 use crate::{io_read_bytes, LayerMap, Pages, Plan, Result, Section};
@@ -27,16 +28,51 @@ pub struct CallStats {
     /// Seconds of the call (from its first layer to its output; for a call cut before its
     /// output, to the next call).
     pub seconds: f64,
-    /// Most bytes of streamed blocks resident at a layer boundary (`mincore`).
+    /// Most bytes of streamed sections resident at a layer or output-chunk boundary, by
+    /// `mincore` (sampled: one boundary in [`SAMPLE`], rotating over the boundaries of
+    /// successive calls, since a look at every boundary would cost more than the call).
     pub peak_streamed_resident: u64,
+    /// llama.cpp's own output projection ran in this call (a single node, so the streamed
+    /// output weights were resident whole while it ran).
+    pub llama_output: bool,
+}
+
+/// One layer or chunk boundary in this many measures the resident streamed bytes.
+pub const SAMPLE: u64 = 23;
+
+/// What the loader reads: a section, or a chunk of the streamed output projection (Leap's
+/// own projection works through it a chunk at a time, see [`Streamer::row_stream`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Key {
+    Sec(Section),
+    Out(usize),
+}
+
+/// The streamed output projection's chunks: file bytes `start..end`, `chunk` bytes each.
+#[derive(Debug, Clone, Copy)]
+struct Chunks {
+    start: u64,
+    end: u64,
+    chunk: u64,
+}
+
+impl Chunks {
+    fn len(&self) -> usize {
+        (self.end - self.start).div_ceil(self.chunk) as usize
+    }
+
+    fn range(&self, j: usize) -> std::ops::Range<u64> {
+        let a = self.start + j as u64 * self.chunk;
+        a..(a + self.chunk).min(self.end)
+    }
 }
 
 #[derive(Default)]
 struct State {
-    /// Sections the loader finished (cleared when evicted).
-    loaded: HashSet<Section>,
-    /// Sections asked for and not evicted since.
-    requested: HashSet<Section>,
+    /// What the loader finished (cleared when evicted).
+    loaded: HashSet<Key>,
+    /// What was asked for and not evicted since.
+    requested: HashSet<Key>,
     call: Option<(Instant, Option<u64>)>,
     current: CallStats,
     calls: Vec<CallStats>,
@@ -54,7 +90,15 @@ struct Shared {
     state: Mutex<State>,
     done: Condvar,
     ahead: usize,
-    load: Mutex<mpsc::Sender<Section>>,
+    load: Mutex<mpsc::Sender<Key>>,
+    /// Set once Leap's projection streams the output in chunks ([`Streamer::row_stream`]).
+    chunks: Mutex<Option<Chunks>>,
+    /// Boundaries seen (for [`SAMPLE`]).
+    ticks: std::sync::atomic::AtomicU64,
+    /// Measure at one boundary in this many ([`SAMPLE`] unless set).
+    sample: std::sync::atomic::AtomicU64,
+    /// Why streaming cannot go on (the file was truncated or deleted, a read failed).
+    error: Mutex<Option<String>>,
 }
 
 /// Streams a model's blocks during llama.cpp's decodes: give [`Streamer::observer`] to the
@@ -79,7 +123,7 @@ impl Streamer {
                 }
             }
         }
-        let (tx, rx) = mpsc::channel::<Section>();
+        let (tx, rx) = mpsc::channel::<Key>();
         let shared = Arc::new(Shared {
             map,
             plan,
@@ -90,6 +134,10 @@ impl Streamer {
             done: Condvar::new(),
             ahead: ahead.max(1),
             load: Mutex::new(tx),
+            chunks: Mutex::new(None),
+            ticks: Default::default(),
+            sample: SAMPLE.into(),
+            error: Mutex::new(None),
         });
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
@@ -97,9 +145,9 @@ impl Streamer {
             .spawn(move || {
                 while let Ok(s) = rx.recv() {
                     let Some(sh) = weak.upgrade() else { break };
-                    for r in sh.map.ranges(s) {
-                        if let Err(e) = sh.pages.load(r.clone()) {
-                            log::error!("flash: reading {s:?}: {e}");
+                    for r in sh.ranges(s) {
+                        if let Err(e) = sh.pages.load(r) {
+                            sh.fail(format!("streaming the model's weights: {e}"));
                         }
                     }
                     let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -110,8 +158,42 @@ impl Streamer {
             .expect("spawning the flash loader");
         // The first streamed block before the first call.
         let s = Self { shared };
-        s.shared.request(Section::Block(0));
+        s.shared.request(Key::Sec(Section::Block(0)));
         Ok(s)
+    }
+
+    /// The hook that lets Leap's own output projection (`leap_host::project::OnDemand`, rows of
+    /// `row_bytes`) stream the output weights a window's worth at a time: the next chunk is
+    /// read while one computes, and a chunk leaves memory once done. `None` when the plan
+    /// keeps the output projection resident.
+    pub fn row_stream(&self, row_bytes: usize) -> Option<Arc<dyn RowStream>> {
+        let sh = &self.shared;
+        let out = sh.streamed_output()?;
+        let r = sh.map.ranges(out);
+        let (start, end) = (r.first()?.start, r.last()?.end);
+        // One unit of the window per chunk (the other holds the chunk read ahead), in whole
+        // 512-row steps so that most chunk ends fall on page boundaries.
+        let unit = (sh.plan.window / (1 + sh.ahead as u64)).max(1);
+        let step = 512 * row_bytes as u64;
+        let rows = (unit / step).max(1) * 512;
+        *sh.chunks.lock().unwrap_or_else(|e| e.into_inner()) = Some(Chunks {
+            start,
+            end,
+            chunk: rows * row_bytes as u64,
+        });
+        Some(Arc::new(OutputRows {
+            shared: sh.clone(),
+            rows: rows as usize,
+        }))
+    }
+
+    /// Measure the resident streamed bytes at one boundary in `every` (1: at every boundary,
+    /// for tests; costs a `mincore` over the streamed sections each time).
+    pub fn measure_every(self, every: u64) -> Self {
+        self.shared
+            .sample
+            .store(every.max(1), std::sync::atomic::Ordering::Relaxed);
+        self
     }
 
     /// The eval-callback half, for [`leap_host::Context::with_observer`].
@@ -169,9 +251,48 @@ impl Shared {
             .find(|s| matches!(s, Section::Output | Section::Embed))
     }
 
+    /// Record why streaming cannot go on (the first reason is kept).
+    fn fail(&self, why: String) {
+        let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if e.is_none() {
+            log::error!("flash: {why}");
+            *e = Some(why);
+        }
+    }
+
+    /// Whether streaming can go on: no failure so far and the file is still the one mapped.
+    fn healthy(&self) -> std::result::Result<(), String> {
+        if let Err(e) = self.pages.check() {
+            self.fail(format!("streaming the model's weights: {e}"));
+        }
+        match &*self.error.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// The file ranges of `k`.
+    fn ranges(&self, k: Key) -> Vec<std::ops::Range<u64>> {
+        match k {
+            Key::Sec(s) => self.map.ranges(s).to_vec(),
+            Key::Out(j) => self.chunks().map(|c| vec![c.range(j)]).unwrap_or_default(),
+        }
+    }
+
+    fn chunks(&self) -> Option<Chunks> {
+        *self.chunks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn is_streamed(&self, k: Key) -> bool {
+        match k {
+            Key::Sec(s) => self.plan.streamed.contains(&s),
+            Key::Out(j) => self.chunks().is_some_and(|c| j < c.len()),
+        }
+    }
+
     /// Ask the loader for `s` if it is streamed and not asked for yet.
-    fn request(&self, s: Section) {
-        if !self.plan.streamed.contains(&s) {
+    fn request(&self, s: Key) {
+        if !self.is_streamed(s) {
             return;
         }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -181,8 +302,8 @@ impl Shared {
     }
 
     /// Wait until `s` (if streamed) is read; the seconds waited.
-    fn wait(&self, s: Section) -> f64 {
-        if !self.plan.streamed.contains(&s) {
+    fn wait(&self, s: Key) -> f64 {
+        if !self.is_streamed(s) {
             return 0.0;
         }
         self.request(s);
@@ -220,15 +341,36 @@ impl Shared {
                     }
                 }
             }
+            // Faults in those mappings read exactly the page they need (the loader reads
+            // streamed data ahead in large reads).
+            for &b in &bases {
+                for s in &self.plan.streamed {
+                    for r in self.map.ranges(*s) {
+                        self.pages.no_readaround_at(b, r.clone());
+                    }
+                }
+            }
             *cached = Some(bases);
         }
         cached.clone().unwrap_or_default()
     }
 
-    /// Drop section `s` from DRAM: llama.cpp's mapping, ours, the page cache.
-    fn evict(&self, s: Section) {
+    /// Drop `s` from DRAM: llama.cpp's mapping, ours, the page cache.
+    fn evict(&self, s: Key) {
         let bases = self.bases();
-        for r in self.map.ranges(s) {
+        for mut r in self.ranges(s) {
+            if let (Key::Out(j), Some(c)) = (s, self.chunks()) {
+                // A page a chunk shares with the next one goes with the next one (it is read
+                // ahead and about to be used).
+                if j + 1 < c.len() {
+                    r.end = r.end / PAGE * PAGE;
+                }
+                r.start = r.start / PAGE * PAGE;
+                if r.end <= r.start {
+                    continue;
+                }
+            }
+            let r = self.widen(s, r);
             for &b in &bases {
                 self.pages.evict_at(b, r.clone());
             }
@@ -239,14 +381,76 @@ impl Shared {
         st.requested.remove(&s);
     }
 
+    /// `r` (of `s`) grown over the neighbouring streamed data that is not in use: the page
+    /// cache keeps large folios (up to 2 MB here) that a range only partly covers, so one
+    /// straddling two blocks leaves only when both are evicted in one go.
+    fn widen(&self, s: Key, r: std::ops::Range<u64>) -> std::ops::Range<u64> {
+        let idle = {
+            let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut v: Vec<std::ops::Range<u64>> = Vec::new();
+            for &x in &self.plan.streamed {
+                if x != Section::Embed && x != Section::Output || self.chunks().is_none() {
+                    if Key::Sec(x) != s && st.requested.contains(&Key::Sec(x)) {
+                        continue;
+                    }
+                    v.extend(self.map.ranges(x).iter().cloned());
+                }
+            }
+            if let (Key::Out(j), Some(c)) = (s, self.chunks()) {
+                if j > 0 && !st.requested.contains(&Key::Out(j - 1)) {
+                    v.push(c.range(j - 1));
+                }
+            }
+            v
+        };
+        let mut out = r.clone();
+        for x in &idle {
+            if x.end <= r.start && x.end + PAGE >= r.start {
+                out.start = out.start.min(x.start);
+            }
+            if x.start >= r.end && x.start <= r.end + PAGE {
+                out.end = out.end.max(x.end);
+            }
+        }
+        out
+    }
+
+    /// Drop a whole section, output chunks included.
+    fn evict_section(&self, s: Section) {
+        self.evict(Key::Sec(s));
+        if Some(s) == self.streamed_output() {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.loaded.retain(|k| !matches!(k, Key::Out(_)));
+            st.requested.retain(|k| !matches!(k, Key::Out(_)));
+        }
+    }
+
+    /// Bytes of the streamed sections (blocks and output projection) resident now.
     fn streamed_resident(&self) -> u64 {
         self.plan
             .streamed
             .iter()
-            .filter(|s| matches!(s, Section::Block(_)))
             .flat_map(|&s| self.map.ranges(s))
             .map(|r| self.pages.resident(r.clone()).unwrap_or(0))
             .sum()
+    }
+
+    /// Record the streamed bytes resident now in the call's peak (at one boundary in
+    /// [`SAMPLE`], or always with `force`).
+    fn note_resident(&self, force: bool) {
+        let tick = self
+            .ticks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let every = self
+            .sample
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .max(1);
+        if !force && tick % every != 0 {
+            return;
+        }
+        let resident = self.streamed_resident();
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.current.peak_streamed_resident = st.current.peak_streamed_resident.max(resident);
     }
 }
 
@@ -263,6 +467,42 @@ fn finish(st: &mut State) {
     }
 }
 
+/// Pages of the file as the evictions round them.
+const PAGE: u64 = 4096;
+
+/// [`Streamer::row_stream`]'s hook.
+struct OutputRows {
+    shared: Arc<Shared>,
+    rows: usize,
+}
+
+impl RowStream for OutputRows {
+    fn chunk_rows(&self) -> usize {
+        self.rows
+    }
+
+    fn before(&self, rows: std::ops::Range<usize>) -> std::result::Result<(), String> {
+        let sh = &self.shared;
+        let j = rows.start / self.rows;
+        let blocked = sh.wait(Key::Out(j));
+        sh.healthy()?;
+        for k in j + 1..=j + sh.ahead {
+            sh.request(Key::Out(k));
+        }
+        sh.note_resident(false);
+        sh.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .current
+            .blocked_seconds += blocked;
+        Ok(())
+    }
+
+    fn after(&self, rows: std::ops::Range<usize>) {
+        self.shared.evict(Key::Out(rows.start / self.rows));
+    }
+}
+
 struct Observer(Arc<Shared>);
 
 fn layer_of(name: &str) -> Option<usize> {
@@ -275,9 +515,22 @@ impl EvalObserver for Observer {
         layer_of(n).is_some() || n == "result_norm" || n == "result_output"
     }
 
+    fn failure(&mut self) -> Option<String> {
+        self.0
+            .error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     fn observe(&mut self, t: &TensorView<'_>) -> bool {
         let sh = &self.0;
         let name = t.name();
+        // The next layer reads the file through llama.cpp's mapping: a truncated file would
+        // fault (SIGBUS), a deleted one is gone for the next run. Stop the decode instead.
+        if name != "result_output" && sh.healthy().is_err() {
+            return false;
+        }
         if let Some(i) = layer_of(name) {
             if i == 0 {
                 let first = {
@@ -290,7 +543,7 @@ impl EvalObserver for Observer {
                 };
                 // The output projection, if Leap's own projection read it after the last call.
                 if let Some(out) = sh.streamed_output() {
-                    sh.evict(out);
+                    sh.evict_section(out);
                 }
                 if first {
                     // Loading the model may have read everything: start from the plan.
@@ -300,41 +553,57 @@ impl EvalObserver for Observer {
                             .lock()
                             .unwrap_or_else(|e| e.into_inner())
                             .requested
-                            .contains(&s);
+                            .contains(&Key::Sec(s));
                         if !asked {
-                            sh.evict(s);
+                            sh.evict_section(s);
                         }
                     }
                 }
             }
-            let blocked = sh.wait(Section::Block(i));
+            let blocked = sh.wait(Key::Sec(Section::Block(i)));
+            if sh.healthy().is_err() {
+                return false;
+            }
             for b in i + 1..=i + sh.ahead {
-                sh.request(Section::Block(b));
+                sh.request(Key::Sec(Section::Block(b)));
             }
-
+            // Leap's projection streams the output in chunks: the first is read while the
+            // last blocks compute.
+            if i + sh.ahead >= sh.map.blocks() {
+                sh.request(Key::Out(0));
+            }
             if i > 0 && sh.streamed(i - 1) {
-                sh.evict(Section::Block(i - 1));
+                sh.evict(Key::Sec(Section::Block(i - 1)));
             }
-            let resident = sh.streamed_resident();
-            let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
-            st.current.blocked_seconds += blocked;
-            st.current.peak_streamed_resident = st.current.peak_streamed_resident.max(resident);
+            sh.note_resident(false);
+            sh.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .current
+                .blocked_seconds += blocked;
         } else if name == "result_norm" {
             let last = sh.map.blocks().saturating_sub(1);
             if sh.streamed(last) {
-                sh.evict(Section::Block(last));
+                sh.evict(Key::Sec(Section::Block(last)));
             }
             // The output projection (a single node) next: it is read as it runs (reading it
             // ahead with the loader left the storage reads uncounted in /proc/self/io: not
             // understood yet). With Leap's on-demand projection the graph stops here.
         } else if name == "result_output" {
+            // llama.cpp's projection (one node) had the whole output resident.
+            sh.note_resident(true);
+            sh.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .current
+                .llama_output = true;
             if let Some(out) = sh.streamed_output() {
-                sh.evict(out);
+                sh.evict_section(out);
             }
             finish(&mut sh.state.lock().unwrap_or_else(|e| e.into_inner()));
             // The next call's first streamed block, between calls.
             if let Some(b) = (0..sh.map.blocks()).find(|&b| sh.streamed(b)) {
-                sh.request(Section::Block(b));
+                sh.request(Key::Sec(Section::Block(b)));
             }
         }
         true

@@ -100,7 +100,7 @@ pub struct Context {
     n_ctx: u32,
     // Keeps the eval observer at a stable address for the C callback; never touched while
     // llama_decode runs. Declared after `raw` so it drops after the context is freed.
-    _observer: Option<Box<Box<dyn EvalObserver>>>,
+    observer: Option<Box<crate::eval::Hook>>,
 }
 
 // SAFETY: a llama_context may move between threads; it is not used concurrently (`&mut self`
@@ -159,10 +159,17 @@ impl Context {
         };
         cp.kv_unified = params.kv_unified;
         cp.swa_full = params.swa_full;
-        let mut observer = observer.map(Box::new);
-        if let Some(obs) = observer.as_mut() {
+        let mut observer = observer.map(|obs| {
+            Box::new(crate::eval::Hook {
+                obs,
+                abort: Default::default(),
+            })
+        });
+        if let Some(hook) = observer.as_mut() {
             cp.cb_eval = Some(eval_trampoline);
-            cp.cb_eval_user_data = (&mut **obs as *mut Box<dyn EvalObserver>).cast::<c_void>();
+            cp.cb_eval_user_data = (&mut **hook as *mut crate::eval::Hook).cast::<c_void>();
+            cp.abort_callback = Some(crate::eval::abort_trampoline);
+            cp.abort_callback_data = std::sync::Arc::as_ptr(&hook.abort) as *mut c_void;
         }
         backend::take_last_problem();
         // SAFETY: the model is live (held by the Arc we clone below); `cp` is initialised; the
@@ -179,7 +186,7 @@ impl Context {
             model: Arc::clone(model),
             n_seq_max: cp.n_seq_max,
             n_ctx,
-            _observer: observer,
+            observer,
         })
     }
 
@@ -224,8 +231,14 @@ impl Context {
             });
         }
         backend::take_last_problem();
+        if let Some(h) = &self.observer {
+            h.abort.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
         // SAFETY: live context; the batch's arrays are valid for `n_tokens` entries.
         let rc = unsafe { sys::llama_decode(self.raw(), batch.raw()) };
+        if let Some(reason) = self.observer.as_mut().and_then(|h| h.obs.failure()) {
+            return Err(Error::Stopped { reason });
+        }
         match rc {
             0 => Ok(()),
             1 => Err(Error::KvCacheFull {

@@ -31,6 +31,9 @@ pub enum Error {
          raise --ctx or shorten the prompt"
     )]
     KvCacheFull { n_tokens: usize, n_ctx: u32 },
+    /// A decode's observer stopped it for a failure (a streamed model file that changed).
+    #[error("decode stopped: {reason}")]
+    Stopped { reason: String },
     /// `llama_decode` was aborted by the abort callback.
     #[error("llama_decode was aborted")]
     Aborted,

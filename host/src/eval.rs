@@ -61,8 +61,15 @@ impl TensorView<'_> {
 pub trait EvalObserver: Send {
     /// Whether to observe this tensor (its data is not computed yet).
     fn wants(&mut self, tensor: &TensorView<'_>) -> bool;
-    /// The tensor's data is ready. Return `false` to abort the computation.
+    /// The tensor's data is ready. Return `false` to stop the computation (the rest of the
+    /// decode is skipped; [`EvalObserver::failure`] says whether that is an error).
     fn observe(&mut self, tensor: &TensorView<'_>) -> bool;
+    /// Why the observer stopped the computation, when that is a failure the decode must
+    /// report (a model file truncated under a streamed mapping) rather than a planned stop
+    /// (Leap's on-demand projection cutting the graph).
+    fn failure(&mut self) -> Option<String> {
+        None
+    }
 }
 
 /// Several observers on one context (llama.cpp has one callback): a tensor goes to every
@@ -103,9 +110,28 @@ impl EvalObserver for Chain {
         }
         go_on
     }
+
+    fn failure(&mut self) -> Option<String> {
+        self.observers.iter_mut().find_map(|o| o.failure())
+    }
 }
 
-/// The `cb_eval` trampoline. `user` is a `*mut Box<dyn EvalObserver>` owned by the Context.
+/// What the `cb_eval` trampoline gets: the observer, and the flag llama.cpp's abort
+/// callback reads (set when the observer stops a decode for a failure).
+pub(crate) struct Hook {
+    pub(crate) obs: Box<dyn EvalObserver>,
+    pub(crate) abort: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// llama.cpp's abort callback: `data` is the `AtomicBool` of a [`Hook`].
+pub(crate) unsafe extern "C" fn abort_trampoline(data: *mut c_void) -> bool {
+    // SAFETY: the Context keeps the flag alive as long as llama.cpp may call this.
+    !data.is_null()
+        && unsafe { &*(data as *const std::sync::atomic::AtomicBool) }
+            .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The `cb_eval` trampoline. `user` is a `*mut Hook` owned by the Context.
 pub(crate) unsafe extern "C" fn eval_trampoline(
     t: *mut sys::ggml_tensor,
     ask: bool,
@@ -115,14 +141,19 @@ pub(crate) unsafe extern "C" fn eval_trampoline(
         if t.is_null() || user.is_null() {
             return !ask;
         }
-        // SAFETY: the Context keeps the boxed observer alive (and does not touch it) while
+        // SAFETY: the Context keeps the hook alive (and does not touch it) while
         // llama_decode runs; ggml passes a live tensor.
-        let (obs, raw) = unsafe { (&mut *(user as *mut Box<dyn EvalObserver>), &*t) };
+        let (hook, raw) = unsafe { (&mut *(user as *mut Hook), &*t) };
         let view = TensorView { raw };
         if ask {
-            obs.wants(&view)
+            hook.obs.wants(&view)
         } else {
-            obs.observe(&view)
+            let go_on = hook.obs.observe(&view);
+            if !go_on && hook.obs.failure().is_some() {
+                // Stop every later split too (a false here only ends the current one).
+                hook.abort.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            go_on
         }
     }));
     result.unwrap_or_else(|_| {

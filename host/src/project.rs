@@ -134,6 +134,22 @@ impl Drop for Mapped {
     }
 }
 
+/// Told which rows of the output weights a projection pass is about to read and has done
+/// with (flash streaming: the weights are read from storage a chunk at a time while the
+/// previous chunk computes, and dropped after use). Rows are vocabulary entries.
+pub trait RowStream: Send + Sync {
+    /// Rows per chunk the pass works through.
+    fn chunk_rows(&self) -> usize;
+    /// Rows `rows` are about to be read: return once they are in memory, or why they
+    /// cannot be (the model file was truncated or deleted).
+    ///
+    /// # Errors
+    /// The rows cannot be read.
+    fn before(&self, rows: std::ops::Range<usize>) -> std::result::Result<(), String>;
+    /// The pass is done with rows `rows`.
+    fn after(&self, rows: std::ops::Range<usize>);
+}
+
 /// The output weights and ggml's kernels for them.
 struct Projection {
     weights: Arc<Mapped>,
@@ -157,6 +173,7 @@ unsafe impl Sync for Projection {}
 pub struct OnDemand {
     shared: Arc<Mutex<Shared>>,
     proj: Arc<Projection>,
+    stream: Option<Arc<dyn RowStream>>,
 }
 
 impl std::fmt::Debug for OnDemand {
@@ -210,6 +227,7 @@ impl OnDemand {
             proj.map(|p| Self {
                 shared,
                 proj: Arc::new(p),
+                stream: None,
             }),
         ))
     }
@@ -217,6 +235,24 @@ impl OnDemand {
     /// Embedding width (hidden state length).
     pub fn n_embd(&self) -> usize {
         self.proj.n_embd
+    }
+
+    /// Bytes of one row of the output weights (one vocabulary entry).
+    pub fn row_bytes(&self) -> usize {
+        self.proj.row_bytes
+    }
+
+    /// Work through the output weights a chunk at a time, telling `stream` before and after
+    /// each (flash streaming), or all at once (`None`).
+    pub fn with_stream(mut self, stream: Option<Arc<dyn RowStream>>) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// Whether the output weights are streamed: each projection pass reads them from
+    /// storage again, so a caller should project every row it may need in one pass.
+    pub fn streamed(&self) -> bool {
+        self.stream.is_some()
     }
 
     /// Cut the next decodes at the hidden states (`stop`), or copy them and let the decode
@@ -248,7 +284,7 @@ impl OnDemand {
 
     /// The logits after hidden state `h` (`n_embd` values), bit-identical to llama.cpp's.
     pub fn logits(&self, h: &[f32], out: &mut Vec<f32>) {
-        self.proj.logits(h, out);
+        self.logits_rows(&[h], std::slice::from_mut(out));
     }
 
     /// The logits after each hidden state of `hs` (`n_embd` values each) into `outs` (one
@@ -257,8 +293,47 @@ impl OnDemand {
     ///
     /// # Panics
     /// When `hs` and `outs` differ in length or a state is not `n_embd` long.
+    ///
+    /// Streamed output weights ([`OnDemand::with_stream`]) that cannot be read make this
+    /// panic: use [`OnDemand::try_logits_rows`] there.
     pub fn logits_rows(&self, hs: &[&[f32]], outs: &mut [Vec<f32>]) {
-        self.proj.logits_rows(hs, outs);
+        if let Err(e) = self.try_logits_rows(hs, outs) {
+            panic!("output projection: {e}");
+        }
+    }
+
+    /// [`OnDemand::logits_rows`], with the error of a stream that cannot read the weights.
+    ///
+    /// # Errors
+    /// [`Error::Stopped`]: the stream could not read a chunk (nothing is computed from it).
+    pub fn try_logits_rows(&self, hs: &[&[f32]], outs: &mut [Vec<f32>]) -> Result<()> {
+        match &self.stream {
+            None => self.proj.logits_rows(hs, outs, 0..self.proj.n_vocab),
+            Some(st) => {
+                for o in outs.iter_mut() {
+                    o.clear();
+                    o.resize(self.proj.n_vocab, 0.0);
+                }
+                let n = self.proj.n_vocab;
+                let step = st.chunk_rows().max(1);
+                for v0 in (0..n).step_by(step) {
+                    let r = v0..(v0 + step).min(n);
+                    st.before(r.clone())
+                        .map_err(|reason| Error::Stopped { reason })?;
+                    self.proj.logits_rows(hs, outs, r.clone());
+                    st.after(r);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`OnDemand::logits`], with the error of a stream that cannot read the weights.
+    ///
+    /// # Errors
+    /// As [`OnDemand::try_logits_rows`].
+    pub fn try_logits(&self, h: &[f32], out: &mut Vec<f32>) -> Result<()> {
+        self.try_logits_rows(&[h], std::slice::from_mut(out))
     }
 
     /// Whether several rows are projected with Leap's weight-stationary kernel (else ggml's
@@ -300,14 +375,21 @@ impl OnDemand {
         else {
             return Ok(false);
         };
-        Ok(self.reproduces(&hidden[k * n..(k + 1) * n], ctx.logits(row)?))
+        let mut got = Vec::new();
+        self.try_logits(&hidden[k * n..(k + 1) * n], &mut got)?;
+        let want = ctx.logits(row)?;
+        Ok(got.len() == want.len()
+            && got
+                .iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()))
     }
 
     /// Whether projecting hidden state `h` gives exactly `want` (llama.cpp's logits), bit for bit.
     pub fn reproduces(&self, h: &[f32], want: &[f32]) -> bool {
         let mut got = Vec::new();
-        self.logits(h, &mut got);
-        got.len() == want.len()
+        self.try_logits(h, &mut got).is_ok()
+            && got.len() == want.len()
             && got
                 .iter()
                 .zip(want)
@@ -439,29 +521,30 @@ impl Projection {
         q
     }
 
-    fn logits(&self, h: &[f32], out: &mut Vec<f32>) {
-        self.logits_rows(&[h], std::slice::from_mut(out));
-    }
-
-    /// The logits of several hidden states in one pass over the weights: each weight row is
-    /// read once for all of them (with the weight-stationary kernel; one `vec_dot` per row and
-    /// state without one). Vocabulary split across the threads.
-    fn logits_rows(&self, hs: &[&[f32]], outs: &mut [Vec<f32>]) {
+    /// The logits of several hidden states for vocabulary entries `vocab` in one pass over
+    /// those weights: each weight row is read once for all of them (with the
+    /// weight-stationary kernel; one `vec_dot` per row and state without one). The entries
+    /// are split across the threads. `outs` must be vocabulary-sized when `vocab` is not the
+    /// whole vocabulary (they are resized otherwise).
+    fn logits_rows(&self, hs: &[&[f32]], outs: &mut [Vec<f32>], vocab: std::ops::Range<usize>) {
         assert_eq!(hs.len(), outs.len());
         let acts: Vec<Vec<u8>> = hs.iter().map(|h| self.quantize(h)).collect();
         let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
         for o in outs.iter_mut() {
-            o.clear();
+            if vocab.len() == self.n_vocab {
+                o.clear();
+            }
             o.resize(self.n_vocab, 0.0);
         }
-        let per = self.n_vocab.div_ceil(self.threads);
+        let per = vocab.len().div_ceil(self.threads).max(1);
         // Per thread, its vocabulary chunk of every output row.
         let mut chunks: Vec<Vec<&mut [f32]>> = (0..self.threads).map(|_| Vec::new()).collect();
         for o in outs.iter_mut() {
-            for (c, part) in o.chunks_mut(per).enumerate() {
+            for (c, part) in o[vocab.clone()].chunks_mut(per).enumerate() {
                 chunks[c].push(part);
             }
         }
+        let first = vocab.start;
         let acts = &acts;
         std::thread::scope(|s| {
             for (c, mut parts) in chunks.into_iter().enumerate() {
@@ -477,7 +560,7 @@ impl Projection {
                     let len = parts[0].len();
                     for i0 in (0..len).step_by(TILE) {
                         let n = TILE.min(len - i0);
-                        let v0 = c * per + i0;
+                        let v0 = first + c * per + i0;
                         let tmp = &mut tmp[..n * r];
                         match &prepared {
                             Some((k, a)) => k.dot_many(a, self.rows(v0, n), tmp),

@@ -321,6 +321,8 @@ impl Engine {
         // Vocabulary-sized buffers for projected logits, reused by every step.
         let mut row = Vec::new();
         let mut projected: Vec<Vec<f32>> = Vec::new();
+        // Every row's logits, when the output weights are streamed.
+        let mut every: Vec<Vec<f32>> = Vec::new();
         while !done {
             let td = Instant::now();
             let budget = (max_tokens - g.tokens.len())
@@ -346,7 +348,11 @@ impl Engine {
             // Hidden states of every row when the output projection is done on demand.
             let mut hidden: Option<Vec<f32>> = None;
             match &mut self.on_demand {
-                Some((od, checked)) if tree.len() > 1 && *checked != Some(false) => {
+                // A streamed output projection (flash) is read from storage by every pass, so
+                // then even a lone row goes through Leap's chunked projection.
+                Some((od, checked))
+                    if (tree.len() > 1 || od.streamed()) && *checked != Some(false) =>
+                {
                     if checked.is_none() {
                         let ok = od.check(ctx, &batch, 0)?;
                         if !ok {
@@ -370,7 +376,26 @@ impl Engine {
             // llama.cpp's. A node without logits leaves `f` uncalled.
             let mut predicted: Vec<Option<Token>> = vec![None; tree.len()];
             let od = self.on_demand.as_ref().map(|o| &o.0);
+            // Streamed output weights: every row in one pass (a second pass would read them
+            // from storage again).
+            let mut all_projected = false;
+            if let (Some(h), Some(od)) = (&hidden, od) {
+                if od.streamed() {
+                    let n = od.n_embd();
+                    let hs: Vec<&[f32]> = (0..tree.len()).map(|c| &h[c * n..(c + 1) * n]).collect();
+                    every.resize_with(tree.len().max(every.len()), Vec::new);
+                    let tp = Instant::now();
+                    od.try_logits_rows(&hs, &mut every[..tree.len()])?;
+                    g.project_seconds += tp.elapsed().as_secs_f64();
+                    for (p, l) in predicted.iter_mut().zip(&every) {
+                        *p = Some(argmax(l));
+                    }
+                    all_projected = true;
+                }
+            }
+            let projected_all = &every;
             let mut logits_of = |node: NodeId, f: &mut dyn FnMut(&[f32])| match (&hidden, od) {
+                (Some(_), Some(_)) if all_projected => f(&projected_all[node]),
                 (Some(h), Some(od)) => {
                     let n = od.n_embd();
                     od.logits(&h[node * n..(node + 1) * n], &mut row);

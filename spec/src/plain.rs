@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
 use leap_host::usage::cpu_seconds;
 use leap_host::{Batch, Context, Result, Sampler, Token};
@@ -76,6 +77,28 @@ pub fn plain(
     n_batch: usize,
     on_token: &mut dyn FnMut(Token) -> bool,
 ) -> Result<Generation> {
+    plain_with(ctx, None, prompt, max_tokens, sampling, n_batch, on_token)
+}
+
+/// [`plain`] whose greedy steps project the logits with `od` (Leap's output projection of
+/// `ctx`, bit-identical to llama.cpp's): under flash streaming it reads the output weights a
+/// chunk at a time within the DRAM budget, where llama.cpp's single node has them resident
+/// whole. Sampled decoding uses llama.cpp's logits.
+///
+/// # Errors
+/// Decode failures.
+pub fn plain_with(
+    ctx: &mut Context,
+    od: Option<&OnDemand>,
+    prompt: &[Token],
+    max_tokens: usize,
+    sampling: &SamplingParams,
+    n_batch: usize,
+    on_token: &mut dyn FnMut(Token) -> bool,
+) -> Result<Generation> {
+    let mut od = od.filter(|_| sampling.temp <= 0.0);
+    // Checked against llama.cpp's logits on the first step.
+    let mut checked = false;
     ctx.clear(false);
     let t0 = Instant::now();
     prefill(ctx, prompt, n_batch)?;
@@ -91,10 +114,18 @@ pub fn plain(
     let t1 = Instant::now();
     let mut batch = Batch::new(1, 1);
     let mut pos = prompt.len() as i32;
+    let mut row = Vec::new();
+    let mut hidden: Option<Vec<f32>> = None;
     while g.tokens.len() < max_tokens {
-        let tok = match sampler.as_mut() {
-            Some(s) => s.sample(ctx, -1),
-            None => argmax(ctx.logits(-1)?),
+        let tok = match (sampler.as_mut(), hidden.take(), od) {
+            (Some(s), _, _) => s.sample(ctx, -1),
+            (None, Some(h), Some(od)) => {
+                let tp = Instant::now();
+                od.try_logits(&h, &mut row)?;
+                g.project_seconds += tp.elapsed().as_secs_f64();
+                argmax(&row)
+            }
+            (None, _, _) => argmax(ctx.logits(-1)?),
         };
         g.tokens.push(tok);
         if model.is_eog(tok) || !on_token(tok) || g.tokens.len() >= max_tokens {
@@ -102,7 +133,26 @@ pub fn plain(
         }
         batch.clear();
         batch.add(tok, pos, &[0], true)?;
-        ctx.decode(&batch)?;
+        match od {
+            Some(o) if !checked => {
+                checked = true;
+                if !o.check(ctx, &batch, 0)? {
+                    log::warn!(
+                        "on-demand output projection does not reproduce llama.cpp's logits \
+                         for this model; decoding with llama.cpp's"
+                    );
+                    od = None;
+                }
+            }
+            Some(od) => {
+                od.arm(true);
+                let r = ctx.decode(&batch);
+                od.disarm();
+                r?;
+                hidden = Some(od.take_hidden()?);
+            }
+            None => ctx.decode(&batch)?,
+        }
         g.target_calls += 1;
         pos += 1;
     }

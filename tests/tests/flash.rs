@@ -158,12 +158,15 @@ fn a_truncated_model_is_an_error_not_a_crash() {
     pages.load(0..4096).expect("the header");
 }
 
-/// Greedy decoding with the blocks streamed at a quarter of the weights gives plain
-/// decoding's tokens, really reads from storage every call, and keeps the streamed blocks'
-/// resident bytes within the window at every layer boundary.
+/// Greedy decoding at a quarter of the weights (blocks and the output projection streamed)
+/// gives plain decoding's tokens, really reads from storage every call, and keeps the
+/// streamed bytes resident within the window at every layer and output-chunk boundary:
+/// Leap's projection reads the output weights a chunk at a time. The call that checks it
+/// against llama.cpp's projection (one node) is flagged and has the output resident whole.
 #[test]
 fn streamed_decoding_keeps_the_tokens_and_the_budget() {
     use leap_flash::Streamer;
+    use leap_host::project::OnDemand;
     let path = model_path("gemma3-270m");
     let model = leap_tests::model("gemma3-270m");
     let prompt = model
@@ -180,7 +183,7 @@ fn streamed_decoding_keeps_the_tokens_and_the_budget() {
     let map = LayerMap::open(&path).expect("map");
     let total = map.per_call_bytes();
     let chunk = map.largest_block();
-    // OutputFirst at this budget pins blocks only (the output projection does not fit).
+    let output = map.bytes(Section::Embed) + map.bytes(Section::Output);
     let p = plan(&map, total / 4, chunk, 1, Strategy::FirstLayers);
     let streamed_blocks = p
         .streamed
@@ -188,37 +191,138 @@ fn streamed_decoding_keeps_the_tokens_and_the_budget() {
         .filter(|s| matches!(s, Section::Block(_)))
         .count();
     assert!(streamed_blocks > 0, "{p:?}");
-    let window = p.window;
-    let streamer = Streamer::new(&path, map, p, 1).expect("streamer");
-    let mut ctx = leap_host::Context::with_observer(
+    assert!(
+        p.streamed.contains(&Section::Embed),
+        "the tied output projection streams: {p:?}"
+    );
+    let (window, pinned, budget) = (p.window, p.pinned_bytes, p.budget);
+    let streamer = Streamer::new(&path, map, p, 1)
+        .expect("streamer")
+        .measure_every(1);
+    let (mut ctx, od) = OnDemand::context_with(
         &model,
         &leap_tests::params(512, 1),
         Some(streamer.observer()),
     )
     .expect("context");
-    let got = leap_tests::plain_greedy(&mut ctx, &prompt, 12).tokens;
+    let od = od.expect("Gemma's projection is a plain matrix product");
+    let od = od.clone().with_stream(streamer.row_stream(od.row_bytes()));
+    assert!(od.streamed());
+    let greedy = leap_host::sampler::SamplingParams::default();
+    let got =
+        leap_spec::plain::plain_with(&mut ctx, Some(&od), &prompt, 12, &greedy, 512, &mut |_| {
+            true
+        })
+        .expect("streamed decoding")
+        .tokens;
     assert_eq!(got, want, "streaming changed the tokens");
+    streamer.flush();
     let calls = streamer.calls();
     assert!(calls.len() >= 12, "{} calls seen", calls.len());
-    let per_block = chunk;
+    let checks = calls.iter().filter(|c| c.llama_output).count();
+    // The prompt's pass and the first step's check ran llama.cpp's projection.
+    assert!(
+        (1..=2).contains(&checks),
+        "{checks} calls ran llama.cpp's projection"
+    );
     for (k, c) in calls.iter().enumerate() {
-        // The current block and the one read ahead, with a block of slack: measured peaks
-        // are about 3 blocks (11.4 MB of 4 MB blocks with an 8 MB window).
+        if c.llama_output {
+            assert!(c.peak_streamed_resident >= output / 2, "call {k}: {c:?}");
+            continue;
+        }
+        // The block or chunk computing and the one read ahead, with a block of slack.
         assert!(
-            c.peak_streamed_resident <= window + 2 * per_block,
+            c.peak_streamed_resident <= window + chunk,
             "call {k}: {} resident, window {window}",
             c.peak_streamed_resident
         );
+        assert!(
+            pinned + c.peak_streamed_resident <= budget + chunk,
+            "call {k}: {c:?}"
+        );
         if io_read_bytes().is_some() && k > 0 {
             assert!(
-                c.read_bytes >= per_block * streamed_blocks as u64 / 2,
+                c.read_bytes >= output / 2,
                 "call {k} read {} bytes from storage",
                 c.read_bytes
             );
         }
     }
     eprintln!(
-        "streamed {streamed_blocks} blocks: {:?}",
+        "streamed {streamed_blocks} blocks and the output: {:?}",
         &calls[calls.len() - 3..]
     );
+}
+
+/// A streamed decode of a model whose file is truncated, or deleted, during the run stops
+/// with an error that says so (no SIGBUS, no tokens from missing weights).
+#[test]
+fn a_model_file_changed_mid_run_stops_decoding_with_a_clear_error() {
+    use leap_flash::Streamer;
+    use leap_host::project::OnDemand;
+    let path = model_path("gemma3-270m");
+    let greedy = leap_host::sampler::SamplingParams::default();
+    for damage in ["truncate", "delete"] {
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+        let copy = dir.path().join("model.gguf");
+        std::fs::copy(&path, &copy).expect("copy");
+        let model = leap_host::Model::load(&copy, &Default::default()).expect("model");
+        let prompt = model.tokenize("Streams of", true, false).expect("tokens");
+        let map = LayerMap::open(&copy).expect("map");
+        let p = plan(
+            &map,
+            map.per_call_bytes() / 4,
+            map.largest_block(),
+            1,
+            Strategy::FirstLayers,
+        );
+        let streamer = Streamer::new(&copy, map.clone(), p, 1).expect("streamer");
+        let (mut ctx, od) = OnDemand::context_with(
+            &model,
+            &leap_tests::params(256, 1),
+            Some(streamer.observer()),
+        )
+        .expect("context");
+        let od = od.expect("projection");
+        let od = od.clone().with_stream(streamer.row_stream(od.row_bytes()));
+        let first = leap_spec::plain::plain_with(
+            &mut ctx,
+            Some(&od),
+            &prompt,
+            3,
+            &greedy,
+            256,
+            &mut |_| true,
+        );
+        assert_eq!(first.expect("intact file").tokens.len(), 3);
+        match damage {
+            "truncate" => {
+                let last = map.ranges(Section::Block(17))[0].clone();
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&copy)
+                    .expect("open")
+                    .set_len(last.start)
+                    .expect("truncate");
+            }
+            _ => std::fs::remove_file(&copy).expect("delete"),
+        }
+        let err = leap_spec::plain::plain_with(
+            &mut ctx,
+            Some(&od),
+            &prompt,
+            3,
+            &greedy,
+            256,
+            &mut |_| true,
+        )
+        .expect_err("the file changed under the stream");
+        let msg = err.to_string();
+        let want = if damage == "truncate" {
+            "truncated or replaced"
+        } else {
+            "deleted"
+        };
+        assert!(msg.contains(want), "{damage}: {msg}");
+    }
 }

@@ -163,7 +163,8 @@ impl ModeKind {
 }
 
 enum Runner {
-    Plain(Context),
+    /// Plain decoding; under flash streaming with Leap's chunked output projection.
+    Plain(Context, Option<OnDemand>),
     Llama(Box<LlamaSpeculative>),
     Leap(Context, Box<Engine>),
 }
@@ -176,8 +177,9 @@ impl Runner {
         cfg: &BenchConfig,
     ) -> Result<Generation> {
         match self {
-            Runner::Plain(ctx) => Ok(plain::plain(
+            Runner::Plain(ctx, od) => Ok(plain::plain_with(
                 ctx,
+                od.as_ref(),
                 prompt,
                 max_tokens,
                 &cfg.sampling,
@@ -333,10 +335,17 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         };
         let observer = streamer.as_ref().map(|s| s.observer());
         streamers.push(streamer);
+        // Leap's output projection reads streamed output weights a chunk at a time.
+        let chunked = |od: OnDemand, st: &Option<leap_flash::Streamer>| {
+            let rows = st.as_ref().and_then(|s| s.row_stream(od.row_bytes()));
+            od.with_stream(rows)
+        };
         if let ModeKind::Leap(ec) = kind {
             let (target, od) = OnDemand::context_with(&model, &params, observer)
                 .with_context(|| format!("creating the context for mode {name}"))?;
-            let od = od.filter(|_| ec.on_demand);
+            let od = od
+                .filter(|_| ec.on_demand)
+                .map(|od| chunked(od, streamers.last().expect("pushed above")));
             let mut engine = Engine::new(ec.clone()).with_on_demand(od);
             if name == "leap:draft" {
                 let dm = draft_model.as_ref().expect("checked above");
@@ -351,10 +360,18 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             runners.push(Runner::Leap(target, Box::new(engine)));
             continue;
         }
+        if *kind == ModeKind::Plain && flash.is_some() {
+            // flash-AR: the same streaming as Leap's modes, without speculation.
+            let (target, od) = OnDemand::context_with(&model, &params, observer)
+                .with_context(|| format!("creating the context for mode {name}"))?;
+            let od = od.map(|od| chunked(od, streamers.last().expect("pushed above")));
+            runners.push(Runner::Plain(target, od));
+            continue;
+        }
         let target = Context::with_observer(&model, &params, observer)
             .with_context(|| format!("creating the context for mode {name}"))?;
         let runner = match kind {
-            ModeKind::Plain => Runner::Plain(target),
+            ModeKind::Plain => Runner::Plain(target, None),
             ModeKind::Leap(_) => unreachable!("created above"),
             ModeKind::Llama(t) => {
                 let dctx = match (&draft_model, t.as_str()) {
@@ -393,6 +410,8 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     let mut cpu = vec![0f64; runners.len()];
     let mut rss = vec![0u64; runners.len()];
     let mut read = vec![0u64; runners.len()];
+    let mut peak = vec![0u64; runners.len()];
+    let mut blocked = vec![0f64; runners.len()];
 
     let bar = crate::progress::bar(
         cfg.progress,
@@ -423,10 +442,21 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 st.flush();
                 let calls = st.calls();
                 let n = (g.target_calls as usize).min(calls.len());
-                read[i] += calls[calls.len() - n..]
-                    .iter()
-                    .map(|c| c.read_bytes)
-                    .sum::<u64>();
+                let decode = &calls[calls.len() - n..];
+                read[i] += decode.iter().map(|c| c.read_bytes).sum::<u64>();
+                blocked[i] += decode.iter().map(|c| c.blocked_seconds).sum::<f64>();
+                // Calls that ran llama.cpp's projection node had the output resident whole:
+                // where Leap's chunked projection ran the others (Leap's modes, flash-AR),
+                // those are its one-off checks against llama.cpp's logits.
+                let chunked = decode.iter().any(|c| !c.llama_output);
+                peak[i] = peak[i].max(
+                    decode
+                        .iter()
+                        .filter(|c| !(chunked && c.llama_output))
+                        .map(|c| c.peak_streamed_resident + st.plan().pinned_bytes)
+                        .max()
+                        .unwrap_or(0),
+                );
             }
             per_mode[i].requests.push(RequestReport {
                 id: req.id.clone(),
@@ -474,6 +504,8 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         m.cpu_seconds = cpu[i];
         m.peak_rss_bytes = rss[i];
         m.storage_read_bytes = flash.as_ref().map(|_| read[i]);
+        m.flash_peak_resident_bytes = flash.as_ref().map(|_| peak[i]);
+        m.flash_blocked_seconds = flash.as_ref().map(|_| blocked[i]);
         if let Some(plain) = &plain_outputs {
             m.differing_requests = m
                 .requests
@@ -542,6 +574,28 @@ pub fn table(report: &Report, order: &[String]) -> String {
             m.cpu_seconds,
             ident
         );
+    }
+    if let Some(f) = report.flash_budget {
+        let _ = writeln!(
+            s,
+            "flash budget {f}: {:<11} {:>12} {:>12} {:>14} {:>12}",
+            "mode", "MB/token", "MB/call", "blocked s/tok", "peak MB"
+        );
+        for name in order {
+            let Some(m) = report.modes.get(name) else {
+                continue;
+            };
+            let read = m.storage_read_bytes.unwrap_or(0) as f64 / 1e6;
+            let _ = writeln!(
+                s,
+                "{:>24} {:>12.1} {:>12.1} {:>14.4} {:>12.1}",
+                name,
+                read / m.generated_tokens.max(1) as f64,
+                read / m.target_calls.max(1) as f64,
+                m.flash_blocked_seconds.unwrap_or(0.0) / m.generated_tokens.max(1) as f64,
+                m.flash_peak_resident_bytes.unwrap_or(0) as f64 / 1e6,
+            );
+        }
     }
     let _ = write!(
         s,

@@ -57,6 +57,13 @@ pub struct ModeReport {
     /// The on-demand output projection's part of `verify_ms_per_call`. Added field.
     #[serde(default)]
     pub project_ms_per_call: f64,
+    /// Flash streaming (`--flash-budget`): the most weight bytes resident during a decode
+    /// call, pinned plus streamed (`mincore` at layer and chunk boundaries). Added field.
+    #[serde(default)]
+    pub flash_peak_resident_bytes: Option<u64>,
+    /// Flash streaming: seconds decode calls waited for weights to be read. Added field.
+    #[serde(default)]
+    pub flash_blocked_seconds: Option<f64>,
     /// Requests whose output differs from `plain` (ids). Added field.
     #[serde(default)]
     pub differing_requests: Vec<String>,
