@@ -214,6 +214,12 @@ struct GenerateArgs {
     /// `plain` (llama.cpp, one target call per token).
     #[arg(long, default_value = "leap", value_parser = ["plain", "leap"])]
     mode: String,
+    /// Flash streaming: keep this much of the model's weights in DRAM, a fraction (0.25) or
+    /// a size (64M), and read the rest from storage for every target call (for a model
+    /// larger than the memory an app may use). Speculation then verifies bigger trees,
+    /// since a call's reads serve every row of it.
+    #[arg(long)]
+    flash_budget: Option<String>,
     #[command(flatten)]
     runtime: RuntimeArgs,
     #[command(flatten)]
@@ -345,10 +351,23 @@ struct BenchArgs {
     /// calib, tree, eager, ggml, draft; see the README).
     #[arg(long, value_delimiter = ',', default_value = "plain,llama:ngram-mod")]
     modes: Vec<String>,
-    /// Fraction of the target's layer weights kept resident (flash streaming).
+    /// Flash streaming: the fraction of the target's weights kept in DRAM (0.25); the rest is
+    /// read from storage by every target call, for every mode (`plain` becomes flash-AR).
+    /// Several, comma separated (0,0.25,0.5,0.75,1), run the whole bench at each and add a
+    /// summary table and a chart of decode tok/s per budget (Lever's Table 6).
+    #[arg(long, value_delimiter = ',')]
+    flash_budget: Vec<f64>,
+    /// What stays resident under --flash-budget: `fill` (the first blocks, then as much of
+    /// the output projection as fits; the least read per call), `first-layers` (Lever's:
+    /// whole sections, first blocks first) or `output-first` (the output projection whole
+    /// first, then blocks).
+    #[arg(long, default_value = "fill", value_parser = ["fill", "first-layers", "output-first"])]
+    flash_strategy: String,
+    /// With several --flash-budget values: write the chart here (PNG; default: next to --out).
     #[arg(long)]
-    flash_budget: Option<f64>,
-    /// Write the JSON report here (`-` for stdout).
+    chart: Option<PathBuf>,
+    /// Write the JSON report here (`-` for stdout). With several --flash-budget values, one
+    /// report per budget: OUT with `.flashB` before the extension.
     #[arg(long)]
     out: PathBuf,
     #[command(flatten)]
@@ -472,11 +491,43 @@ fn generate(a: GenerateArgs) -> Result<()> {
         flash_attn: a.runtime.flash_attn(),
         ..Default::default()
     };
-    let (mut ctx, od) = if a.mode == "leap" {
-        leap_host::project::OnDemand::context(&model, &params)?
+    let streamer = match &a.flash_budget {
+        Some(b) => {
+            let map = leap_flash::LayerMap::open(&path)?;
+            let budget = parse_budget(b, map.per_call_bytes())?;
+            let chunk = map.largest_block().max(1);
+            let p = leap_flash::plan(&map, budget, chunk, 1, leap_flash::Strategy::default());
+            eprintln!(
+                "leap: flash budget {:.1} MB: {:.1} MB pinned, {:.1} MB read from storage every target call",
+                budget as f64 / 1e6,
+                p.pinned_bytes as f64 / 1e6,
+                p.streamed_bytes as f64 / 1e6
+            );
+            Some(leap_flash::Streamer::new(&path, map, p, 1)?)
+        }
+        None => None,
+    };
+    let mut config = EngineConfig::default();
+    let mut params = params;
+    if streamer.is_some() {
+        config = config.streamed();
+        config.max_branches = config.max_branches.max(4);
+        params.n_seq_max = config.max_branches as u32;
+    }
+    let (mut ctx, od) = if a.mode == "leap" || streamer.is_some() {
+        leap_host::project::OnDemand::context_with(
+            &model,
+            &params,
+            streamer.as_ref().map(|s| s.observer()),
+        )?
     } else {
         (Context::new(&model, &params)?, None)
     };
+    // Leap's projection reads streamed output weights a chunk at a time, within the budget.
+    let od = od.map(|o| {
+        let rows = streamer.as_ref().and_then(|s| s.row_stream(o.row_bytes()));
+        o.with_stream(rows)
+    });
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut pending: Vec<u8> = Vec::new();
@@ -503,19 +554,18 @@ fn generate(a: GenerateArgs) -> Result<()> {
         true
     };
     let g = if a.mode == "leap" {
-        Engine::new(EngineConfig::default())
-            .with_on_demand(od)
-            .generate_with(
-                &mut ctx,
-                &prompt,
-                a.max_tokens,
-                512,
-                &a.sampling.params(),
-                &mut on_token,
-            )?
-    } else {
-        plain::plain(
+        Engine::new(config).with_on_demand(od).generate_with(
             &mut ctx,
+            &prompt,
+            a.max_tokens,
+            512,
+            &a.sampling.params(),
+            &mut on_token,
+        )?
+    } else {
+        plain::plain_with(
+            &mut ctx,
+            od.as_ref().filter(|o| o.streamed()),
             &prompt,
             a.max_tokens,
             &a.sampling.params(),
@@ -542,6 +592,20 @@ fn generate(a: GenerateArgs) -> Result<()> {
         g.prefill_seconds,
         model.desc()
     );
+    if let Some(st) = &streamer {
+        st.flush();
+        let calls = st.calls();
+        let n = (g.target_calls as usize).min(calls.len());
+        let decode = &calls[calls.len() - n..];
+        let read: u64 = decode.iter().map(|c| c.read_bytes).sum();
+        let blocked: f64 = decode.iter().map(|c| c.blocked_seconds).sum();
+        eprintln!(
+            "leap: flash: {:.1} MB read from storage a token ({} target calls), {:.2} s waiting for reads",
+            read as f64 / 1e6 / g.tokens.len().max(1) as f64,
+            g.target_calls,
+            blocked
+        );
+    }
     Ok(())
 }
 
@@ -566,19 +630,53 @@ fn run_bench(a: BenchArgs) -> Result<()> {
         threads: a.runtime.threads,
         ctx: a.runtime.ctx,
         flash_attn: a.runtime.flash_attn(),
-        flash_budget: a.flash_budget,
+        flash_budget: a.flash_budget.first().copied(),
+        flash_strategy: match a.flash_strategy.as_str() {
+            "first-layers" => leap_flash::Strategy::FirstLayers,
+            "output-first" => leap_flash::Strategy::OutputFirst,
+            _ => leap_flash::Strategy::Fill,
+        },
         sampling: a.sampling.params(),
         progress: true,
     };
-    let report = bench::run(&cfg)?;
-    let json = serde_json::to_string_pretty(&report)?;
-    if a.out.as_os_str() == "-" {
-        println!("{json}");
-    } else {
-        std::fs::write(&a.out, json + "\n")
-            .with_context(|| format!("writing {}", a.out.display()))?;
+    let write = |report: &bench::Report, out: &std::path::Path| -> Result<()> {
+        let json = serde_json::to_string_pretty(report)?;
+        if out.as_os_str() == "-" {
+            println!("{json}");
+        } else {
+            std::fs::write(out, json + "\n")
+                .with_context(|| format!("writing {}", out.display()))?;
+        }
+        Ok(())
+    };
+    if a.flash_budget.len() <= 1 {
+        let report = bench::run(&cfg)?;
+        write(&report, &a.out)?;
+        eprintln!("{}", bench::table(&report, &a.modes));
+        return Ok(());
     }
-    eprintln!("{}", bench::table(&report, &a.modes));
+    ensure!(
+        a.out.as_os_str() != "-",
+        "several --flash-budget values write one report each: give --out a file name"
+    );
+    let mut reports = Vec::new();
+    for &b in &a.flash_budget {
+        eprintln!("bench: flash budget {b}");
+        let report = bench::run(&bench::BenchConfig {
+            flash_budget: Some(b),
+            ..cfg.clone()
+        })?;
+        let out = bench::sweep_path(&a.out, b);
+        write(&report, &out)?;
+        eprintln!("{}", bench::table(&report, &a.modes));
+        reports.push(report);
+    }
+    let chart = a
+        .chart
+        .clone()
+        .unwrap_or_else(|| a.out.with_extension("png"));
+    eprintln!("{}", bench::sweep(&reports, &a.modes, &chart)?);
+    eprintln!("chart: {}", chart.display());
     Ok(())
 }
 
@@ -747,7 +845,7 @@ fn flash_info(path: &std::path::Path, budget: &str) -> Result<()> {
     }
     // Streamed a block at a time (the output projection in chunks of that size), one ahead.
     let chunk = map.largest_block().max(1);
-    for strategy in [Strategy::FirstLayers, Strategy::OutputFirst] {
+    for strategy in [Strategy::Fill, Strategy::FirstLayers, Strategy::OutputFirst] {
         let p = plan(&map, budget, chunk, 1, strategy);
         println!(
             "budget {:.1} MB, {strategy:?}: {:.1} MB pinned ({} sections), {:.1} MB streamed a call, window {:.1} MB",

@@ -3,13 +3,20 @@
 use crate::map::{LayerMap, Section};
 
 /// How the planner picks the resident sections.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Strategy {
     /// Lever's choice (Table 6): the first blocks, in order, then the output projection.
     FirstLayers,
     /// The output projection first (for Gemma, the tied embedding matrix: 70% of the
     /// weights), then the first blocks.
     OutputFirst,
+    /// The first blocks, then as much of the output projection as fits: a prefix of its
+    /// rows stays resident and only the rest streams (Leap's projection reads it a chunk at
+    /// a time, so a partial pin saves its bytes on every call). What every call reads is then
+    /// the weights minus the budget (less the window), the least any split can read. The
+    /// default.
+    #[default]
+    Fill,
 }
 
 /// A resident/streamed split of the sections a target call reads.
@@ -26,6 +33,10 @@ pub struct Plan {
     pub streamed: Vec<Section>,
     pub pinned_bytes: u64,
     pub streamed_bytes: u64,
+    /// Bytes at the start of the output projection's section kept resident although the
+    /// section is streamed ([`Strategy::Fill`]); counted in `pinned_bytes`, not in
+    /// `streamed_bytes`.
+    pub output_pinned: u64,
 }
 
 /// Split `map`'s per-call sections for a budget of `budget` bytes: streamed data goes
@@ -37,7 +48,13 @@ pub fn plan(map: &LayerMap, budget: u64, chunk: u64, ahead: usize, strategy: Str
     let size = |s: Section| map.bytes(s);
     let largest = per_call.iter().map(|&s| size(s)).max().unwrap_or(0);
     let unit = chunk.min(largest).max(1);
-    let window = (unit * (1 + ahead as u64)).min(budget);
+    // Nothing streams when everything fits: no window then.
+    let everything: u64 = per_call.iter().map(|&s| size(s)).sum();
+    let window = if everything <= budget {
+        0
+    } else {
+        (unit * (1 + ahead as u64)).min(budget)
+    };
     let mut order: Vec<Section> = per_call
         .iter()
         .copied()
@@ -48,7 +65,7 @@ pub fn plan(map: &LayerMap, budget: u64, chunk: u64, ahead: usize, strategy: Str
         .find(|s| matches!(s, Section::Output | Section::Embed))
         .expect("per_call has the output projection");
     match strategy {
-        Strategy::FirstLayers => order.push(out),
+        Strategy::FirstLayers | Strategy::Fill => order.push(out),
         Strategy::OutputFirst => order.insert(0, out),
     }
     // The small rest (norms) is always resident: it is read by every block.
@@ -68,12 +85,20 @@ pub fn plan(map: &LayerMap, budget: u64, chunk: u64, ahead: usize, strategy: Str
         .into_iter()
         .filter(|s| !pinned.contains(s))
         .collect();
+    // Fill: whatever is left holds a prefix of the output projection, in whole pages.
+    let all_blocks = streamed.iter().all(|s| !matches!(s, Section::Block(_)));
+    let output_pinned = if strategy == Strategy::Fill && all_blocks && streamed.contains(&out) {
+        (left / 4096 * 4096).min(size(out))
+    } else {
+        0
+    };
     Plan {
         budget,
         window,
-        pinned_bytes: pinned.iter().map(|&s| size(s)).sum(),
-        streamed_bytes: streamed.iter().map(|&s| size(s)).sum(),
+        pinned_bytes: pinned.iter().map(|&s| size(s)).sum::<u64>() + output_pinned,
+        streamed_bytes: streamed.iter().map(|&s| size(s)).sum::<u64>() - output_pinned,
         pinned,
         streamed,
+        output_pinned,
     }
 }

@@ -123,6 +123,21 @@ impl Streamer {
                 }
             }
         }
+        // A prefix of a streamed output projection may be pinned too (Strategy::Fill).
+        if plan.output_pinned > 0 {
+            let out = plan
+                .streamed
+                .iter()
+                .copied()
+                .find(|s| matches!(s, Section::Output | Section::Embed));
+            if let Some(start) = out.and_then(|o| map.ranges(o).first().map(|r| r.start)) {
+                let r = start..start + plan.output_pinned;
+                pages.load(r.clone())?;
+                if !pages.lock(r) {
+                    log::debug!("flash: could not lock the output prefix (RLIMIT_MEMLOCK)");
+                }
+            }
+        }
         let (tx, rx) = mpsc::channel::<Key>();
         let shared = Arc::new(Shared {
             map,
@@ -286,8 +301,38 @@ impl Shared {
     fn is_streamed(&self, k: Key) -> bool {
         match k {
             Key::Sec(s) => self.plan.streamed.contains(&s),
-            Key::Out(j) => self.chunks().is_some_and(|c| j < c.len()),
+            Key::Out(j) => self
+                .chunks()
+                .is_some_and(|c| j < c.len() && c.range(j).end > self.pinned_end()),
         }
+    }
+
+    /// Where the pinned prefix of a streamed output projection ends (its start if none).
+    fn pinned_end(&self) -> u64 {
+        self.streamed_output()
+            .and_then(|o| self.map.ranges(o).first().map(|r| r.start))
+            .map_or(0, |s| s + self.plan.output_pinned)
+    }
+
+    /// `r` without the pinned prefix of the output projection.
+    fn unpinned(&self, mut r: std::ops::Range<u64>) -> std::ops::Range<u64> {
+        if self.plan.output_pinned > 0 {
+            let end = self.pinned_end();
+            let start = end - self.plan.output_pinned;
+            if r.start < end && r.end > start {
+                r.start = r
+                    .start
+                    .max(end.div_ceil(PAGE) * PAGE)
+                    .min(r.end.max(r.start));
+            }
+        }
+        r
+    }
+
+    /// The first output chunk that streams.
+    fn first_streamed_chunk(&self) -> usize {
+        let n = self.chunks().map_or(0, |c| c.len());
+        (0..n).find(|&j| self.is_streamed(Key::Out(j))).unwrap_or(0)
     }
 
     /// Ask the loader for `s` if it is streamed and not asked for yet.
@@ -370,7 +415,10 @@ impl Shared {
                     continue;
                 }
             }
-            let r = self.widen(s, r);
+            let r = self.unpinned(self.widen(s, r));
+            if r.is_empty() {
+                continue;
+            }
             for &b in &bases {
                 self.pages.evict_at(b, r.clone());
             }
@@ -431,7 +479,9 @@ impl Shared {
             .streamed
             .iter()
             .flat_map(|&s| self.map.ranges(s))
-            .map(|r| self.pages.resident(r.clone()).unwrap_or(0))
+            .map(|r| self.unpinned(r.clone()))
+            .filter(|r| !r.is_empty())
+            .map(|r| self.pages.resident(r).unwrap_or(0))
             .sum()
     }
 
@@ -570,7 +620,7 @@ impl EvalObserver for Observer {
             // Leap's projection streams the output in chunks: the first is read while the
             // last blocks compute.
             if i + sh.ahead >= sh.map.blocks() {
-                sh.request(Key::Out(0));
+                sh.request(Key::Out(sh.first_streamed_chunk()));
             }
             if i > 0 && sh.streamed(i - 1) {
                 sh.evict(Key::Sec(Section::Block(i - 1)));

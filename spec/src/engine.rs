@@ -65,6 +65,19 @@ impl Default for EngineConfig {
     }
 }
 
+impl EngineConfig {
+    /// Limits for a streamed target (flash): a verification call reads the streamed weights
+    /// once however many rows it has, so a row is cheap next to the I/O and a tree may grow
+    /// (Lever §4.2). The controller still sizes every tree by the measured cost of calls.
+    pub fn streamed(self) -> Self {
+        Self {
+            max_rows: self.max_rows.max(33),
+            max_draft: self.max_draft.max(24),
+            ..self
+        }
+    }
+}
+
 /// The speculative engine. Keep one per conversation: its controller's estimates and its
 /// history of earlier requests and answers carry over.
 #[derive(Debug)]

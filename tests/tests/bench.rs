@@ -52,6 +52,7 @@ fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
         ctx: 1024,
         flash_attn: FlashAttn::Auto,
         flash_budget: None,
+        flash_strategy: Default::default(),
         sampling: SamplingParams::default(),
         progress: false,
         kernels: leap_tests::kernels(),
@@ -183,6 +184,33 @@ fn flash_budget_streams_and_reports_storage_reads() {
         );
     }
     assert_eq!(r.modes["leap"].identical_to_plain, Some(true));
+    // Resident weights stay within the budget, with one streamed block of slack (the
+    // block or chunk computing and the one read ahead fill the planner's window).
+    let map = leap_flash::LayerMap::open(&c.model).expect("layer map");
+    let budget = map.per_call_bytes() / 4;
+    for m in ["plain", "leap"] {
+        let peak = r.modes[m].flash_peak_resident_bytes.expect("measured");
+        assert!(
+            peak <= budget + map.largest_block(),
+            "{m}: {peak} bytes resident for a budget of {budget}"
+        );
+    }
+    // Lever's Table 6 from a sweep: a text table and a PNG chart.
+    c.flash_budget = Some(1.0);
+    let whole = bench::run(&c).expect("bench with everything resident");
+    let m = &whole.modes["plain"];
+    let per_token = m.storage_read_bytes.expect("measured") as f64 / m.generated_tokens as f64;
+    assert!(
+        per_token < 1e6,
+        "all resident, yet {per_token} bytes a token read"
+    );
+    let modes = ["plain".to_string(), "leap".to_string()];
+    let dir = tempfile::tempdir().expect("tempdir");
+    let chart = dir.path().join("t6.png");
+    let table = bench::sweep(&[r, whole], &modes, &chart).expect("sweep");
+    assert!(table.contains("0.25") && table.contains("vs AR"), "{table}");
+    let png = std::fs::read(&chart).expect("chart written");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     c.flash_budget = Some(1.5);
     let e = format!("{:#}", bench::run(&c).unwrap_err());
     assert!(e.contains("--flash-budget"), "{e}");

@@ -36,12 +36,20 @@ fn the_layer_map_covers_every_tensor_once() {
     assert_eq!(map.per_call().len(), 20);
 }
 
+/// Tests that read the real model file (copying it fills its page cache) run one at a time:
+/// the streaming test measures that file's residency.
+static REAL_FILE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    REAL_FILE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn plans_respect_the_budget() {
     let map = LayerMap::open(&model_path("gemma3-270m")).expect("map");
     let total = map.per_call_bytes();
     let chunk = 8 << 20;
-    for strategy in [Strategy::FirstLayers, Strategy::OutputFirst] {
+    for strategy in [Strategy::FirstLayers, Strategy::OutputFirst, Strategy::Fill] {
         let mut last = 0;
         for f in [0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.2] {
             let budget = (total as f64 * f) as u64;
@@ -68,6 +76,24 @@ fn plans_respect_the_budget() {
         let all = plan(&map, total + 2 * chunk, chunk, 1, strategy);
         assert!(all.streamed.is_empty(), "{strategy:?}: {:?}", all.streamed);
     }
+    // Fill (the default) never reads more a call than the whole-section strategies, and
+    // at half the weights, where neither can pin the output projection, much less.
+    for f in [0.1, 0.25, 0.5, 0.75, 0.9, 1.0] {
+        let budget = (total as f64 * f) as u64;
+        let fill = plan(&map, budget, chunk, 1, Strategy::Fill);
+        for other in [Strategy::FirstLayers, Strategy::OutputFirst] {
+            let o = plan(&map, budget, chunk, 1, other);
+            assert!(fill.streamed_bytes <= o.streamed_bytes, "{f} {other:?}");
+            if f == 0.5 {
+                assert!(
+                    fill.streamed_bytes + (30 << 20) < o.streamed_bytes,
+                    "{f} {other:?}"
+                );
+            }
+        }
+        assert!(fill.pinned_bytes + fill.window <= budget.max(map.bytes(Section::Rest)) + 4096);
+    }
+    assert_eq!(Strategy::default(), Strategy::Fill);
     // At a quarter of the weights, the output projection (70%) cannot be resident.
     let q = plan(&map, total / 4, chunk, 1, Strategy::OutputFirst);
     assert!(q.streamed.contains(&Section::Embed));
@@ -96,6 +122,7 @@ fn scratch(name: &str, bytes: usize) -> std::path::PathBuf {
 
 #[test]
 fn pages_are_evicted_and_loaded_for_real() {
+    let _serial = serial();
     let path = scratch("flash-pages.bin", 40 << 20);
     let pages = Pages::open(&path).expect("pages");
     let r = (3 << 20) + 100..(19 << 20) + 5;
@@ -138,6 +165,7 @@ fn pages_are_evicted_and_loaded_for_real() {
 
 #[test]
 fn a_truncated_model_is_an_error_not_a_crash() {
+    let _serial = serial();
     let path = model_path("gemma3-270m");
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let copy = dir.path().join("model.gguf");
@@ -165,6 +193,7 @@ fn a_truncated_model_is_an_error_not_a_crash() {
 /// against llama.cpp's projection (one node) is flagged and has the output resident whole.
 #[test]
 fn streamed_decoding_keeps_the_tokens_and_the_budget() {
+    let _serial = serial();
     use leap_flash::Streamer;
     use leap_host::project::OnDemand;
     let path = model_path("gemma3-270m");
@@ -258,6 +287,7 @@ fn streamed_decoding_keeps_the_tokens_and_the_budget() {
 /// with an error that says so (no SIGBUS, no tokens from missing weights).
 #[test]
 fn a_model_file_changed_mid_run_stops_decoding_with_a_clear_error() {
+    let _serial = serial();
     use leap_flash::Streamer;
     use leap_host::project::OnDemand;
     let path = model_path("gemma3-270m");

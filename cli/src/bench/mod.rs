@@ -22,7 +22,8 @@ use leap_host::usage::{cpu_seconds, peak_rss_bytes};
 use leap_spec::engine::{Engine, EngineConfig};
 use leap_spec::model_draft::{LlamaDraft, ModelDrafter, Vocab};
 use leap_spec::plain::{self, Generation};
-use report::{ModeReport, Report, RequestReport};
+pub use report::Report;
+use report::{ModeReport, RequestReport};
 use std::sync::Arc;
 
 /// What `leap bench` was asked to do.
@@ -38,6 +39,8 @@ pub struct BenchConfig {
     pub ctx: u32,
     pub flash_attn: FlashAttn,
     pub flash_budget: Option<f64>,
+    /// What stays resident under the flash budget.
+    pub flash_strategy: leap_flash::Strategy,
     pub sampling: SamplingParams,
     pub progress: bool,
     /// Leap's modes use Leap's ggml device for small-batch matrix products (registered by
@@ -312,7 +315,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 (f * per_call as f64) as u64,
                 chunk,
                 1,
-                leap_flash::Strategy::FirstLayers,
+                cfg.flash_strategy,
             );
             Some((map, p))
         }
@@ -321,6 +324,16 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     let mut streamers: Vec<Option<leap_flash::Streamer>> = Vec::new();
     for (name, kind) in cfg.modes.iter().zip(&kinds) {
         let mut params = cparams.clone();
+        let mut kind = kind.clone();
+        if let (ModeKind::Leap(ec), Some(_)) = (&mut kind, &flash) {
+            *ec = ec.clone().streamed();
+            // `leap` (everything on) verifies trees of up to 4 leaves on a streamed target,
+            // where the extra rows ride on the I/O.
+            if name == "leap" {
+                ec.max_branches = ec.max_branches.max(4);
+            }
+        }
+        let kind = &kind;
         if let ModeKind::Leap(ec) = kind {
             params.n_seq_max = ec.max_branches as u32;
         }
@@ -519,6 +532,85 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         report.modes.insert(cfg.modes[i].clone(), m);
     }
     Ok(report)
+}
+
+/// Where a sweep writes the report of budget `b`: `out` with `.flashB` before the extension.
+pub fn sweep_path(out: &std::path::Path, b: f64) -> std::path::PathBuf {
+    let stem = out
+        .file_stem()
+        .map_or_else(|| "bench".into(), |s| s.to_string_lossy().into_owned());
+    let ext = out
+        .extension()
+        .map_or_else(|| "json".into(), |e| e.to_string_lossy().into_owned());
+    out.with_file_name(format!("{stem}.flash{b}.{ext}"))
+}
+
+/// Lever's Table 6 for a sweep of flash budgets: decode tok/s of every mode at each budget
+/// (with `plain` as flash-AR, each mode's speed-up over it and storage bytes per token), as
+/// text, and as a bar chart written to `chart`.
+///
+/// # Errors
+/// The chart cannot be written.
+pub fn sweep(reports: &[Report], modes: &[String], chart: &std::path::Path) -> Result<String> {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = write!(s, "{:>8}", "budget");
+    for m in modes {
+        let _ = write!(
+            s,
+            " {:>16} {:>9} {:>10}",
+            format!("{m} tok/s"),
+            "vs AR",
+            "MB/token"
+        );
+    }
+    let _ = writeln!(s);
+    let mut groups = Vec::new();
+    for r in reports {
+        let b = r.flash_budget.unwrap_or(1.0);
+        let ar = r.modes.get("plain").map(|m| m.decode_tokens_per_s);
+        let _ = write!(s, "{b:>8}");
+        let mut values = Vec::new();
+        for m in modes {
+            let Some(x) = r.modes.get(m) else {
+                let _ = write!(s, " {:>16} {:>9} {:>10}", "-", "-", "-");
+                values.push(f64::NAN);
+                continue;
+            };
+            let vs = ar
+                .filter(|a| *a > 0.0)
+                .map_or("-".into(), |a| format!("{:.2}x", x.decode_tokens_per_s / a));
+            let mb =
+                x.storage_read_bytes.unwrap_or(0) as f64 / 1e6 / x.generated_tokens.max(1) as f64;
+            let _ = write!(s, " {:>16.2} {:>9} {:>10.1}", x.decode_tokens_per_s, vs, mb);
+            values.push(x.decode_tokens_per_s);
+        }
+        let _ = writeln!(s);
+        groups.push(chart::Group {
+            label: format!("{b}"),
+            values,
+        });
+    }
+    let series: Vec<String> = modes
+        .iter()
+        .map(|m| {
+            if m == "plain" {
+                "flash-AR (plain)".into()
+            } else {
+                m.clone()
+            }
+        })
+        .collect();
+    let model = reports.first().map_or("", |r| r.model.as_str());
+    chart::bar_chart_png(
+        chart,
+        &format!("Decode speed under a DRAM budget: {model}"),
+        "DRAM budget (fraction of the weights)",
+        "decode tok/s",
+        &series,
+        &groups,
+    )?;
+    Ok(s)
 }
 
 /// The human table for stderr: mode, tok/s, speed-up over plain, accepted per call, identical.
