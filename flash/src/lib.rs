@@ -18,7 +18,7 @@ mod plan;
 mod stream;
 
 pub use map::{LayerMap, Section};
-pub use pages::{io_read_bytes, Pages};
+pub use pages::{io_read_bytes, mappings_of, Mapping, Pages};
 pub use plan::{plan, Plan, Strategy};
 pub use stream::{CallStats, Streamer};
 

@@ -228,29 +228,34 @@ impl Pages {
         self.base as usize
     }
 
-    /// Drop `r`'s pages from another read-only mapping of the same whole file at `base`
-    /// (llama.cpp's), so that the page cache can let them go ([`Pages::evict`] after).
-    pub fn evict_at(&self, base: usize, r: Range<u64>) {
-        if let Ok((start, len)) = self.span(&r) {
-            // SAFETY: advice on pages of a file mapping the caller found in /proc/self/maps;
-            // MADV_DONTNEED on a shared read-only file mapping refaults from the file.
-            unsafe {
-                libc::madvise(
-                    (base + start) as *mut libc::c_void,
-                    len,
-                    libc::MADV_DONTNEED,
-                )
-            };
-        }
+    /// Drop `r`'s pages from another read-only mapping of this file (llama.cpp's), so that
+    /// the page cache can let them go ([`Pages::evict`] after). `m` says where that mapping
+    /// has the file's offset 0 and which address ranges of it are really mapped: only those
+    /// are touched (MADV_DONTNEED on memory that is not the file's would zero it).
+    pub fn evict_at(&self, m: &Mapping, r: Range<u64>) {
+        self.advise_at(m, r, libc::MADV_DONTNEED);
     }
 
-    /// No read-around on faults in `r` of another mapping of the file at `base` (llama.cpp's):
-    /// a fault there would otherwise read neighbouring pages, streamed ones included, behind
-    /// the plan's back.
-    pub fn no_readaround_at(&self, base: usize, r: Range<u64>) {
-        if let Ok((start, len)) = self.span(&r) {
-            // SAFETY: advice only, on pages of a file mapping found in /proc/self/maps.
-            unsafe { libc::madvise((base + start) as *mut libc::c_void, len, libc::MADV_RANDOM) };
+    /// No read-around on faults in `r` of another mapping of the file (llama.cpp's): a fault
+    /// there would otherwise read neighbouring pages, streamed ones included, behind the
+    /// plan's back.
+    pub fn no_readaround_at(&self, m: &Mapping, r: Range<u64>) {
+        self.advise_at(m, r, libc::MADV_RANDOM);
+    }
+
+    fn advise_at(&self, m: &Mapping, r: Range<u64>, advice: libc::c_int) {
+        let Ok((start, len)) = self.span(&r) else {
+            return;
+        };
+        let (lo, hi) = (m.base + start, m.base + start + len);
+        for a in &m.areas {
+            let (x, y) = (lo.max(a.start), hi.min(a.end));
+            if x < y {
+                // SAFETY: advice on pages of a file mapping found in /proc/self/maps, within
+                // one of its areas; MADV_DONTNEED on a shared read-only file mapping refaults
+                // from the file.
+                unsafe { libc::madvise(x as *mut libc::c_void, y - x, advice) };
+            }
         }
     }
 
@@ -262,6 +267,47 @@ impl Pages {
             Err(_) => false,
         }
     }
+}
+
+/// Another mapping of a file: where it has the file's offset 0, and the address ranges of it
+/// that are mapped (llama.cpp unmaps the parts no tensor uses; Leap's projection maps one
+/// tensor).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub base: usize,
+    pub areas: Vec<std::ops::Range<usize>>,
+}
+
+/// The mappings of the file at `path` in this process other than the one whose offset 0 is at
+/// `except` (ours), from `/proc/self/maps`.
+pub fn mappings_of(path: &Path, except: usize) -> Vec<Mapping> {
+    let want = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut out: Vec<Mapping> = Vec::new();
+    for l in maps.lines() {
+        let found = (|| {
+            let mut f = l.split_whitespace();
+            let range = f.next()?;
+            let (_perms, off, _dev, _inode) = (f.next()?, f.next()?, f.next()?, f.next()?);
+            let file = f.next()?;
+            let (a, b) = range.split_once('-')?;
+            let start = usize::from_str_radix(a, 16).ok()?;
+            let end = usize::from_str_radix(b, 16).ok()?;
+            // Each area starts `offset` bytes into the mapping of the whole file.
+            let base = start.checked_sub(usize::from_str_radix(off, 16).ok()?)?;
+            (Path::new(file) == want && base != except).then_some((base, start..end))
+        })();
+        if let Some((base, area)) = found {
+            match out.iter_mut().find(|m| m.base == base) {
+                Some(m) => m.areas.push(area),
+                None => out.push(Mapping {
+                    base,
+                    areas: vec![area],
+                }),
+            }
+        }
+    }
+    out
 }
 
 /// Bytes this process has caused to be read from storage (`/proc/self/io`'s `read_bytes`:

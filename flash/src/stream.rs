@@ -86,7 +86,7 @@ struct Shared {
     /// Where other mappings of the file (llama.cpp's, Leap's on-demand projection's) have
     /// its offset 0, from /proc/self/maps (looked up at the first eviction: the contexts and
     /// projections of a run exist by then).
-    bases: Mutex<Option<Vec<usize>>>,
+    bases: Mutex<Option<Vec<crate::pages::Mapping>>>,
     state: Mutex<State>,
     done: Condvar,
     ahead: usize,
@@ -161,6 +161,8 @@ impl Streamer {
                 while let Ok(s) = rx.recv() {
                     let Some(sh) = weak.upgrade() else { break };
                     for r in sh.ranges(s) {
+                        // Mapping the pages into llama.cpp's mapping ahead of the compute
+                        // (MADV_POPULATE_READ) was tried: slower (186 vs 166 ms a call).
                         if let Err(e) = sh.pages.load(r) {
                             sh.fail(format!("streaming the model's weights: {e}"));
                         }
@@ -361,41 +363,20 @@ impl Shared {
     }
 
     /// The other mappings of the model file (see `bases`).
-    fn bases(&self) -> Vec<usize> {
+    fn bases(&self) -> Vec<crate::pages::Mapping> {
         let mut cached = self.bases.lock().unwrap_or_else(|e| e.into_inner());
         if cached.is_none() {
-            let mut bases = Vec::new();
-            let ours = self.pages.address();
-            let want = std::fs::canonicalize(&self.path).unwrap_or_else(|_| self.path.clone());
-            let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-            for l in maps.lines() {
-                let found = (|| {
-                    let mut f = l.split_whitespace();
-                    let range = f.next()?;
-                    let (_perms, off, _dev, _inode) = (f.next()?, f.next()?, f.next()?, f.next()?);
-                    let file = f.next()?;
-                    let start = usize::from_str_radix(range.split('-').next()?, 16).ok()?;
-                    // llama.cpp unmaps the parts no tensor uses, so one mapping may be several
-                    // areas: each starts `offset` bytes into the mapping of the whole file.
-                    let base = start.checked_sub(usize::from_str_radix(off, 16).ok()?)?;
-                    (base != ours && Path::new(file) == want).then_some(base)
-                })();
-                if let Some(b) = found {
-                    if !bases.contains(&b) {
-                        bases.push(b);
-                    }
-                }
-            }
+            let maps = crate::pages::mappings_of(&self.path, self.pages.address());
             // Faults in those mappings read exactly the page they need (the loader reads
             // streamed data ahead in large reads).
-            for &b in &bases {
+            for m in &maps {
                 for s in &self.plan.streamed {
                     for r in self.map.ranges(*s) {
-                        self.pages.no_readaround_at(b, r.clone());
+                        self.pages.no_readaround_at(m, r.clone());
                     }
                 }
             }
-            *cached = Some(bases);
+            *cached = Some(maps);
         }
         cached.clone().unwrap_or_default()
     }
@@ -419,8 +400,8 @@ impl Shared {
             if r.is_empty() {
                 continue;
             }
-            for &b in &bases {
-                self.pages.evict_at(b, r.clone());
+            for m in &bases {
+                self.pages.evict_at(m, r.clone());
             }
             let _ = self.pages.evict(r.clone());
         }

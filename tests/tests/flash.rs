@@ -356,3 +356,25 @@ fn a_model_file_changed_mid_run_stops_decoding_with_a_clear_error() {
         assert!(msg.contains(want), "{damage}: {msg}");
     }
 }
+
+/// The other mappings of a model file are found with the address ranges really mapped, so
+/// evictions through them never touch memory that is not the file's.
+#[test]
+fn other_mappings_of_the_model_are_found_with_their_areas() {
+    let _serial = serial();
+    let path = model_path("gemma3-270m");
+    let _model = leap_tests::model("gemma3-270m");
+    let pages = Pages::open(&path).expect("pages");
+    let maps = leap_flash::mappings_of(&path, pages.address());
+    assert!(!maps.is_empty(), "llama.cpp's mapping of the model");
+    for m in &maps {
+        assert_ne!(m.base, pages.address(), "ours is left out");
+        for a in &m.areas {
+            assert!(a.start >= m.base && a.start < a.end, "{m:?}");
+            assert!(
+                (a.end - m.base) as u64 <= pages.len().div_ceil(4096) * 4096,
+                "an area past the file's end: {m:?}"
+            );
+        }
+    }
+}
