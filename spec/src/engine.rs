@@ -399,6 +399,7 @@ impl Engine {
                     every.resize_with(tree.len().max(every.len()), Vec::new);
                     let tp = Instant::now();
                     od.try_logits_rows(&hs, &mut every[..tree.len()])?;
+                    g.output_rows += tree.len() as u64;
                     g.project_seconds += tp.elapsed().as_secs_f64();
                     for (p, l) in predicted.iter_mut().zip(&every) {
                         *p = Some(argmax(l));
@@ -407,10 +408,13 @@ impl Engine {
                 }
             }
             let projected_all = &every;
+            // Rows projected one at a time (sampled acceptance).
+            let singles = std::cell::Cell::new(0u64);
             let mut logits_of = |node: NodeId, f: &mut dyn FnMut(&[f32])| match (&hidden, od) {
                 (Some(_), Some(_)) if all_projected => f(&projected_all[node]),
                 (Some(h), Some(od)) => {
                     let n = od.n_embd();
+                    singles.set(singles.get() + 1);
                     od.logits(&h[node * n..(node + 1) * n], &mut row);
                     f(&row);
                 }
@@ -454,6 +458,7 @@ impl Engine {
                                 projected.resize_with(chain.len(), Vec::new);
                                 let tp = Instant::now();
                                 od.logits_rows(&hs, &mut projected[..chain.len()]);
+                                g.output_rows += chain.len() as u64;
                                 g.project_seconds += tp.elapsed().as_secs_f64();
                                 for (&c, l) in chain.iter().zip(&projected) {
                                     predicted[c] = Some(argmax(l));
@@ -465,10 +470,17 @@ impl Engine {
                     predicted[node].unwrap_or(-1)
                 })
             };
+            g.output_rows += singles.get();
             let verify = tc.elapsed().as_secs_f64();
             g.verify_seconds += verify;
             self.control.record_cost(tree.len(), verify);
             g.target_calls += 1;
+            g.verify_rows += tree.len() as u64;
+            g.rows_after_exit += tree.len() as u64;
+            if hidden.is_none() {
+                // llama.cpp computed the logits of every row.
+                g.output_rows += tree.len() as u64;
+            }
             let drafted = tree.len() - 1;
             g.drafted_tokens += drafted as u64;
             if drafted > 0 && self.cfg.adaptive {

@@ -32,6 +32,12 @@ pub struct Generation {
     pub verify_seconds: f64,
     /// The on-demand projection's part of `verify_seconds`.
     pub project_seconds: f64,
+    /// Rows that entered verification (target-call rows during decode).
+    pub verify_rows: u64,
+    /// Rows that went on past the early-exit layer (all of them without pruning heads).
+    pub rows_after_exit: u64,
+    /// Rows whose logits were computed (the output projection's rows).
+    pub output_rows: u64,
 }
 
 /// Run the prompt through the target (sequence 0 from position 0), logits for the last token
@@ -154,6 +160,9 @@ pub fn plain_with(
             None => ctx.decode(&batch)?,
         }
         g.target_calls += 1;
+        g.verify_rows += 1;
+        g.rows_after_exit += 1;
+        g.output_rows += 1;
         pos += 1;
     }
     g.decode_seconds = t1.elapsed().as_secs_f64();

@@ -36,6 +36,7 @@ fn compare(name: &str, cfg: EngineConfig) -> (usize, u64, u64) {
     let m = model(name);
     let mut pc = ctx(name, 1);
     let (mut differ, mut drafted, mut saved) = (0, 0, 0);
+    let (mut verify_rows, mut output_rows) = (0u64, 0u64);
     let device_calls = leap_backend::calls();
     for on_demand in [false, true] {
         let (mut ec, od) = leap_context(name, 2048, cfg.max_branches as u32);
@@ -54,6 +55,22 @@ fn compare(name: &str, cfg: EngineConfig) -> (usize, u64, u64) {
             );
             drafted += got.drafted_tokens;
             saved += (got.tokens.len() as u64).saturating_sub(got.target_calls + 1);
+            // Row counts: every call verifies its tree's rows; without pruning heads every
+            // row goes past the exit layer; llama.cpp's logits cover every row, on-demand
+            // projection only the rows acceptance reads.
+            assert_eq!(
+                got.verify_rows,
+                got.target_calls + got.drafted_tokens,
+                "{name}"
+            );
+            assert_eq!(got.rows_after_exit, got.verify_rows, "{name}");
+            if on_demand {
+                assert!(got.output_rows <= got.verify_rows, "{name}: {got:?}");
+                verify_rows += got.verify_rows;
+                output_rows += got.output_rows;
+            } else {
+                assert_eq!(got.output_rows, got.verify_rows, "{name}");
+            }
         }
         if on_demand {
             assert_eq!(
@@ -70,6 +87,12 @@ fn compare(name: &str, cfg: EngineConfig) -> (usize, u64, u64) {
         assert!(
             leap_backend::calls() > device_calls,
             "{name}: Leap's device computed nothing"
+        );
+    }
+    if drafted > 0 {
+        assert!(
+            output_rows < verify_rows,
+            "{name}: on-demand projection computed {output_rows} of {verify_rows} rows"
         );
     }
     (differ, drafted, saved)

@@ -68,6 +68,7 @@ pub const LEAP_CONFIGS: &[&str] = &[
     "calib",
     "tree",
     "eager",
+    "ondemand",
     "ggml",
     "draft",
 ];
@@ -78,7 +79,8 @@ pub const LEAP_CONFIGS: &[&str] = &[
 /// drafting the longest continuation every step), `history` (+ earlier requests and answers),
 /// `reuse` (+ draft reuse), `calib` (+ in-context calibration = `leap`), `tree` (+ up to 4
 /// leaves per step); `eager` is `leap` with llama.cpp computing logits for every verified row
-/// instead of on-demand output projection; `ggml` is `leap` with verification's matrix
+/// instead of on-demand output projection, `ondemand` the on-demand projection alone (no
+/// early-exit heads: the same as `leap` until those exist); `ggml` is `leap` with verification's matrix
 /// products on ggml's CPU kernels instead of Leap's device.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     let base = EngineConfig::default();
@@ -114,6 +116,9 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
             on_demand: false,
             ..base
         },
+        // Issue 7's pair: on-demand output projection only (no early-exit pruning heads yet,
+        // so today this is `leap`).
+        Some("ondemand") => base,
         // `leap` on llama.cpp's kernels alone (see `BenchConfig::kernels`).
         Some("ggml") => base,
         // `leap` plus a draft model (`--draft`), across vocabularies if need be.
@@ -224,6 +229,10 @@ fn run_anchor(
         let step = spec.step(max_tokens - g.tokens.len())?;
         g.target_calls += 1;
         g.drafted_tokens += step.drafted as u64;
+        // llama.cpp verifies the last token and the draft, logits for every row.
+        g.verify_rows += 1 + step.drafted as u64;
+        g.rows_after_exit += 1 + step.drafted as u64;
+        g.output_rows += 1 + step.drafted as u64;
         for t in step.tokens {
             g.tokens.push(t);
             if model.is_eog(t) || g.tokens.len() >= max_tokens {
@@ -484,6 +493,9 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 calib_seconds: g.calib_seconds,
                 verify_seconds: g.verify_seconds,
                 project_seconds: g.project_seconds,
+                verify_rows: g.verify_rows,
+                rows_after_exit: g.rows_after_exit,
+                output_rows: g.output_rows,
                 output_sha256: report::tokens_sha256(&g.tokens),
             });
             bar.inc(1);
@@ -620,7 +632,7 @@ pub fn table(report: &Report, order: &[String]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9} {:>11} {:>9} {:>10}",
+        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9} {:>11} {:>9} {:>10}  {}",
         "mode",
         "tok/s",
         "vs plain",
@@ -630,7 +642,8 @@ pub fn table(report: &Report, order: &[String]) -> String {
         "draft ms",
         "calib ms/t",
         "cpu s",
-        "identical"
+        "identical",
+        "rows verify/exit/out"
     );
     for name in order {
         let Some(m) = report.modes.get(name) else {
@@ -646,7 +659,7 @@ pub fn table(report: &Report, order: &[String]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.2} {:>10} {:>9.3} {:>11.4} {:>9.2} {:>10}",
+            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.2} {:>10} {:>9.3} {:>11.4} {:>9.2} {:>10}  {}/{}/{}",
             name,
             m.decode_tokens_per_s,
             speed,
@@ -664,7 +677,10 @@ pub fn table(report: &Report, order: &[String]) -> String {
             m.draft_ms_per_call,
             m.calib_ms_per_prompt_token,
             m.cpu_seconds,
-            ident
+            ident,
+            m.verify_rows,
+            m.rows_after_exit,
+            m.output_rows
         );
     }
     if let Some(f) = report.flash_budget {

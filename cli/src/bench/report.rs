@@ -64,6 +64,16 @@ pub struct ModeReport {
     /// Flash streaming: seconds decode calls waited for weights to be read. Added field.
     #[serde(default)]
     pub flash_blocked_seconds: Option<f64>,
+    /// Rows that entered verification during decode (target-call rows). Added field.
+    #[serde(default)]
+    pub verify_rows: u64,
+    /// Rows that went on past the early-exit layer (all of them without pruning heads).
+    /// Added field.
+    #[serde(default)]
+    pub rows_after_exit: u64,
+    /// Rows whose logits were computed (output-projection rows). Added field.
+    #[serde(default)]
+    pub output_rows: u64,
     /// Requests whose output differs from `plain` (ids). Added field.
     #[serde(default)]
     pub differing_requests: Vec<String>,
@@ -100,6 +110,15 @@ pub struct RequestReport {
     /// Added field: the on-demand output projection's part of `verify_seconds`.
     #[serde(default)]
     pub project_seconds: f64,
+    /// Added field: rows that entered verification.
+    #[serde(default)]
+    pub verify_rows: u64,
+    /// Added field: rows past the early-exit layer.
+    #[serde(default)]
+    pub rows_after_exit: u64,
+    /// Added field: rows whose logits were computed.
+    #[serde(default)]
+    pub output_rows: u64,
     pub output_sha256: String,
 }
 
@@ -126,6 +145,9 @@ impl ModeReport {
         self.verify_ms_per_call = ratio(verify * 1e3, self.target_calls as f64);
         let project: f64 = self.requests.iter().map(|r| r.project_seconds).sum();
         self.project_ms_per_call = ratio(project * 1e3, self.target_calls as f64);
+        self.verify_rows = self.requests.iter().map(|r| r.verify_rows).sum();
+        self.rows_after_exit = self.requests.iter().map(|r| r.rows_after_exit).sum();
+        self.output_rows = self.requests.iter().map(|r| r.output_rows).sum();
     }
 }
 
