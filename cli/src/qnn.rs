@@ -181,8 +181,19 @@ pub fn qnn_selftest(args: &QnnSelftestArgs) -> Result<()> {
         );
     }
     eprintln!(
-        "  estimation recall@20% {:.4}; finalize {:.1} ms; context binary saved {} ({} B), reload {}",
+        "  estimation recall@20%: estimate alone {:.4} (CPU-simulated {:.4}, 16-bit keys {}, \
+         per-head scale buckets {:.4}, unsmoothed {:.4}); kept set (25% extra re-ranked exactly) {:.4}",
         report.estimation_recall,
+        report.estimation_recall_simulated,
+        report
+            .estimation_recall_key16
+            .map_or_else(|| "refused".to_string(), |r| format!("{r:.4}")),
+        report.estimation_recall_buckets,
+        report.estimation_recall_unsmoothed,
+        report.estimation_recall_kept,
+    );
+    eprintln!(
+        "  finalize {:.1} ms; context binary saved {} ({} B), reload {}",
         report.finalize_ms,
         report.context_binary.saved,
         report.context_binary.bytes,

@@ -15,6 +15,8 @@
 //! - [`tensor`]: data types, quantization and sizes (pure).
 //! - [`ops`]: the graphs Leap builds (f32 MatMul, the Q·K estimate on int8 keys, quantized MatMul
 //!   chunks) and their CPU references.
+//! - [`estimate`]: the Q·K estimate with per-row scales (channels, keys and queries
+//!   normalized on the CPU, one graph for every head), what sparse attention uses.
 //! - [`bucket`]: shadowAttn's scale buckets and the graph-cache key (pure).
 //! - [`schedule`]: progressive prefill-to-decode graph switching (pure).
 //! - [`binary`]: saving and reloading context binaries.
@@ -25,6 +27,7 @@ pub mod backend;
 pub mod binary;
 pub mod bucket;
 pub mod error;
+pub mod estimate;
 pub mod ffi;
 pub mod library;
 mod log;

@@ -5,6 +5,7 @@ use crate::backend::{Backend, Context, Device, Graph};
 use crate::binary;
 use crate::bucket::{GraphCache, GraphKey, ScaleBuckets};
 use crate::error::{Error, Result};
+use crate::estimate::{self, KeyBits};
 use crate::library::Api;
 use crate::ops::{self, Lcg, QkShape};
 use crate::schedule::{self, BlockTimes};
@@ -64,8 +65,23 @@ pub struct Report {
     pub build_id: Option<String>,
     pub library: PathBuf,
     pub ops: Vec<OpResult>,
-    /// Top-k (k = 20% of keys) recall of the QNN int8 estimate vs f32 scores.
+    /// Top-k (k = 20% of keys) recall of the QNN int8 estimate alone vs f32 scores: the
+    /// estimate with per-row scales ([`crate::estimate`]: channel, key and query
+    /// normalization undone on the CPU), one graph for every head.
     pub estimation_recall: f64,
+    /// The recall of sparse attention's kept set: the estimate's top-k plus 25% more
+    /// candidates, re-ranked by their exact scores (what `leap-backend` keeps).
+    pub estimation_recall_kept: f64,
+    /// The estimate alone computed exactly on the CPU from the same quantized operands (how
+    /// much of the loss is quantization rather than the device).
+    pub estimation_recall_simulated: f64,
+    /// The estimate alone with 16-bit keys (16 x 16 MatMul), if the backend accepts it.
+    pub estimation_recall_key16: Option<f64>,
+    /// Why the 16-bit-key graph did not run.
+    pub key16_error: Option<String>,
+    /// The estimate alone with one int8 scale per head (shadowAttn's scale buckets, heads of a
+    /// bucket fused), keys' channel ranges folded into the queries.
+    pub estimation_recall_buckets: f64,
     /// The same without folding the keys' per-channel ranges into the queries.
     pub estimation_recall_unsmoothed: f64,
     /// What the recall was measured on.
@@ -225,7 +241,7 @@ fn op_q8(ctx: &Context) -> Result<OpResult> {
 }
 
 /// The estimation graphs of one run: a graph per (shape, bucket), cached.
-struct Estimator<'a> {
+struct BucketEstimator<'a> {
     ctx: &'a Context,
     buckets: ScaleBuckets,
     cache: GraphCache<(Graph, f64)>,
@@ -252,7 +268,7 @@ struct Estimate {
     last: Option<Launch>,
 }
 
-impl Estimator<'_> {
+impl BucketEstimator<'_> {
     fn run(&mut self, data: &QkData) -> Result<Estimate> {
         let heads = data.q.len();
         let scales: Vec<(f32, f32)> = (0..heads).map(|h| head_scales(data, h)).collect();
@@ -381,7 +397,7 @@ pub fn run_with(api: Arc<Api>, options: Options) -> Result<Report> {
     };
     let estimator = |ctx, data: &QkData| {
         let profile: Vec<(f32, f32)> = (0..heads).map(|h| head_scales(data, h)).collect();
-        Estimator {
+        BucketEstimator {
             ctx,
             buckets: ScaleBuckets::profile(&profile),
             cache: GraphCache::default(),
@@ -399,7 +415,9 @@ pub fn run_with(api: Arc<Api>, options: Options) -> Result<Report> {
     let first = est.run(&smooth)?;
     // The second pass is served from the cache (and is the steady-state time).
     let second = est.run(&smooth)?;
-    let recall = recall_of(&second);
+    let bucket_recall = recall_of(&second);
+    let normalized = normalized_estimate(&device, &data, &exact, k)?;
+    report_ops.push(normalized.op.clone());
     let max_shape = est
         .cache
         .keys()
@@ -484,13 +502,85 @@ pub fn run_with(api: Arc<Api>, options: Options) -> Result<Report> {
         build_id: api.build_id(),
         library: api.path.clone(),
         ops: report_ops,
-        estimation_recall: recall,
+        estimation_recall: normalized.recall,
+        estimation_recall_kept: normalized.kept,
+        estimation_recall_simulated: normalized.simulated,
+        estimation_recall_key16: normalized.key16.as_ref().ok().copied(),
+        key16_error: normalized.key16.err(),
+        estimation_recall_buckets: bucket_recall,
         estimation_recall_unsmoothed: unsmoothed_recall,
         estimation_data: data.source.clone(),
         finalize_ms,
         context_binary,
         schedule,
         graph_cache: (est.cache.hits, est.cache.misses),
+    })
+}
+
+/// Recalls of [`normalized_estimate`].
+struct Normalized {
+    op: OpResult,
+    recall: f64,
+    kept: f64,
+    simulated: f64,
+    key16: std::result::Result<f64, String>,
+}
+
+/// The per-row-scale estimate ([`crate::estimate`]) of every head of `data` in one launch:
+/// its recall alone, of the kept set (25% extra candidates re-ranked exactly), of its CPU
+/// simulation, and with 16-bit keys.
+fn normalized_estimate(
+    device: &Device,
+    data: &QkData,
+    exact: &[Vec<f32>],
+    k: usize,
+) -> Result<Normalized> {
+    let heads = data.q.len();
+    let dims = (heads, data.rows, data.keys, data.d);
+    let q: Vec<f32> = data.q.concat();
+    let keys: Vec<f32> = data.k.concat();
+    let exact: Vec<f32> = exact.concat();
+    let extra = (k as f32 * 0.25).ceil() as usize;
+    let est = estimate::Estimator::new(device)?;
+    let p = estimate::prepare(&q, &keys, dims, KeyBits::Eight);
+    let s = est.run(&p)?;
+    let ((), execute_ms) = timed(|| est.run(&p).map(|_| ()))?;
+    let want = p.simulate();
+    // In output steps: the device's own error against the exact products of its inputs.
+    let steps = s
+        .iter()
+        .zip(&want)
+        .fold(0i32, |m, (&a, &b)| m.max((a as i32 - b as i32).abs()));
+    let step = estimate::out_quant().scale;
+    let mut got = vec![0f32; exact.len()];
+    p.finish(&s, &mut got);
+    let mut sim = vec![0f32; exact.len()];
+    p.finish(&want, &mut sim);
+    let n = data.keys;
+    let key16 = (|| {
+        let p16 = estimate::prepare(&q, &keys, dims, KeyBits::Sixteen);
+        let s16 = est.run(&p16)?;
+        let mut got16 = vec![0f32; exact.len()];
+        p16.finish(&s16, &mut got16);
+        Ok::<_, Error>(ops::top_k_recall(&got16, &exact, n, k))
+    })()
+    .map_err(|e| e.to_string());
+    Ok(Normalized {
+        op: OpResult {
+            op: "QK estimate, per-row scales (MatMul, transpose_in1)".into(),
+            shape: vec![p.shape.heads, p.shape.rows, p.shape.keys, p.shape.d],
+            dtype: "ufixed16(sym) x ufixed8(sym) -> ufixed16".into(),
+            max_abs_err: steps as f32 * step,
+            // As for the per-head graph: four output steps.
+            tolerance: 4.0 * step,
+            ok: steps <= 4,
+            finalize_ms: est.graphs().1,
+            execute_ms,
+        },
+        recall: ops::top_k_recall(&got, &exact, n, k),
+        kept: estimate::kept_recall(&got, &exact, n, k, extra),
+        simulated: ops::top_k_recall(&sim, &exact, n, k),
+        key16,
     })
 }
 
