@@ -67,6 +67,118 @@ impl Chunks {
     }
 }
 
+/// Output chunks read with `O_DIRECT` (no page cache: no copy, no eviction, no faults) into
+/// a bounded pool of aligned buffers, one per chunk in flight, which Leap's projection
+/// computes from directly.
+struct Direct {
+    file: std::fs::File,
+    /// Aligned buffers (addresses), `cap` bytes each; chunk `j` uses `bufs[j % bufs.len()]`.
+    bufs: Vec<usize>,
+    cap: usize,
+    /// The allocations behind `bufs` (never resized while shared).
+    _mem: Vec<Vec<u8>>,
+}
+
+/// `O_DIRECT` alignment of offsets, lengths and buffers.
+const DIRECT_ALIGN: u64 = 4096;
+
+impl Direct {
+    fn new(path: &Path, chunk: u64, slots: usize) -> Option<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        if std::env::var("LEAP_FLASH_DIRECT").is_ok_and(|v| v == "0") {
+            return None;
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .map_err(|e| log::debug!("flash: no O_DIRECT for {}: {e}", path.display()))
+            .ok()?;
+        // Whole pages: an aligned read of the chunk needs at most two pages more.
+        let cap = ((chunk + 2 * DIRECT_ALIGN).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN) as usize;
+        let mut mem = Vec::new();
+        let mut bufs = Vec::new();
+        for _ in 0..slots {
+            let v = vec![0u8; cap + DIRECT_ALIGN as usize];
+            let p = v.as_ptr() as usize;
+            bufs.push(p.div_ceil(DIRECT_ALIGN as usize) * DIRECT_ALIGN as usize);
+            mem.push(v);
+        }
+        Some(Self {
+            file,
+            bufs,
+            cap,
+            _mem: mem,
+        })
+    }
+
+    /// The aligned read covering `r`: its file offset and length.
+    fn span(r: &std::ops::Range<u64>) -> (u64, usize) {
+        let a = r.start / DIRECT_ALIGN * DIRECT_ALIGN;
+        let b = r.end.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+        (a, (b - a) as usize)
+    }
+
+    /// Read chunk `j` (file bytes `r`) into its buffer.
+    fn read(&self, j: usize, r: &std::ops::Range<u64>) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let (off, len) = Self::span(r);
+        assert!(len <= self.cap, "chunk larger than the pool's buffers");
+        let base = self.bufs[j % self.bufs.len()];
+        let mut done = 0;
+        while done < len {
+            // SAFETY: the buffer has `cap >= len` bytes from `base`; chunk `j`'s slot is not
+            // read by the projection while the loader fills it (the chunk using it before
+            // was released with `after`, which comes before this chunk is requested).
+            let buf =
+                unsafe { std::slice::from_raw_parts_mut((base + done) as *mut u8, len - done) };
+            match self.file.read_at(buf, off + done as u64) {
+                Ok(0) if off + (done as u64) < r.end => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the model file ended early",
+                    ))
+                }
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Where chunk `j`'s first byte (file offset `r.start`) is in its buffer.
+    fn at(&self, j: usize, r: &std::ops::Range<u64>) -> *const u8 {
+        let (off, _) = Self::span(r);
+        (self.bufs[j % self.bufs.len()] + (r.start - off) as usize) as *const u8
+    }
+
+    /// Bytes of the pool resident now (`mincore`): it is given back after each pass.
+    fn resident(&self) -> u64 {
+        let page = DIRECT_ALIGN as usize;
+        let mut n = 0u64;
+        for &b in &self.bufs {
+            let mut v = vec![0u8; self.cap / page];
+            // SAFETY: `b..b + cap` (whole pages) lies inside the buffer's allocation of
+            // `cap + DIRECT_ALIGN` bytes, `b` being its first aligned address.
+            if unsafe { libc::mincore(b as *mut libc::c_void, self.cap, v.as_mut_ptr()) } == 0 {
+                n += v.iter().filter(|&&x| x & 1 != 0).count() as u64 * page as u64;
+            }
+        }
+        n
+    }
+
+    /// Give the pool's memory back until the next pass (the next read refaults zero pages).
+    fn release(&self) {
+        for &b in &self.bufs {
+            // SAFETY: whole pages inside the buffer's allocation (see `resident`); DONTNEED on private
+            // anonymous memory makes them read as zeros, and the next read overwrites them.
+            unsafe { libc::madvise(b as *mut libc::c_void, self.cap, libc::MADV_DONTNEED) };
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
     /// What the loader finished (cleared when evicted).
@@ -99,6 +211,8 @@ struct Shared {
     sample: std::sync::atomic::AtomicU64,
     /// Why streaming cannot go on (the file was truncated or deleted, a read failed).
     error: Mutex<Option<String>>,
+    /// Output chunks read with O_DIRECT (set with the chunks, where the file system allows).
+    direct: Mutex<Option<Arc<Direct>>>,
 }
 
 /// Streams a model's blocks during llama.cpp's decodes: give [`Streamer::observer`] to the
@@ -153,6 +267,7 @@ impl Streamer {
             ticks: Default::default(),
             sample: SAMPLE.into(),
             error: Mutex::new(None),
+            direct: Mutex::new(None),
         });
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
@@ -160,6 +275,20 @@ impl Streamer {
             .spawn(move || {
                 while let Ok(s) = rx.recv() {
                     let Some(sh) = weak.upgrade() else { break };
+                    if let (Key::Out(j), Some(d)) = (s, sh.direct()) {
+                        for r in sh.ranges(s) {
+                            if let Err(e) = d.read(j, &r) {
+                                sh.fail(format!(
+                                    "streaming the model's weights: {}: {e}",
+                                    sh.path.display()
+                                ));
+                            }
+                        }
+                        let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
+                        st.loaded.insert(s);
+                        sh.done.notify_all();
+                        continue;
+                    }
                     for r in sh.ranges(s) {
                         // Mapping the pages into llama.cpp's mapping ahead of the compute
                         // (MADV_POPULATE_READ) was tried: slower (186 vs 166 ms a call).
@@ -198,6 +327,8 @@ impl Streamer {
             end,
             chunk: rows * row_bytes as u64,
         });
+        *sh.direct.lock().unwrap_or_else(|e| e.into_inner()) =
+            Direct::new(&sh.path, rows * row_bytes as u64, 1 + sh.ahead).map(Arc::new);
         Some(Arc::new(OutputRows {
             shared: sh.clone(),
             rows: rows as usize,
@@ -266,6 +397,13 @@ impl Shared {
             .iter()
             .copied()
             .find(|s| matches!(s, Section::Output | Section::Embed))
+    }
+
+    fn direct(&self) -> Option<Arc<Direct>> {
+        self.direct
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Record why streaming cannot go on (the first reason is kept).
@@ -479,7 +617,8 @@ impl Shared {
         if !force && tick % every != 0 {
             return;
         }
-        let resident = self.streamed_resident();
+        // The direct-read pool is memory the streamed output occupies too.
+        let resident = self.streamed_resident() + self.direct().map_or(0, |d| d.resident());
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.current.peak_streamed_resident = st.current.peak_streamed_resident.max(resident);
     }
@@ -512,11 +651,19 @@ impl RowStream for OutputRows {
         self.rows
     }
 
-    fn before(&self, rows: std::ops::Range<usize>) -> std::result::Result<(), String> {
+    fn before(
+        &self,
+        rows: std::ops::Range<usize>,
+    ) -> std::result::Result<Option<*const u8>, String> {
         let sh = &self.shared;
         let j = rows.start / self.rows;
         let blocked = sh.wait(Key::Out(j));
         sh.healthy()?;
+        // Read into the pool: the rows are there (a pinned chunk is in the mapping).
+        let src = match (sh.direct(), sh.is_streamed(Key::Out(j)), sh.chunks()) {
+            (Some(d), true, Some(c)) => Some(d.at(j, &c.range(j))),
+            _ => None,
+        };
         for k in j + 1..=j + sh.ahead {
             sh.request(Key::Out(k));
         }
@@ -526,11 +673,27 @@ impl RowStream for OutputRows {
             .unwrap_or_else(|e| e.into_inner())
             .current
             .blocked_seconds += blocked;
-        Ok(())
+        Ok(src)
     }
 
     fn after(&self, rows: std::ops::Range<usize>) {
-        self.shared.evict(Key::Out(rows.start / self.rows));
+        let sh = &self.shared;
+        let k = Key::Out(rows.start / self.rows);
+        if let Some(d) = sh.direct() {
+            // Nothing of it is in the page cache: release its buffer.
+            let idle = {
+                let mut st = sh.state.lock().unwrap_or_else(|e| e.into_inner());
+                st.loaded.remove(&k);
+                st.requested.remove(&k);
+                !st.requested.iter().any(|k| matches!(k, Key::Out(_)))
+            };
+            // The pass is over: the pool's memory goes back until the next one.
+            if idle {
+                d.release();
+            }
+        } else {
+            sh.evict(k);
+        }
     }
 }
 

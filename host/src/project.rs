@@ -141,11 +141,17 @@ pub trait RowStream: Send + Sync {
     /// Rows per chunk the pass works through.
     fn chunk_rows(&self) -> usize;
     /// Rows `rows` are about to be read: return once they are in memory, or why they
-    /// cannot be (the model file was truncated or deleted).
+    /// cannot be (the model file was truncated or deleted). `Some(p)`: the stream read them
+    /// into its own memory (bypassing the page cache), `p` pointing at the first row's bytes
+    /// and valid until [`RowStream::after`] for these rows; `None`: they are in the page
+    /// cache, read through the model's mapping.
     ///
     /// # Errors
     /// The rows cannot be read.
-    fn before(&self, rows: std::ops::Range<usize>) -> std::result::Result<(), String>;
+    fn before(
+        &self,
+        rows: std::ops::Range<usize>,
+    ) -> std::result::Result<Option<*const u8>, String>;
     /// The pass is done with rows `rows`.
     fn after(&self, rows: std::ops::Range<usize>);
 }
@@ -308,7 +314,7 @@ impl OnDemand {
     /// [`Error::Stopped`]: the stream could not read a chunk (nothing is computed from it).
     pub fn try_logits_rows(&self, hs: &[&[f32]], outs: &mut [Vec<f32>]) -> Result<()> {
         match &self.stream {
-            None => self.proj.logits_rows(hs, outs, 0..self.proj.n_vocab),
+            None => self.proj.logits_rows(hs, outs, 0..self.proj.n_vocab, None),
             Some(st) => {
                 for o in outs.iter_mut() {
                     o.clear();
@@ -318,9 +324,10 @@ impl OnDemand {
                 let step = st.chunk_rows().max(1);
                 for v0 in (0..n).step_by(step) {
                     let r = v0..(v0 + step).min(n);
-                    st.before(r.clone())
+                    let src = st
+                        .before(r.clone())
                         .map_err(|reason| Error::Stopped { reason })?;
-                    self.proj.logits_rows(hs, outs, r.clone());
+                    self.proj.logits_rows(hs, outs, r.clone(), src);
                     st.after(r);
                 }
             }
@@ -486,9 +493,15 @@ impl Projection {
 
     /// One output row (`vocab` entry) against quantized activations.
     fn dot(&self, vocab: usize, act: &[u8], out: &mut f32) {
+        self.dot_row(self.rows(vocab, 1), act, out);
+    }
+
+    /// One output row's bytes against quantized activations.
+    fn dot_row(&self, row: &[u8], act: &[u8], out: &mut f32) {
+        assert_eq!(row.len(), self.row_bytes);
         // SAFETY: static traits table (see `for_model`).
         let vec_dot = unsafe { (*self.traits).vec_dot }.expect("checked in for_model");
-        let row = self.rows(vocab, 1).as_ptr().cast::<c_void>();
+        let row = row.as_ptr().cast::<c_void>();
         // SAFETY: `row` is one full weight row; `act` one row of the vec_dot type; nrc = 1 as
         // ggml's mul_mat calls it on x86 (strides unused).
         unsafe {
@@ -526,7 +539,16 @@ impl Projection {
     /// weight-stationary kernel; one `vec_dot` per row and state without one). The entries
     /// are split across the threads. `outs` must be vocabulary-sized when `vocab` is not the
     /// whole vocabulary (they are resized otherwise).
-    fn logits_rows(&self, hs: &[&[f32]], outs: &mut [Vec<f32>], vocab: std::ops::Range<usize>) {
+    ///
+    /// `src`: where the rows of `vocab` are when a stream read them into its own memory
+    /// (else they are read through the mapping).
+    fn logits_rows(
+        &self,
+        hs: &[&[f32]],
+        outs: &mut [Vec<f32>],
+        vocab: std::ops::Range<usize>,
+        src: Option<*const u8>,
+    ) {
         assert_eq!(hs.len(), outs.len());
         let acts: Vec<Vec<u8>> = hs.iter().map(|h| self.quantize(h)).collect();
         let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
@@ -545,6 +567,23 @@ impl Projection {
             }
         }
         let first = vocab.start;
+        let src = src.map(|p| p as usize);
+        let rows_of = move |v: usize, n: usize| -> &[u8] {
+            match src {
+                // SAFETY: the stream's memory holds rows `vocab` until `after` (see
+                // `RowStream::before`), and `v..v + n` lies inside them.
+                Some(p) => {
+                    assert!(v >= vocab.start && v + n <= vocab.end);
+                    unsafe {
+                        std::slice::from_raw_parts(
+                            (p as *const u8).add((v - first) * self.row_bytes),
+                            n * self.row_bytes,
+                        )
+                    }
+                }
+                None => self.rows(v, n),
+            }
+        };
         let acts = &acts;
         std::thread::scope(|s| {
             for (c, mut parts) in chunks.into_iter().enumerate() {
@@ -563,11 +602,11 @@ impl Projection {
                         let v0 = first + c * per + i0;
                         let tmp = &mut tmp[..n * r];
                         match &prepared {
-                            Some((k, a)) => k.dot_many(a, self.rows(v0, n), tmp),
+                            Some((k, a)) => k.dot_many(a, rows_of(v0, n), tmp),
                             None => {
                                 for (i, t) in tmp.chunks_exact_mut(r).enumerate() {
                                     for (a, t) in acts.iter().zip(t) {
-                                        self.dot(v0 + i, a, t);
+                                        self.dot_row(rows_of(v0 + i, 1), a, t);
                                     }
                                 }
                             }
