@@ -85,9 +85,6 @@ const DIRECT_ALIGN: u64 = 4096;
 impl Direct {
     fn new(path: &Path, chunk: u64, slots: usize) -> Option<Self> {
         use std::os::unix::fs::OpenOptionsExt;
-        if std::env::var("LEAP_FLASH_DIRECT").is_ok_and(|v| v == "0") {
-            return None;
-        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECT)
@@ -213,6 +210,8 @@ struct Shared {
     error: Mutex<Option<String>>,
     /// Output chunks read with O_DIRECT (set with the chunks, where the file system allows).
     direct: Mutex<Option<Arc<Direct>>>,
+    /// Whether to try O_DIRECT for the output chunks (`LEAP_FLASH_DIRECT=0` says no).
+    allow_direct: std::sync::atomic::AtomicBool,
 }
 
 /// Streams a model's blocks during llama.cpp's decodes: give [`Streamer::observer`] to the
@@ -268,6 +267,9 @@ impl Streamer {
             sample: SAMPLE.into(),
             error: Mutex::new(None),
             direct: Mutex::new(None),
+            allow_direct: std::env::var("LEAP_FLASH_DIRECT")
+                .map_or(true, |v| v != "0")
+                .into(),
         });
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
@@ -327,12 +329,31 @@ impl Streamer {
             end,
             chunk: rows * row_bytes as u64,
         });
-        *sh.direct.lock().unwrap_or_else(|e| e.into_inner()) =
-            Direct::new(&sh.path, rows * row_bytes as u64, 1 + sh.ahead).map(Arc::new);
+        *sh.direct.lock().unwrap_or_else(|e| e.into_inner()) = sh
+            .allow_direct
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .then(|| Direct::new(&sh.path, rows * row_bytes as u64, 1 + sh.ahead))
+            .flatten()
+            .map(Arc::new);
         Some(Arc::new(OutputRows {
             shared: sh.clone(),
             rows: rows as usize,
         }))
+    }
+
+    /// Read the output projection's chunks with `O_DIRECT` into a pool of Leap's (the
+    /// default where the file system allows; `LEAP_FLASH_DIRECT=0` turns it off), or
+    /// through the page cache. Takes effect at [`Streamer::row_stream`].
+    pub fn direct(self, on: bool) -> Self {
+        self.shared
+            .allow_direct
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
+    /// Whether the output chunks are read with `O_DIRECT` (after [`Streamer::row_stream`]).
+    pub fn reads_direct(&self) -> bool {
+        self.shared.direct().is_some()
     }
 
     /// Measure the resident streamed bytes at one boundary in `every` (1: at every boundary,

@@ -194,6 +194,13 @@ fn a_truncated_model_is_an_error_not_a_crash() {
 #[test]
 fn streamed_decoding_keeps_the_tokens_and_the_budget() {
     let _serial = serial();
+    // The output chunks read with O_DIRECT into Leap's pool, and through the page cache.
+    for direct in [true, false] {
+        streamed_decoding(direct);
+    }
+}
+
+fn streamed_decoding(direct: bool) {
     use leap_flash::Streamer;
     use leap_host::project::OnDemand;
     let path = model_path("gemma3-270m");
@@ -227,7 +234,8 @@ fn streamed_decoding_keeps_the_tokens_and_the_budget() {
     let (window, pinned, budget) = (p.window, p.pinned_bytes, p.budget);
     let streamer = Streamer::new(&path, map, p, 1)
         .expect("streamer")
-        .measure_every(1);
+        .measure_every(1)
+        .direct(direct);
     let (mut ctx, od) = OnDemand::context_with(
         &model,
         &leap_tests::params(512, 1),
@@ -237,6 +245,14 @@ fn streamed_decoding_keeps_the_tokens_and_the_budget() {
     let od = od.expect("Gemma's projection is a plain matrix product");
     let od = od.clone().with_stream(streamer.row_stream(od.row_bytes()));
     assert!(od.streamed());
+    // Where the file system refuses O_DIRECT (tmpfs), the page cache path runs instead.
+    if direct && !streamer.reads_direct() {
+        eprintln!(
+            "no O_DIRECT for {}: read through the page cache",
+            path.display()
+        );
+    }
+    assert!(direct || !streamer.reads_direct());
     let greedy = leap_host::sampler::SamplingParams::default();
     let got =
         leap_spec::plain::plain_with(&mut ctx, Some(&od), &prompt, 12, &greedy, 512, &mut |_| {
@@ -278,7 +294,7 @@ fn streamed_decoding_keeps_the_tokens_and_the_budget() {
         }
     }
     eprintln!(
-        "streamed {streamed_blocks} blocks and the output: {:?}",
+        "streamed {streamed_blocks} blocks and the output (direct {direct}): {:?}",
         &calls[calls.len() - 3..]
     );
 }
