@@ -54,6 +54,11 @@ pub struct Sparse {
     /// estimates the next head while the CPU attends this one). `None`: when the OpenCL
     /// device is a GPU; on a CPU device (PoCL) the launches cost more than they hide.
     pub pipeline: Option<bool>,
+    /// Whether the estimate (on `leap-cpu`) runs on Qualcomm's NPU through QNN ([`crate::qnn`],
+    /// feature `qnn`): `None` (default) when its library loads and the platform uses it
+    /// (Android; elsewhere only with `LEAP_QNN=on`); `Some(true)` whenever it loads;
+    /// `Some(false)` never. Without the library the CPU estimates (a warning says why).
+    pub qnn: Option<bool>,
 }
 
 /// Where sparse attention's int8 estimate runs.
@@ -89,6 +94,7 @@ impl Default for Sparse {
             heads: None,
             estimate_on: EstimateOn::Cpu,
             pipeline: None,
+            qnn: None,
         }
     }
 }
@@ -119,6 +125,12 @@ static EPOCH: AtomicU64 = AtomicU64::new(1);
 /// and the cache writes to ggml. Contexts must use flash attention for the device to see
 /// attention at all.
 pub fn set_sparse(config: Option<Sparse>) {
+    if let Some(c) = &config {
+        if c.estimate_on == EstimateOn::Cpu {
+            // Load QNN now if it is wanted, so that a missing library is reported at once.
+            crate::qnn::use_for(c.qnn);
+        }
+    }
     *CONFIG.write().unwrap_or_else(|e| e.into_inner()) = config;
     EPOCH.fetch_add(1, Ordering::Relaxed);
 }
@@ -641,6 +653,8 @@ struct Row {
     sparse: bool,
     /// Estimate on the OpenCL device.
     on_opencl: bool,
+    /// Estimate on QNN (one launch per KV head over all candidates).
+    on_qnn: bool,
     est: Vec<Vec<f32>>,
     /// The queries as they are (the estimate quantizes only the keys).
     qf: Vec<f32>,
@@ -710,6 +724,7 @@ unsafe fn prepare(
     r.hi = n - cfg.recent.min(n - r.lo);
     r.on_opencl = cfg.estimate_on == EstimateOn::OpenCl;
     r.sparse = sparse && n >= cfg.min_keys && (0..g).any(|x| budget(keep[h0 + x], n, cfg) < n);
+    r.on_qnn = r.sparse && !r.on_opencl && crate::qnn::use_for(cfg.qnn);
     if r.sparse {
         r.qf.clear();
         for x in 0..g {
@@ -735,7 +750,9 @@ unsafe fn estimate(
     est: &[Ptr],
     (c0, c1): (usize, usize),
 ) {
-    if cfg_on_opencl(k8, hk, (x0, g), r, est, (c0, c1), op) {
+    if cfg_on_opencl(k8, hk, (x0, g), r, est, (c0, c1), op)
+        || on_qnn(op, hk, (x0, g), r, est, (c0, c1))
+    {
         return;
     }
     let mut outs: Vec<&mut [f32]> = est[x0..x0 + g]
@@ -805,6 +822,43 @@ unsafe fn cfg_on_opencl(
         let _ = (k8, hk, x0, g, est, c0, c1, op);
         false
     }
+}
+
+/// Estimate on QNN when it is used for this row; false: do it on the CPU (not used, or QNN
+/// failed: logged once).
+unsafe fn on_qnn(
+    op: &Operands,
+    hk: usize,
+    (x0, g): (usize, usize),
+    r: &Row,
+    est: &[Ptr],
+    (c0, c1): (usize, usize),
+) -> bool {
+    if !r.on_qnn {
+        return false;
+    }
+    let mut outs: Vec<&mut [f32]> = est[x0..x0 + g]
+        .iter()
+        .map(|p| std::slice::from_raw_parts_mut(p.at(0).cast::<f32>().add(c0), c1 - c0))
+        .collect();
+    let base = r.lo + c0;
+    let key = |c: usize| {
+        op.k.add(r.cand[base + c] as usize * op.k_row + hk * op.k_head)
+            .cast::<u16>()
+    };
+    match crate::qnn::scores(&r.qf[x0 * op.d..], (g, op.d, c1 - c0), key, &mut outs) {
+        Ok(()) => true,
+        Err(e) => {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| log::warn!("QNN estimate failed ({e}); estimating on the CPU"));
+            false
+        }
+    }
+}
+
+/// QNN launches of the estimate in this process (see [`crate::qnn`]).
+pub fn qnn_calls() -> u64 {
+    crate::qnn::executes()
 }
 
 static OPENCL_CALLS: AtomicU64 = AtomicU64::new(0);
@@ -1133,8 +1187,9 @@ pub unsafe fn compute(
                     .map(|e| Ptr(e.as_mut_ptr().cast()))
                     .collect();
                 let (rr, est) = (&r, &est);
-                // The OpenCL device takes the whole range in one launch.
-                let split = if r.on_opencl { 1 } else { threads };
+                // The OpenCL device and QNN take the whole range in one launch (QNN's
+                // estimate depends on all of a row's candidates: its scales are theirs).
+                let split = if r.on_opencl || r.on_qnn { 1 } else { threads };
                 parallel(split, &|tid, nth| {
                     let (c0, c1) = (m * tid / nth, m * (tid + 1) / nth);
                     for hk in 0..op.n_head_kv {

@@ -19,7 +19,8 @@
 //! also takes `FLASH_ATTN_EXT` (decode and verification shapes) and the K cache writes that
 //! feed its int8 copy of the cache: shadowAttn's estimated top-k attention ([`attn`]). A
 //! second device, `leap-opencl` ([`want_opencl`]; feature `opencl`), takes the attention
-//! instead when its estimate is to run on OpenCL ([`opencl`]).
+//! instead when its estimate is to run on OpenCL ([`opencl`]). On a phone with Qualcomm's
+//! QNN (feature `qnn`), `leap-cpu`'s estimate runs on the NPU ([`qnn`]).
 //!
 //! Two ways in: [`register`] in-process (what `leap` does), or the cdylib of `backend/plugin`
 //! (`libggml_leap.so`), which exports `ggml_backend_init` for an unmodified llama.cpp that
@@ -34,6 +35,7 @@ mod matmul;
 #[cfg(feature = "opencl")]
 pub mod opencl;
 mod par;
+pub mod qnn;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -57,8 +57,16 @@ fn provider_and_versions_are_the_wheels() {
     );
 }
 
+/// Tests that decode a model: sparse attention's settings and its capture are process-wide.
+static MODEL_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn model_lock() -> std::sync::MutexGuard<'static, ()> {
+    MODEL_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `leap qnn-selftest` (with `--capture MODEL` if given) at context 1024, and its report.
 fn selftest(capture: Option<&str>) -> serde_json::Value {
+    let _one = capture.map(|_| model_lock());
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("r.json");
     leap_cli::qnn::qnn_selftest(&leap_cli::qnn::QnnSelftestArgs {
@@ -329,11 +337,267 @@ fn estimate_recall_on_gemma_queries_and_keys() {
     leap_tests::model_path(leap_tests::GEMMA);
     let r = selftest(Some(leap_tests::GEMMA));
     let recall = r["estimation_recall"].as_f64().unwrap();
+    let kept = r["estimation_recall_kept"].as_f64().unwrap();
     eprintln!(
-        "Gemma 3 270M, ctx 1024, full-attention layers: recall@20% {recall:.4} \
-         (without smoothing {:.4}); {}",
-        r["estimation_recall_unsmoothed"], r["estimation_data"]
+        "Gemma 3 270M, ctx 1024, full-attention layers: recall@20% of the estimate alone \
+         {recall:.4}, of the kept set {kept:.4} (simulated {}, 16-bit keys {}, per-head \
+         buckets {}, without smoothing {}); {}",
+        r["estimation_recall_simulated"],
+        r["estimation_recall_key16"],
+        r["estimation_recall_buckets"],
+        r["estimation_recall_unsmoothed"],
+        r["estimation_data"]
     );
-    // Measured 0.975; the issue asks 0.99, which the per-head int8 keys do not reach yet.
-    assert!(recall >= 0.95, "{recall}");
+    for op in r["ops"].as_array().unwrap() {
+        assert_eq!(op["ok"], true, "{op}");
+    }
+    assert!(recall >= 0.99, "estimate alone: {recall}");
+    assert!(kept >= 0.995, "kept set: {kept}");
+}
+
+/// The first 1280 tokens of a text, as Gemma tokens.
+fn gemma_prompt() -> Vec<i32> {
+    let m = leap_tests::model(leap_tests::GEMMA);
+    m.tokenize(include_str!("../../backend/src/attn.rs"), true, false)
+        .unwrap()[..1280]
+        .to_vec()
+}
+
+/// Prefill `prompt` in a Gemma context as [`leap_tests::greedy_logits`] makes it (flash
+/// attention, sparse attention off) and capture the attention nodes of the first greedy
+/// decode step.
+fn capture_gemma(prompt: &[i32]) -> Vec<leap_backend::attn::Captured> {
+    use leap_backend::attn;
+    use leap_host::{Batch, ContextParams, FlashAttn};
+    let m = leap_tests::model(leap_tests::GEMMA);
+    attn::set_sparse(None);
+    let p = ContextParams {
+        n_batch: 2048,
+        flash_attn: FlashAttn::On,
+        ..leap_tests::params(2048, 1)
+    };
+    let mut ctx = leap_host::Context::new(&m, &p).unwrap();
+    let mut b = Batch::new(prompt.len(), 1);
+    b.add_sequence(prompt, 0, 0, true).unwrap();
+    ctx.decode(&b).unwrap();
+    let t = leap_spec::plain::argmax(ctx.logits(-1).unwrap());
+    attn::start_capture();
+    let mut b = Batch::new(1, 1);
+    b.add(t, prompt.len() as i32, &[0], true).unwrap();
+    let r = ctx.decode(&b);
+    let nodes = attn::take_capture();
+    r.unwrap();
+    nodes
+}
+
+#[test]
+fn sparse_decode_step_estimates_on_qnn_like_the_cpu() {
+    use leap_backend::attn::{self, Sparse};
+    let Some(_) = api() else { return };
+    let _one = model_lock();
+    let prompt = gemma_prompt();
+    let nodes = capture_gemma(&prompt);
+    // The full-attention layers: their decode row sees every key (the sliding-window layers'
+    // see 512), so it attends sparsely.
+    let full: Vec<_> = nodes
+        .iter()
+        .filter(|c| {
+            c.n_q == 1
+                && c.mask[..c.n_kv]
+                    .iter()
+                    .filter(|&&x| leap_backend::f16::to_f32(x).is_finite())
+                    .count()
+                    == prompt.len() + 1
+        })
+        .collect();
+    assert_eq!(full.len(), 3, "Gemma 3 270M has 3 full-attention layers");
+    let threads = leap_tests::threads() as usize;
+    let (mut same, mut total, mut worst) = (0usize, 0usize, 0f32);
+    for c in full {
+        let (_buf, k8) = c.shadow();
+        let keep = vec![0.2f32; c.n_head];
+        let run = |qnn: bool| {
+            let cfg = Sparse {
+                qnn: Some(qnn),
+                ..Sparse::default()
+            };
+            let mut dst = vec![0f32; c.n_q * c.n_head * c.dv];
+            let mut chosen = Vec::new();
+            let before = attn::qnn_calls();
+            // SAFETY: the operands and the shadow are copies that live through the call.
+            let st = unsafe {
+                attn::compute(
+                    &c.operands(&mut dst),
+                    Some(&k8),
+                    &cfg,
+                    &keep,
+                    threads,
+                    Some(&mut chosen),
+                )
+            };
+            (dst, chosen, st, attn::qnn_calls() - before)
+        };
+        let (cpu, cpu_kept, cpu_st, cpu_calls) = run(false);
+        let (npu, npu_kept, npu_st, npu_calls) = run(true);
+        assert_eq!(cpu_calls, 0);
+        // One launch per KV head of the decode row.
+        assert_eq!(npu_calls, c.n_head_kv as u64, "layer {}", c.layer);
+        assert_eq!(cpu_st.sparse_rows, c.n_head as u64);
+        assert_eq!(cpu_st.keys_kept, npu_st.keys_kept, "the same budgets");
+        for (a, b) in cpu_kept.iter().zip(&npu_kept) {
+            total += a.len();
+            same += b.iter().filter(|j| a.binary_search(j).is_ok()).count();
+        }
+        let top = cpu.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = ops::max_abs_err(&cpu, &npu);
+        eprintln!(
+            "layer {}: QNN launches {npu_calls}, max |out diff| {err:.2e} (|out| <= {top:.2})",
+            c.layer
+        );
+        worst = worst.max(err / top.max(1e-6));
+    }
+    let agree = same as f64 / total as f64;
+    eprintln!("kept keys: QNN and CPU estimates agree on {agree:.4}; worst relative output diff {worst:.2e}");
+    // Both kept sets are re-ranked by exact scores, so they differ only where a key near the
+    // cut was outside one estimate's candidates; with the same keys the outputs differ only
+    // by the order of the sums.
+    assert!(agree >= 0.995, "{agree}");
+    assert!(worst < 5e-3, "{worst}");
+
+    // The same through llama.cpp: decode steps of a Gemma context with sparse attention (the
+    // prompt's prefill, 1280 rows, stays with ggml: on the emulator it would take minutes).
+    let cfg = Sparse {
+        max_rows: 16,
+        ..Sparse::default()
+    };
+    let steps = 2;
+    let decode = |qnn: Option<bool>| {
+        attn::set_sparse(qnn.map(|on| Sparse {
+            qnn: Some(on),
+            ..cfg.clone()
+        }));
+        let (calls, t) = (attn::qnn_calls(), std::time::Instant::now());
+        let logits =
+            leap_tests::greedy_logits(leap_tests::GEMMA, &prompt, steps, leap_host::FlashAttn::On);
+        (logits, attn::qnn_calls() - calls, t.elapsed().as_secs_f64())
+    };
+    let (dense, _, _) = decode(None);
+    let (cpu, cpu_calls, cpu_s) = decode(Some(false));
+    let (npu, npu_calls, npu_s) = decode(Some(true));
+    attn::set_sparse(None);
+    eprintln!(
+        "{steps} decode steps after a 1280-token prompt: CPU estimate {cpu_s:.1} s, QNN {npu_s:.1} s \
+         ({npu_calls} launches; prefill included in both)"
+    );
+    assert_eq!(cpu_calls, 0);
+    // Every decode step: one launch per full-attention layer (one KV head each).
+    assert_eq!(npu_calls, 3 * steps as u64);
+    for s in 1..=steps {
+        let (d, d_cpu, d_npu) = (
+            leap_tests::max_abs_diff(&cpu[s], &npu[s]),
+            leap_tests::max_abs_diff(&cpu[s], &dense[s]),
+            leap_tests::max_abs_diff(&npu[s], &dense[s]),
+        );
+        eprintln!(
+            "step {s}: max |dlogit| CPU vs QNN estimate {d:.3}; sparse vs dense: CPU {d_cpu:.3}, QNN {d_npu:.3}"
+        );
+        // The two estimates may keep different keys where exact scores nearly tie at the cut;
+        // that moves the logits less than sparse attention itself does (compared while dense
+        // decoding has fed the same tokens).
+        if (1..s).all(|p| leap_spec::plain::argmax(&dense[p]) == leap_spec::plain::argmax(&cpu[p]))
+        {
+            assert!(d <= d_cpu.max(d_npu), "step {s}: {d} vs {d_cpu} / {d_npu}");
+        }
+        assert_eq!(
+            leap_spec::plain::argmax(&cpu[s]),
+            leap_spec::plain::argmax(&npu[s]),
+            "step {s}"
+        );
+    }
+}
+
+/// With `LEAP_QNN=on` and a library that is not QNN in `LEAP_QNN_LIB_DIR`, sparse attention
+/// warns and decodes on the CPU estimate, as it does with QNN off. Runs in a child process: the
+/// QNN state and the logger are process-wide.
+#[test]
+fn a_wrong_qnn_library_warns_and_decoding_carries_on() {
+    use leap_backend::attn::{self, Sparse};
+    const CHILD: &str = "LEAP_QNN_WRONG_LIB_CHILD";
+    let Some(libm) = [
+        "/lib/x86_64-linux-gnu/libm.so.6",
+        "/usr/lib/x86_64-linux-gnu/libm.so.6",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).is_file()) else {
+        eprintln!("SKIP: no libm.so.6 to stand in for a wrong QNN library");
+        return;
+    };
+    if std::env::var_os(CHILD).is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(libm, dir.path().join("libQnnHtp.so")).unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "a_wrong_qnn_library_warns_and_decoding_carries_on",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .env("LEAP_QNN", "on")
+            .env(library::LIB_DIR_ENV, dir.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        return;
+    }
+    struct Warnings;
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    impl log::Log for Warnings {
+        fn enabled(&self, m: &log::Metadata) -> bool {
+            m.level() <= log::Level::Warn
+        }
+        fn log(&self, r: &log::Record) {
+            if self.enabled(r.metadata()) {
+                SEEN.lock().unwrap().push(r.args().to_string());
+            }
+        }
+        fn flush(&self) {}
+    }
+    log::set_logger(&Warnings).unwrap();
+    log::set_max_level(log::LevelFilter::Warn);
+    let m = leap_tests::model(leap_tests::SMOLLM);
+    let prompt: Vec<i32> = m
+        .tokenize(include_str!("../../backend/src/attn.rs"), true, false)
+        .unwrap()[..1100]
+        .to_vec();
+    let cfg = Sparse {
+        max_rows: 16,
+        ..Sparse::default()
+    };
+    // The default for this process is on (LEAP_QNN=on): the library is tried here.
+    attn::set_sparse(Some(cfg.clone()));
+    let warned = SEEN.lock().unwrap().clone();
+    eprintln!("warnings: {warned:?}");
+    assert!(
+        warned
+            .iter()
+            .any(|w| w.contains("QNN unavailable") && w.contains("is not a QNN library")),
+        "{warned:?}"
+    );
+    let before = attn::stats();
+    let with = leap_tests::greedy_logits(leap_tests::SMOLLM, &prompt, 2, leap_host::FlashAttn::On);
+    let after = attn::stats();
+    assert!(
+        after.sparse_rows > before.sparse_rows,
+        "decode steps attended sparsely"
+    );
+    assert_eq!(attn::qnn_calls(), 0);
+    attn::set_sparse(Some(Sparse {
+        qnn: Some(false),
+        ..cfg
+    }));
+    let cpu = leap_tests::greedy_logits(leap_tests::SMOLLM, &prompt, 2, leap_host::FlashAttn::On);
+    attn::set_sparse(None);
+    assert_eq!(with, cpu, "the same CPU estimate either way");
 }

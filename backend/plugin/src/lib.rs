@@ -13,12 +13,36 @@
 //! - `LEAP_KERNELS`: `on` (default) or `off` (small-batch matrix products left to ggml).
 //! - `LEAP_ESTIMATE`: `cpu` (default) or `opencl`: sparse attention's estimate on an OpenCL
 //!   device (the `leap-opencl` device, registered when OpenCL works here).
+//! - `LEAP_QNN`: `on` or `off`: `leap-cpu`'s estimate on Qualcomm's NPU through QNN (default:
+//!   on for Android when `libQnnHtp.so` loads, off elsewhere; `LEAP_QNN_LIB_DIR` says where
+//!   the library is). A library that does not load is reported on stderr and the CPU
+//!   estimates.
+//!
+//! Leap's warnings and errors go to stderr (the host's logging knows nothing of Rust's).
 
 use std::ffi::c_void;
 
 use leap_backend::attn::{self, Sparse};
 
+/// Leap's log records of level warning and above, on stderr.
+struct Stderr;
+
+impl log::Log for Stderr {
+    fn enabled(&self, m: &log::Metadata) -> bool {
+        m.level() <= log::Level::Warn
+    }
+    fn log(&self, r: &log::Record) {
+        if self.enabled(r.metadata()) {
+            eprintln!("libggml_leap: {}: {}", r.level(), r.args());
+        }
+    }
+    fn flush(&self) {}
+}
+
 fn configure() {
+    if log::set_logger(&Stderr).is_ok() {
+        log::set_max_level(log::LevelFilter::Warn);
+    }
     if let Ok(v) = std::env::var("LEAP_KERNELS") {
         leap_backend::set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
     }
