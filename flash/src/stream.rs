@@ -635,7 +635,7 @@ impl Shared {
             .sample
             .load(std::sync::atomic::Ordering::Relaxed)
             .max(1);
-        if !force && tick % every != 0 {
+        if !force && !tick.is_multiple_of(every) {
             return;
         }
         // The direct-read pool is memory the streamed output occupies too.

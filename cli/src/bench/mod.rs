@@ -632,7 +632,7 @@ pub fn table(report: &Report, order: &[String]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9} {:>11} {:>9} {:>10}  {}",
+        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9} {:>11} {:>9} {:>10}  rows verify/exit/out",
         "mode",
         "tok/s",
         "vs plain",
@@ -643,7 +643,6 @@ pub fn table(report: &Report, order: &[String]) -> String {
         "calib ms/t",
         "cpu s",
         "identical",
-        "rows verify/exit/out"
     );
     for name in order {
         let Some(m) = report.modes.get(name) else {
