@@ -54,6 +54,7 @@ struct Run {
     devices: Vec<String>,
     tokens: String,
     nodes: u64,
+    stderr: String,
 }
 
 fn run(host: &Path, envs: &[(&str, &str)], flash_attn: bool) -> Run {
@@ -63,7 +64,9 @@ fn run(host: &Path, envs: &[(&str, &str)], flash_attn: bool) -> Run {
         .arg(if flash_attn { "1" } else { "0" })
         .env_remove("GGML_BACKEND_PATH")
         .env_remove("LEAP_SPARSE")
-        .env_remove("LEAP_KERNELS");
+        .env_remove("LEAP_KERNELS")
+        .env_remove("LEAP_QNN")
+        .env_remove("LEAP_QNN_LIB_DIR");
     for (k, v) in envs {
         cmd.env(k, v);
     }
@@ -86,6 +89,7 @@ fn run(host: &Path, envs: &[(&str, &str)], flash_attn: bool) -> Run {
             .collect(),
         tokens: field("tokens"),
         nodes: field("leap-cpu nodes ").parse().unwrap_or(0),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
 }
 
@@ -141,4 +145,34 @@ fn unmodified_llama_cpp_loads_the_plugin() {
         sparse.nodes,
         dense.nodes
     );
+
+    // QNN asked for (LEAP_QNN=on) with a library that is not QNN: a warning on stderr, and the
+    // program decodes what it decodes without QNN.
+    let wrong = tempfile::tempdir().unwrap();
+    let libm = [
+        "/lib/x86_64-linux-gnu/libm.so.6",
+        "/usr/lib/x86_64-linux-gnu/libm.so.6",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).is_file())
+    .expect("libm.so.6 stands in for a wrong QNN library");
+    std::fs::copy(libm, wrong.path().join("libQnnHtp.so")).unwrap();
+    let qnn = run(
+        &host,
+        &[
+            ("GGML_BACKEND_PATH", so),
+            ("LEAP_SPARSE", "0.2"),
+            ("LEAP_QNN", "on"),
+            ("LEAP_QNN_LIB_DIR", wrong.path().to_str().unwrap()),
+        ],
+        true,
+    );
+    assert_eq!(qnn.code, 0, "{}", qnn.stderr);
+    assert!(
+        qnn.stderr.contains("QNN unavailable") && qnn.stderr.contains("not a QNN library"),
+        "{}",
+        qnn.stderr
+    );
+    assert_eq!(qnn.tokens, sparse.tokens);
+    assert_eq!(qnn.nodes, sparse.nodes);
 }
