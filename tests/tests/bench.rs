@@ -40,6 +40,14 @@ fn workload(max_tokens: usize) -> tempfile::NamedTempFile {
     f
 }
 
+/// The tests here run one at a time: the flash test measures the model file's residency,
+/// which another test decoding the same model in this process would fill.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
     BenchConfig {
         model: model_path(model),
@@ -61,6 +69,7 @@ fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
 
 #[test]
 fn report_follows_the_contract_for_plain_and_every_ngram_type() {
+    let _serial = serial();
     let w = workload(24);
     let modes = [
         "plain",
@@ -105,6 +114,7 @@ fn report_follows_the_contract_for_plain_and_every_ngram_type() {
 
 #[test]
 fn too_long_requests_are_skipped_and_counted() {
+    let _serial = serial();
     let w = workload(2000);
     let mut cfg = config(SMOLLM, w.path().to_path_buf(), &["plain"]);
     cfg.ctx = 1024;
@@ -117,6 +127,7 @@ fn too_long_requests_are_skipped_and_counted() {
 
 #[test]
 fn draft_simple_runs_with_a_same_vocabulary_draft() {
+    let _serial = serial();
     let w = workload(16);
     let mut cfg = config(
         SMOLLM,
@@ -138,6 +149,7 @@ fn draft_simple_runs_with_a_same_vocabulary_draft() {
 
 #[test]
 fn llama_refuses_a_draft_of_another_vocabulary() {
+    let _serial = serial();
     let w = workload(8);
     let mut cfg = config(GEMMA, w.path().to_path_buf(), &["llama:draft-simple"]);
     cfg.draft = Some(model_path(SMOLLM));
@@ -147,6 +159,7 @@ fn llama_refuses_a_draft_of_another_vocabulary() {
 
 #[test]
 fn bad_configurations_say_what_to_do() {
+    let _serial = serial();
     let w = workload(8);
     let e = format!(
         "{:#}",
@@ -167,6 +180,7 @@ fn bad_configurations_say_what_to_do() {
 
 #[test]
 fn flash_budget_streams_and_reports_storage_reads() {
+    let _serial = serial();
     let w = workload(8);
     let mut c = config(GEMMA, w.path().to_path_buf(), &["plain", "leap"]);
     c.flash_budget = Some(0.25);
