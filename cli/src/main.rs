@@ -524,9 +524,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
         (Context::new(&model, &params)?, None)
     };
     // Leap's projection reads streamed output weights a chunk at a time, within the budget.
-    let od = od.map(|o| {
-        let rows = streamer.as_ref().and_then(|s| s.row_stream(o.row_bytes()));
-        o.with_stream(rows)
+    let od = od.map(|o| match &streamer {
+        Some(s) => s.stream_projection(o),
+        None => o,
     });
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

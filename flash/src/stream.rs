@@ -341,6 +341,16 @@ impl Streamer {
         }))
     }
 
+    /// `od` (Leap's projection of a context this streamer observes) reading the streamed
+    /// output weights through [`Streamer::row_stream`]; unchanged when they are resident.
+    pub fn stream_projection(
+        &self,
+        od: leap_host::project::OnDemand,
+    ) -> leap_host::project::OnDemand {
+        let rows = self.row_stream(od.row_bytes());
+        od.with_stream(rows)
+    }
+
     /// Read the output projection's chunks with `O_DIRECT` into a pool of Leap's (the
     /// default where the file system allows; `LEAP_FLASH_DIRECT=0` turns it off), or
     /// through the page cache. Takes effect at [`Streamer::row_stream`].
@@ -625,6 +635,17 @@ impl Shared {
             .sum()
     }
 
+    /// A layer or chunk boundary: the seconds waited for its data, and (sampled) what is
+    /// resident.
+    fn boundary(&self, blocked: f64) {
+        self.note_resident(false);
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .current
+            .blocked_seconds += blocked;
+    }
+
     /// Record the streamed bytes resident now in the call's peak (at one boundary in
     /// [`SAMPLE`], or always with `force`).
     fn note_resident(&self, force: bool) {
@@ -688,12 +709,7 @@ impl RowStream for OutputRows {
         for k in j + 1..=j + sh.ahead {
             sh.request(Key::Out(k));
         }
-        sh.note_resident(false);
-        sh.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .current
-            .blocked_seconds += blocked;
+        sh.boundary(blocked);
         Ok(src)
     }
 
@@ -790,12 +806,7 @@ impl EvalObserver for Observer {
             if i > 0 && sh.streamed(i - 1) {
                 sh.evict(Key::Sec(Section::Block(i - 1)));
             }
-            sh.note_resident(false);
-            sh.state
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .current
-                .blocked_seconds += blocked;
+            sh.boundary(blocked);
         } else if name == "result_norm" {
             let last = sh.map.blocks().saturating_sub(1);
             if sh.streamed(last) {

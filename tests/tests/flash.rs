@@ -242,8 +242,7 @@ fn streamed_decoding(direct: bool) {
         Some(streamer.observer()),
     )
     .expect("context");
-    let od = od.expect("Gemma's projection is a plain matrix product");
-    let od = od.clone().with_stream(streamer.row_stream(od.row_bytes()));
+    let od = streamer.stream_projection(od.expect("Gemma's projection is a plain matrix product"));
     assert!(od.streamed());
     // Where the file system refuses O_DIRECT (tmpfs), the page cache path runs instead.
     if direct && !streamer.reads_direct() {
@@ -329,8 +328,7 @@ fn a_model_file_changed_mid_run_stops_decoding_with_a_clear_error() {
             Some(streamer.observer()),
         )
         .expect("context");
-        let od = od.expect("projection");
-        let od = od.clone().with_stream(streamer.row_stream(od.row_bytes()));
+        let od = streamer.stream_projection(od.expect("projection"));
         let first = leap_spec::plain::plain_with(
             &mut ctx,
             Some(&od),

@@ -358,9 +358,9 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         let observer = streamer.as_ref().map(|s| s.observer());
         streamers.push(streamer);
         // Leap's output projection reads streamed output weights a chunk at a time.
-        let chunked = |od: OnDemand, st: &Option<leap_flash::Streamer>| {
-            let rows = st.as_ref().and_then(|s| s.row_stream(od.row_bytes()));
-            od.with_stream(rows)
+        let chunked = |od: OnDemand, st: &Option<leap_flash::Streamer>| match st {
+            Some(s) => s.stream_projection(od),
+            None => od,
         };
         if let ModeKind::Leap(ec) = kind {
             let (target, od) = OnDemand::context_with(&model, &params, observer)
