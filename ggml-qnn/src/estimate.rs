@@ -24,7 +24,7 @@ use crate::backend::{Context, Device, Graph};
 use crate::bucket::{GraphCache, GraphKey};
 use crate::error::{Error, Result};
 use crate::ops::{self, QkShape};
-use crate::tensor::{u16_bytes, u16_bytes_mut, DataType, Quant, Role, TensorSpec};
+use crate::tensor::{u16_bytes, u16_bytes_mut, DataType, Quant, TensorSpec};
 use crate::Api;
 use crate::Backend;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -72,19 +72,12 @@ pub fn out_quant() -> Quant {
 
 /// The tensors of a normalized estimate graph (inputs `q`, `k`, output `s`).
 pub fn tensors(shape: QkShape, bits: KeyBits) -> Vec<TensorSpec> {
-    let QkShape {
-        heads,
-        rows,
-        keys,
-        d,
-    } = shape;
-    vec![
-        TensorSpec::new("q", Role::Input, DataType::UFixed16, &[heads, rows, d])
-            .quantized(Quant::symmetric_u16(1.0 / 32767.0)),
-        TensorSpec::new("k", Role::Input, bits.dtype(), &[heads, keys, d]).quantized(bits.quant()),
-        TensorSpec::new("s", Role::Output, DataType::UFixed16, &[heads, rows, keys])
-            .quantized(out_quant()),
-    ]
+    ops::qk_tensors_as(
+        shape,
+        Quant::symmetric_u16(1.0 / 32767.0),
+        (bits.dtype(), bits.quant()),
+        out_quant(),
+    )
 }
 
 /// Build and finalize the normalized estimate graph of `shape`.

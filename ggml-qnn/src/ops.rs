@@ -65,6 +65,17 @@ pub fn qk_output_quant(d: u32, q_scale: f32, k_scale: f32) -> Quant {
 /// The tensors of a Q·K graph (inputs `q`, `k`, output `s`), for building and for reloading
 /// it from a context binary.
 pub fn qk_tensors(shape: QkShape, q_scale: f32, k_scale: f32) -> Vec<TensorSpec> {
+    qk_tensors_as(
+        shape,
+        Quant::symmetric_u16(q_scale),
+        (DataType::UFixed8, Quant::symmetric_u8(k_scale)),
+        qk_output_quant(shape.d, q_scale, k_scale),
+    )
+}
+
+/// The tensors of a Q·K graph with 16-bit queries quantized as `q`, keys of type and
+/// quantization `k`, and 16-bit scores quantized as `s`.
+pub fn qk_tensors_as(shape: QkShape, q: Quant, k: (DataType, Quant), s: Quant) -> Vec<TensorSpec> {
     let QkShape {
         heads,
         rows,
@@ -72,12 +83,9 @@ pub fn qk_tensors(shape: QkShape, q_scale: f32, k_scale: f32) -> Vec<TensorSpec>
         d,
     } = shape;
     vec![
-        TensorSpec::new("q", Role::Input, DataType::UFixed16, &[heads, rows, d])
-            .quantized(Quant::symmetric_u16(q_scale)),
-        TensorSpec::new("k", Role::Input, DataType::UFixed8, &[heads, keys, d])
-            .quantized(Quant::symmetric_u8(k_scale)),
-        TensorSpec::new("s", Role::Output, DataType::UFixed16, &[heads, rows, keys])
-            .quantized(qk_output_quant(d, q_scale, k_scale)),
+        TensorSpec::new("q", Role::Input, DataType::UFixed16, &[heads, rows, d]).quantized(q),
+        TensorSpec::new("k", Role::Input, k.0, &[heads, keys, d]).quantized(k.1),
+        TensorSpec::new("s", Role::Output, DataType::UFixed16, &[heads, rows, keys]).quantized(s),
     ]
 }
 
