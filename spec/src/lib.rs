@@ -12,6 +12,7 @@
 //! | [`control`] | the analytic model: acceptance per match length, the measured cost of rows |
 //! | [`accept`] | greedy and stochastic (distribution-preserving) acceptance over a token tree |
 //! | [`dist`] | llama.cpp's top-k/top-p/min-p/temperature chain |
+//! | [`head`] | early-exit heads (Lever §4.3): the head, its training |
 //! | [`tree`] | token trees, the rows of their one-call verification (leaf sequence ids), KV rollback plans |
 //! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
 //! | [`plain`] | plain decoding (the baseline), [`plain::Generation`]: what a generation produced and cost |
@@ -26,6 +27,7 @@ pub mod control;
 pub mod dist;
 pub mod draft;
 pub mod engine;
+pub mod head;
 pub mod lever;
 pub mod model_draft;
 pub mod plain;
