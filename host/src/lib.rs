@@ -12,6 +12,7 @@
 //! | [`batch`] | [`Batch`]: tokens with positions, several sequence ids each, and per-row output flags |
 //! | [`sampler`] | [`Sampler`]: llama.cpp's sampler chains (greedy, or temperature/top-k/top-p/min-p/seeded dist) |
 //! | [`eval`] | [`EvalObserver`]: llama.cpp's eval callback, for reading named intermediate tensors |
+//! | [`exit`] | [`exit::Exit`]: early exit at a layer of a verification call, as a row mask Leap's device honours |
 //! | [`usage`] | CPU time and peak RSS of the process, for benchmark accounting |
 //! | [`qdot`] | weight-stationary multi-row quantized dot products, bit-identical to ggml's one-row `vec_dot` |
 //! | [`anchor`] | [`anchor::LlamaSpeculative`]: llama.cpp's own speculative decoding (`common/speculative.h`) through a small C++ shim, the baseline Leap is measured against |
@@ -27,6 +28,7 @@ pub mod batch;
 pub mod context;
 mod error;
 pub mod eval;
+pub mod exit;
 pub mod gguf;
 pub mod model;
 pub mod project;

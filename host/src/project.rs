@@ -156,9 +156,44 @@ pub trait RowStream: Send + Sync {
     fn after(&self, rows: std::ops::Range<usize>);
 }
 
+/// What identifies a model's output weights (`output.weight`, or the tied `token_embd.weight`):
+/// their shape, type and a hash of their first megabyte. A sidecar trained on another model
+/// does not match. `None` for a model without either tensor.
+///
+/// # Errors
+/// The model file cannot be read.
+pub fn fingerprint(model: &Model) -> Result<Option<String>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let info = GgufInfo::open(model.path())?;
+    let t = info
+        .tensors
+        .iter()
+        .find(|t| t.name == "output.weight")
+        .or_else(|| info.tensors.iter().find(|t| t.name == "token_embd.weight"));
+    let Some(t) = t else { return Ok(None) };
+    let io = |e: std::io::Error| Error::InvalidGguf {
+        path: model.path().to_path_buf(),
+        reason: format!("reading the output weights: {e}"),
+    };
+    let mut f = std::fs::File::open(model.path()).map_err(io)?;
+    f.seek(SeekFrom::Start(t.offset)).map_err(io)?;
+    let mut bytes = vec![0u8; t.size.min(1 << 20) as usize];
+    f.read_exact(&mut bytes).map_err(io)?;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in &bytes {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    Ok(Some(format!(
+        "{} {}x{} fnv1a:{h:016x}",
+        t.ggml_type, t.ne[0], t.ne[1]
+    )))
+}
+
 /// The output weights and ggml's kernels for them.
 struct Projection {
     weights: Arc<Mapped>,
+    /// The weights' ggml type.
+    ty: sys::ggml_type,
     vec_dot_type: sys::ggml_type,
     n_embd: usize,
     n_vocab: usize,
@@ -362,6 +397,34 @@ impl OnDemand {
         }
     }
 
+    /// Row `token` of the output weights (its embedding for a tied head) as f32, into `out`
+    /// (`n_embd` values): what early-exit heads score candidates with, for training.
+    ///
+    /// # Panics
+    /// `token` outside the vocabulary, or `out` not `n_embd` long.
+    pub fn row_f32(&self, token: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.proj.n_embd);
+        let row = self.proj.rows(token, 1);
+        // SAFETY: ggml's static traits table for a valid type.
+        let to_float = unsafe { (*sys::ggml_get_type_traits(self.proj.ty)).to_float };
+        match to_float {
+            // SAFETY: one full row of the type in, `n_embd` floats out.
+            Some(f) => unsafe {
+                f(
+                    row.as_ptr().cast(),
+                    out.as_mut_ptr(),
+                    self.proj.n_embd as i64,
+                )
+            },
+            None if self.proj.ty == sys::GGML_TYPE_F32 => {
+                for (o, b) in out.iter_mut().zip(row.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            None => out.fill(0.0),
+        }
+    }
+
     /// Check on this context that projecting row `row` of the hidden states reproduces
     /// llama.cpp's logits bit for bit. Decodes `batch` once, hidden states copied and the
     /// graph run to the end. Returns whether they matched.
@@ -455,6 +518,7 @@ impl Projection {
         let weights = Mapped::shared(model.path(), t.offset, t.size as usize)?;
         let mut p = Self {
             weights,
+            ty,
             vec_dot_type: vdt,
             n_embd,
             n_vocab,

@@ -22,6 +22,7 @@ pub enum Value {
     F32(f32),
     Str(String),
     F32s(Vec<f32>),
+    I32s(Vec<i32>),
 }
 
 /// A sidecar's key/values.
@@ -63,6 +64,14 @@ impl Sidecar {
     pub fn f32s(&self, key: &str) -> Option<&[f32]> {
         match self.get(key)? {
             Value::F32s(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// An i32 array by key.
+    pub fn i32s(&self, key: &str) -> Option<&[i32]> {
+        match self.get(key)? {
+            Value::I32s(v) => Some(v),
             _ => None,
         }
     }
@@ -131,6 +140,13 @@ impl Sidecar {
                         let p = sys::gguf_get_arr_data(c.0, i).cast::<f32>();
                         Value::F32s(std::slice::from_raw_parts(p, n).to_vec())
                     }
+                    sys::GGUF_TYPE_ARRAY
+                        if sys::gguf_get_arr_type(c.0, i) == sys::GGUF_TYPE_INT32 =>
+                    {
+                        let n = sys::gguf_get_arr_n(c.0, i);
+                        let p = sys::gguf_get_arr_data(c.0, i).cast::<i32>();
+                        Value::I32s(std::slice::from_raw_parts(p, n).to_vec())
+                    }
                     // Other types (general.* keys, later formats): not Leap's to keep.
                     _ => continue,
                 };
@@ -169,6 +185,13 @@ impl Sidecar {
                         c.0,
                         key.as_ptr(),
                         sys::GGUF_TYPE_FLOAT32,
+                        a.as_ptr().cast(),
+                        a.len(),
+                    ),
+                    Value::I32s(a) => sys::gguf_set_arr_data(
+                        c.0,
+                        key.as_ptr(),
+                        sys::GGUF_TYPE_INT32,
                         a.as_ptr().cast(),
                         a.len(),
                     ),
@@ -215,6 +238,7 @@ mod tests {
         let p = dir.join("m.leap.gguf");
         let mut s = Sidecar::default();
         s.set("leap.attn.keep", Value::F32s(vec![0.1, 0.25, 1.0]));
+        s.set("leap.exit.shadow", Value::I32s(vec![-3, 0, 262_143]));
         s.set("leap.attn.n_layer", Value::U32(3));
         s.set("leap.attn.global_keep", Value::F32(0.2));
         s.set("leap.attn.corpus", Value::Str("wiki.txt".into()));

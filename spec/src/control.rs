@@ -52,6 +52,10 @@ pub struct Controller {
     /// Least-squares sums for beta: sum x*y and sum x*x with x = k-1, y = t/t1 - 1.
     sxy: f64,
     sxx: f64,
+    /// Early exit: the share of a drafted row's cost spent after the exit layer (0: no
+    /// early exit), and the fraction of drafted rows kept past it (EMA).
+    exit_share: f64,
+    keep_rate: f64,
 }
 
 impl Controller {
@@ -69,6 +73,8 @@ impl Controller {
             t1: 0.0,
             sxy: beta_prior * 4.0,
             sxx: 4.0,
+            exit_share: 0.0,
+            keep_rate: 0.7,
         }
     }
 
@@ -96,6 +102,49 @@ impl Controller {
             Some(&t) if t > 0.0 && self.t1 > 0.0 => t / self.t1,
             _ => linear * 1.1,
         }
+    }
+
+    /// Verification prunes rows at an early-exit layer: `share` of a drafted row's cost is
+    /// spent after it (the later layers' fraction of the layers).
+    pub fn set_exit_share(&mut self, share: f64) {
+        self.exit_share = share.clamp(0.0, 1.0);
+    }
+
+    /// A call's rows counted as full rows: the root, the drafted rows' share before the
+    /// exit, and after it the drafted rows that went on (`kept`, root included).
+    pub fn full_rows(&self, rows: usize, kept: usize) -> f64 {
+        let d = rows.saturating_sub(1) as f64;
+        let k = kept.saturating_sub(1) as f64;
+        1.0 + d * (1.0 - self.exit_share) + k * self.exit_share
+    }
+
+    /// Record how many of a call's rows went past the exit layer.
+    pub fn record_kept(&mut self, rows: usize, kept: usize) {
+        if rows > 1 && self.exit_share > 0.0 {
+            let r = kept.saturating_sub(1) as f64 / (rows - 1) as f64;
+            self.keep_rate = 0.9 * self.keep_rate + 0.1 * r;
+        }
+    }
+
+    /// The fraction of drafted rows kept past the exit layer (EMA).
+    pub fn keep_rate(&self) -> f64 {
+        self.keep_rate
+    }
+
+    /// Relative cost of verifying a tree of `rows` rows, counting the rows after the exit
+    /// layer separately: the expected kept rows pay them, the others only the layers before
+    /// (interpolating the profile between whole row counts). Without an early exit, [`cost`].
+    ///
+    /// [`cost`]: Controller::cost
+    pub fn tree_cost(&self, rows: usize) -> f64 {
+        if self.exit_share == 0.0 || rows <= 1 {
+            return self.cost(rows);
+        }
+        let d = (rows - 1) as f64;
+        let full = 1.0 + d * (1.0 - self.exit_share * (1.0 - self.keep_rate));
+        let lo = full.floor() as usize;
+        let f = full - lo as f64;
+        self.cost(lo) * (1.0 - f) + self.cost(lo + 1) * f
     }
 
     /// The reliability factor (1: acceptance estimates are borne out).
@@ -172,6 +221,26 @@ mod tests {
         assert!((expected_tokens(0.5, 2) - 1.75).abs() < 1e-12);
         assert_eq!(expected_tokens(0.0, 5), 1.0);
         assert_eq!(expected_tokens(1.0, 3), 4.0);
+    }
+
+    #[test]
+    fn pruned_rows_make_trees_cheaper() {
+        let mut c = Controller::new(0.5);
+        c.record_cost(1, 0.02);
+        for r in 2..10 {
+            c.record_cost(r, 0.02 * (1.0 + 0.5 * (r - 1) as f64));
+        }
+        assert_eq!(c.tree_cost(5), c.cost(5), "no exit: the profile");
+        c.set_exit_share(0.5);
+        for _ in 0..100 {
+            c.record_kept(9, 3);
+        }
+        // 8 drafted rows: half their cost before the exit, a quarter of them after it.
+        assert!((c.keep_rate() - 0.25).abs() < 1e-3);
+        let full = 1.0 + 8.0 * (1.0 - 0.5 * 0.75);
+        assert!((c.tree_cost(9) - (1.0 + 0.5 * (full - 1.0))).abs() < 1e-3);
+        assert!(c.tree_cost(9) < c.cost(9));
+        assert_eq!(c.full_rows(9, 3), 1.0 + 4.0 + 1.0);
     }
 
     #[test]

@@ -19,6 +19,7 @@ use crate::calib::{self, CalibratedDrafter, Calibration};
 use crate::control::Controller;
 use crate::dist::Truncation;
 use crate::draft::{ContextDrafter, Drafter, HistoryDrafter, Proposal, ReuseDrafter};
+use crate::exit::Pruner;
 use crate::lever;
 use crate::plain::{argmax, prefill, Generation};
 use crate::tree::{KvOp, NodeId, TokenTree};
@@ -46,6 +47,9 @@ pub struct EngineConfig {
     pub on_demand: bool,
     /// In-context calibration from the prompt's prefill (needs an [`OnDemand`]).
     pub calibrate: bool,
+    /// Prune verification rows with an early-exit head when one is given
+    /// ([`Engine::with_exit`]; needs on-demand projection).
+    pub exit: bool,
 }
 
 impl Default for EngineConfig {
@@ -61,6 +65,7 @@ impl Default for EngineConfig {
             reuse_lifetime: 3,
             on_demand: true,
             calibrate: true,
+            exit: true,
         }
     }
 }
@@ -92,6 +97,8 @@ pub struct Engine {
     /// On-demand output projection for the context this engine decodes with, and whether it
     /// was checked against llama.cpp's logits there (`None`: not yet).
     on_demand: Option<(OnDemand, Option<bool>)>,
+    /// Early exit (Lever §4.3): the context's exit observer and the head that decides.
+    exit: Option<(leap_host::exit::Exit, Pruner)>,
 }
 
 /// A caller's drafter (opaque to `Debug`).
@@ -127,6 +134,7 @@ impl Engine {
             cfg,
             control,
             on_demand: None,
+            exit: None,
             extra: None,
         }
     }
@@ -144,6 +152,18 @@ impl Engine {
     /// llama.cpp's logits for good if not (a log warning says so).
     pub fn with_on_demand(mut self, od: Option<OnDemand>) -> Self {
         self.on_demand = od.map(|o| (o, None));
+        self
+    }
+
+    /// Prune verification rows at an early-exit layer (Lever §4.3): `exit` is the observer
+    /// on the context passed to [`Engine::generate_with`], `pruner` the head that decides.
+    /// Needs on-demand projection (the pruned rows have no logits); calls of three rows or
+    /// more are pruned, streamed targets never (their cost is the weights' I/O).
+    pub fn with_exit(mut self, exit: Option<(leap_host::exit::Exit, Pruner)>) -> Self {
+        if let Some((_, p)) = &exit {
+            self.control.set_exit_share(p.share_after());
+        }
+        self.exit = exit;
         self
     }
 
@@ -360,6 +380,9 @@ impl Engine {
             let tc = Instant::now();
             // Hidden states of every row when the output projection is done on demand.
             let mut hidden: Option<Vec<f32>> = None;
+            // The rows an early exit kept past its layer (`None`: every row).
+            let mut kept: Option<Vec<bool>> = None;
+            let mut pruning = false;
             match &mut self.on_demand {
                 // A streamed output projection (flash) is read from storage by every pass, so
                 // then even a lone row goes through Leap's chunked projection.
@@ -376,18 +399,37 @@ impl Engine {
                         }
                         *checked = Some(ok);
                     } else {
+                        let exit = self
+                            .exit
+                            .as_ref()
+                            .filter(|_| self.cfg.exit && tree.len() > 2 && !od.streamed());
+                        if let Some((ex, pruner)) = exit {
+                            ex.arm(pruner.decide(&tree, od));
+                            pruning = true;
+                        }
                         od.arm(true);
                         let r = ctx.decode(&batch);
                         od.disarm();
+                        if let Some((ex, _)) = exit {
+                            let (k, seconds) = ex.disarm();
+                            kept = k;
+                            g.exit_seconds += seconds;
+                        }
                         r?;
                         hidden = Some(od.take_hidden()?);
                     }
                 }
                 _ => ctx.decode(&batch)?,
             }
-            // The target's logits after a node: projected on demand (into `row`), or
+            // What acceptance walks: the tree, or what an early exit kept of it (`map`: each
+            // node's id in `tree`, which is also its row).
+            let (vt, map) = match &kept {
+                Some(k) => tree.retain(k),
+                None => (tree.clone(), (0..tree.len()).collect()),
+            };
+            // The target's logits after a node of `vt`: projected on demand (into `row`), or
             // llama.cpp's. A node without logits leaves `f` uncalled.
-            let mut predicted: Vec<Option<Token>> = vec![None; tree.len()];
+            let mut predicted: Vec<Option<Token>> = vec![None; vt.len()];
             let od = self.on_demand.as_ref().map(|o| &o.0);
             // Streamed output weights: every row in one pass (a second pass would read them
             // from storage again).
@@ -395,11 +437,11 @@ impl Engine {
             if let (Some(h), Some(od)) = (&hidden, od) {
                 if od.streamed() {
                     let n = od.n_embd();
-                    let hs: Vec<&[f32]> = (0..tree.len()).map(|c| &h[c * n..(c + 1) * n]).collect();
-                    every.resize_with(tree.len().max(every.len()), Vec::new);
+                    let hs: Vec<&[f32]> = map.iter().map(|&c| &h[c * n..(c + 1) * n]).collect();
+                    every.resize_with(vt.len().max(every.len()), Vec::new);
                     let tp = Instant::now();
-                    od.try_logits_rows(&hs, &mut every[..tree.len()])?;
-                    g.output_rows += tree.len() as u64;
+                    od.try_logits_rows(&hs, &mut every[..vt.len()])?;
+                    g.output_rows += vt.len() as u64;
                     g.project_seconds += tp.elapsed().as_secs_f64();
                     for (p, l) in predicted.iter_mut().zip(&every) {
                         *p = Some(argmax(l));
@@ -415,18 +457,19 @@ impl Engine {
                 (Some(h), Some(od)) => {
                     let n = od.n_embd();
                     singles.set(singles.get() + 1);
-                    od.logits(&h[node * n..(node + 1) * n], &mut row);
+                    let r = map[node];
+                    od.logits(&h[r * n..(r + 1) * n], &mut row);
                     f(&row);
                 }
                 _ => {
-                    if let Ok(l) = ctx.logits(node as i32) {
+                    if let Ok(l) = ctx.logits(map[node] as i32) {
                         f(l);
                     }
                 }
             };
             let acc = if sampled {
                 accept::stochastic(
-                    &tree,
+                    &vt,
                     |node| {
                         let mut d = Vec::new();
                         logits_of(node, &mut |l| d = trunc.apply(l).dense(n_vocab));
@@ -435,7 +478,7 @@ impl Engine {
                     &mut rng,
                 )
             } else {
-                accept::greedy(&tree, |node| {
+                accept::greedy(&vt, |node| {
                     if predicted[node].is_none() {
                         match (&hidden, od) {
                             // Project the node and the most likely path below it in one pass
@@ -443,7 +486,7 @@ impl Engine {
                             // as deep as acceptance is expected to go, plus one.
                             (Some(h), Some(od)) => {
                                 let n = od.n_embd();
-                                let depth = tree.nodes()[node].depth as f64;
+                                let depth = vt.nodes()[node].depth as f64;
                                 // Without an estimate (fixed drafting), two rows: a second
                                 // costs a fraction of a pass and drafts that were proposed
                                 // are usually taken at least once.
@@ -452,9 +495,11 @@ impl Engine {
                                 } else {
                                     2
                                 };
-                                let chain = trunk_chain(&tree, node, ahead.min(MAX_PROJECTED));
-                                let hs: Vec<&[f32]> =
-                                    chain.iter().map(|&c| &h[c * n..(c + 1) * n]).collect();
+                                let chain = trunk_chain(&vt, node, ahead.min(MAX_PROJECTED));
+                                let hs: Vec<&[f32]> = chain
+                                    .iter()
+                                    .map(|&c| &h[map[c] * n..(map[c] + 1) * n])
+                                    .collect();
                                 projected.resize_with(chain.len(), Vec::new);
                                 let tp = Instant::now();
                                 od.logits_rows(&hs, &mut projected[..chain.len()]);
@@ -473,10 +518,26 @@ impl Engine {
             g.output_rows += singles.get();
             let verify = tc.elapsed().as_secs_f64();
             g.verify_seconds += verify;
-            self.control.record_cost(tree.len(), verify);
+            // The profile holds calls of full rows: a pruned call counts as fewer.
+            let full = self.control.full_rows(tree.len(), vt.len());
+            self.control.record_cost(full.round() as usize, verify);
+            if pruning {
+                self.control.record_kept(tree.len(), vt.len());
+            }
             g.target_calls += 1;
             g.verify_rows += tree.len() as u64;
-            g.rows_after_exit += tree.len() as u64;
+            g.rows_after_exit += vt.len() as u64;
+            // Back to `tree`'s ids: the accepted node, and the target's token after each node
+            // (none for a pruned one).
+            let acc = accept::Accepted {
+                node: map[acc.node],
+                tokens: acc.tokens,
+            };
+            let mut predicted_at: Vec<Option<Token>> = vec![None; tree.len()];
+            for (i, &p) in predicted.iter().enumerate() {
+                predicted_at[map[i]] = p;
+            }
+            let predicted = predicted_at;
             if hidden.is_none() {
                 // llama.cpp computed the logits of every row.
                 g.output_rows += tree.len() as u64;

@@ -139,7 +139,7 @@ pub fn build(
     let mut gain = 1.0;
     for (k, &n) in order.iter().enumerate() {
         gain += trie[n].reach;
-        let rate = gain / control.cost(k + 2);
+        let rate = gain / control.tree_cost(k + 2);
         if rate > best_rate * 1.02 {
             best_rate = rate;
             best_len = k + 1;

@@ -8,6 +8,7 @@
 //! | [`draft`] | the [`draft::Drafter`] trait; retrieval from the request and the history, draft reuse |
 //! | [`calib`] | in-context calibration from the prompt's prefill |
 //! | [`model_draft`] | drafting with a small model, across vocabularies through text |
+//! | [`exit`] | verification pruning with an early-exit head (Lever §4.3), the head in the sidecar |
 //! | [`lever`] | gain/cost token trees |
 //! | [`control`] | the analytic model: acceptance per match length, the measured cost of rows |
 //! | [`accept`] | greedy and stochastic (distribution-preserving) acceptance over a token tree |
@@ -27,6 +28,7 @@ pub mod control;
 pub mod dist;
 pub mod draft;
 pub mod engine;
+pub mod exit;
 pub mod head;
 pub mod lever;
 pub mod model_draft;

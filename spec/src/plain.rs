@@ -36,6 +36,8 @@ pub struct Generation {
     pub verify_rows: u64,
     /// Rows that went on past the early-exit layer (all of them without pruning heads).
     pub rows_after_exit: u64,
+    /// Seconds the early-exit head took deciding which rows go on.
+    pub exit_seconds: f64,
     /// Rows whose logits were computed (the output projection's rows).
     pub output_rows: u64,
 }

@@ -126,6 +126,31 @@ impl TokenTree {
     }
 
     /// Leaves in node order.
+    /// The tree of the nodes `keep` marks (the root and every kept node's ancestors must be
+    /// kept), and for each of its nodes the id it had here: what verification reads after an
+    /// early exit pruned rows.
+    ///
+    /// # Panics
+    /// `keep` of the wrong length, or not closed under ancestors.
+    pub fn retain(&self, keep: &[bool]) -> (TokenTree, Vec<NodeId>) {
+        assert_eq!(keep.len(), self.nodes.len());
+        assert!(keep[0], "the root is always kept");
+        let mut new_id = vec![usize::MAX; self.nodes.len()];
+        let mut old = vec![0];
+        new_id[0] = 0;
+        let mut out = TokenTree::new(self.nodes[0].token);
+        for (i, n) in self.nodes.iter().enumerate().skip(1) {
+            if !keep[i] {
+                continue;
+            }
+            let p = new_id[n.parent.expect("not the root")];
+            assert!(p != usize::MAX, "node {i} kept without its parent");
+            new_id[i] = out.add(p, n.token, n.q);
+            old.push(i);
+        }
+        (out, old)
+    }
+
     pub fn leaves(&self) -> Vec<NodeId> {
         (0..self.nodes.len())
             .filter(|&i| self.nodes[i].children.is_empty())
@@ -234,6 +259,18 @@ impl TokenTree {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn retain_keeps_marked_nodes_and_maps_them_back() {
+        let mut t = TokenTree::new(1);
+        t.add_path(0, &[2, 3, 4]); // nodes 1, 2, 3
+        t.add_path(1, &[5]); // node 4, under node 1
+        let (r, old) = t.retain(&[true, true, false, false, true]);
+        assert_eq!(old, vec![0, 1, 4]);
+        assert_eq!(r.path(2), vec![2, 5]);
+        assert_eq!(r.child(0, 2), Some(1));
+        assert_eq!(r.child(1, 3), None, "the pruned branch is gone");
+    }
+
     use super::*;
     use std::collections::{BTreeMap, BTreeSet};
 

@@ -83,11 +83,11 @@ fn main() {
         }
         b.decode(&bt).unwrap();
         let mut worst = 0f32;
-        for i in 0..k {
+        for (i, want) in ref_logits.iter().enumerate().take(k) {
             let l = b.logits(i as i32).unwrap();
             let d = l
                 .iter()
-                .zip(&ref_logits[i])
+                .zip(want)
                 .map(|(x, y)| (x - y).abs())
                 .fold(0.0, f32::max);
             worst = worst.max(d);

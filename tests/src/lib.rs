@@ -128,3 +128,59 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// Chi-square test (p = 0.001) that `pairs`, the first two tokens of seeded sampled
+/// generations after `toks`, follow the joint distribution llama.cpp's sampler chain with
+/// `params` draws from on `c`'s model (computed from plain prefill logits).
+pub fn assert_pairs_follow_the_target(
+    c: &mut leap_host::Context,
+    toks: &[i32],
+    params: &leap_host::sampler::SamplingParams,
+    pairs: &[(i32, i32)],
+) {
+    use leap_spec::dist::Truncation;
+    // The target's joint distribution of the first two tokens, from plain prefill logits.
+    let chain = Truncation::from(params);
+    c.clear(false);
+    leap_spec::plain::prefill(c, toks, 512).unwrap();
+    let first = chain.apply(c.logits(-1).unwrap());
+    let mut want: Vec<((i32, i32), f64)> = Vec::new();
+    for &(t1, p1) in &first.entries {
+        let context: Vec<i32> = toks.iter().copied().chain([t1]).collect();
+        c.clear(false);
+        leap_spec::plain::prefill(c, &context, 512).unwrap();
+        for &(t2, p2) in &chain.apply(c.logits(-1).unwrap()).entries {
+            want.push(((t1, t2), f64::from(p1) * f64::from(p2)));
+        }
+    }
+    let outside = pairs
+        .iter()
+        .filter(|p| !want.iter().any(|w| w.0 == **p))
+        .count();
+    assert_eq!(outside, 0, "pairs the sampler chain can never draw");
+    let n = pairs.len() as f64;
+    // Pairs expected fewer than 5 times are pooled into one category.
+    let (mut chi2, mut cells, mut pooled_o, mut pooled_e) = (0.0, 0usize, 0.0, 0.0);
+    for &(pair, p) in &want {
+        let observed = pairs.iter().filter(|&&q| q == pair).count() as f64;
+        let expected = n * p;
+        if expected < 5.0 {
+            pooled_o += observed;
+            pooled_e += expected;
+        } else {
+            chi2 += (observed - expected).powi(2) / expected;
+            cells += 1;
+        }
+    }
+    if pooled_e > 0.0 {
+        chi2 += (pooled_o - pooled_e).powi(2) / pooled_e.max(1.0);
+        cells += 1;
+    }
+    assert!(cells >= 2, "the distribution must not be a single token");
+    // P(chi2 > x) = 0.001 for 1..=8 degrees of freedom.
+    let bound = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12][(cells - 2).min(7)];
+    assert!(
+        chi2 < bound,
+        "chi2 {chi2:.2} over {cells} cells: {want:?} vs {pairs:?}"
+    );
+}

@@ -57,6 +57,7 @@ fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
         tasks: vec![],
         modes: modes.iter().map(|s| s.to_string()).collect(),
         threads: threads(),
+        sidecar: None,
         ctx: 1024,
         flash_attn: FlashAttn::Auto,
         flash_budget: None,

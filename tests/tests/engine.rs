@@ -272,7 +272,6 @@ fn history_drafts_a_repeated_request_from_the_earlier_answer() {
 #[test]
 fn sampled_output_follows_the_target_distribution() {
     use leap_host::sampler::SamplingParams;
-    use leap_spec::dist::Truncation;
     let m = model(SMOLLM);
     let toks = m
         .tokenize(
@@ -308,50 +307,7 @@ fn sampled_output_follows_the_target_distribution() {
     );
     let pairs: Vec<(i32, i32)> = runs.iter().map(|g| (g.tokens[0], g.tokens[1])).collect();
 
-    // The target's joint distribution of the first two tokens, from plain prefill logits.
-    let chain = Truncation::from(&params(0));
-    c.clear(false);
-    plain::prefill(&mut c, &toks, 512).unwrap();
-    let first = chain.apply(c.logits(-1).unwrap());
-    let mut want: Vec<((i32, i32), f64)> = Vec::new();
-    for &(t1, p1) in &first.entries {
-        let context: Vec<i32> = toks.iter().copied().chain([t1]).collect();
-        c.clear(false);
-        plain::prefill(&mut c, &context, 512).unwrap();
-        for &(t2, p2) in &chain.apply(c.logits(-1).unwrap()).entries {
-            want.push(((t1, t2), f64::from(p1) * f64::from(p2)));
-        }
-    }
-    let outside = pairs
-        .iter()
-        .filter(|p| !want.iter().any(|w| w.0 == **p))
-        .count();
-    assert_eq!(outside, 0, "pairs the sampler chain can never draw");
-    let n = pairs.len() as f64;
-    // Pairs expected fewer than 5 times are pooled into one category.
-    let (mut chi2, mut cells, mut pooled_o, mut pooled_e) = (0.0, 0usize, 0.0, 0.0);
-    for &(pair, p) in &want {
-        let observed = pairs.iter().filter(|&&q| q == pair).count() as f64;
-        let expected = n * p;
-        if expected < 5.0 {
-            pooled_o += observed;
-            pooled_e += expected;
-        } else {
-            chi2 += (observed - expected).powi(2) / expected;
-            cells += 1;
-        }
-    }
-    if pooled_e > 0.0 {
-        chi2 += (pooled_o - pooled_e).powi(2) / pooled_e.max(1.0);
-        cells += 1;
-    }
-    assert!(cells >= 2, "the distribution must not be a single token");
-    // P(chi2 > x) = 0.001 for 1..=8 degrees of freedom.
-    let bound = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12][(cells - 2).min(7)];
-    assert!(
-        chi2 < bound,
-        "chi2 {chi2:.2} over {cells} cells: {want:?} vs {pairs:?}"
-    );
+    leap_tests::assert_pairs_follow_the_target(&mut c, &toks, &params(0), &pairs);
 }
 
 /// In-context calibration: the calibrating prefill leaves llama.cpp's own logits for the last

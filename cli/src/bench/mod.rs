@@ -36,6 +36,8 @@ pub struct BenchConfig {
     pub tasks: Vec<String>,
     pub modes: Vec<String>,
     pub threads: i32,
+    /// The model's sidecar, for `leap`'s early-exit head (`None`: next to the model).
+    pub sidecar: Option<PathBuf>,
     pub ctx: u32,
     pub flash_attn: FlashAttn,
     pub flash_budget: Option<f64>,
@@ -79,11 +81,16 @@ pub const LEAP_CONFIGS: &[&str] = &[
 /// drafting the longest continuation every step), `history` (+ earlier requests and answers),
 /// `reuse` (+ draft reuse), `calib` (+ in-context calibration = `leap`), `tree` (+ up to 4
 /// leaves per step); `eager` is `leap` with llama.cpp computing logits for every verified row
-/// instead of on-demand output projection, `ondemand` the on-demand projection alone (no
-/// early-exit heads: the same as `leap` until those exist); `ggml` is `leap` with verification's matrix
+/// instead of on-demand output projection, `ondemand` the on-demand projection alone (`leap`
+/// without the sidecar's early-exit head); `ggml` is `leap` with verification's matrix
 /// products on ggml's CPU kernels instead of Leap's device.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
-    let base = EngineConfig::default();
+    // Only `leap` itself prunes with an early-exit head (when the sidecar has one): every
+    // named configuration shows its technique without it.
+    let base = EngineConfig {
+        exit: name.is_none(),
+        ..EngineConfig::default()
+    };
     let sam = EngineConfig {
         history_tokens: 0,
         reuse_lifetime: 0,
@@ -116,8 +123,8 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
             on_demand: false,
             ..base
         },
-        // Issue 7's pair: on-demand output projection only (no early-exit pruning heads yet,
-        // so today this is `leap`).
+        // Issue 7's pair: on-demand output projection only (`leap` without the early-exit
+        // head).
         Some("ondemand") => base,
         // `leap` on llama.cpp's kernels alone (see `BenchConfig::kernels`).
         Some("ggml") => base,
@@ -330,6 +337,15 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         }
         None => None,
     };
+    // `leap`'s early-exit head, if the sidecar has one for this model (not under flash
+    // streaming, where a call's cost is its reads).
+    let head = kinds
+        .iter()
+        .any(|k| matches!(k, ModeKind::Leap(ec) if ec.exit))
+        .then(|| crate::heads::load_head(&model, cfg.sidecar.as_deref()))
+        .flatten()
+        .filter(|_| flash.is_none())
+        .map(Arc::new);
     let mut streamers: Vec<Option<leap_flash::Streamer>> = Vec::new();
     for (name, kind) in cfg.modes.iter().zip(&kinds) {
         let mut params = cparams.clone();
@@ -355,8 +371,25 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             )?),
             None => None,
         };
-        let observer = streamer.as_ref().map(|s| s.observer());
+        let mut observer = streamer.as_ref().map(|s| s.observer());
         streamers.push(streamer);
+        // The early exit's observer on `leap`'s context.
+        let mut exit = None;
+        if let (ModeKind::Leap(ec), Some(h)) = (kind, &head) {
+            if ec.exit && ec.on_demand {
+                let (e, obs) = leap_host::exit::Exit::new(h.layer);
+                observer = Some(match observer {
+                    Some(o) => Box::new(leap_host::Chain::new(vec![o, obs])),
+                    None => obs,
+                });
+                let pruner = leap_spec::exit::Pruner {
+                    head: h.clone(),
+                    cfg: Default::default(),
+                    n_layer: model.n_layer() as u32,
+                };
+                exit = Some((e, pruner));
+            }
+        }
         // Leap's output projection reads streamed output weights a chunk at a time.
         let chunked = |od: OnDemand, st: &Option<leap_flash::Streamer>| match st {
             Some(s) => s.stream_projection(od),
@@ -368,7 +401,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             let od = od
                 .filter(|_| ec.on_demand)
                 .map(|od| chunked(od, streamers.last().expect("pushed above")));
-            let mut engine = Engine::new(ec.clone()).with_on_demand(od);
+            let mut engine = Engine::new(ec.clone()).with_on_demand(od).with_exit(exit);
             if name == "leap:draft" {
                 let dm = draft_model.as_ref().expect("checked above");
                 let dctx = Context::new(dm, &cparams)

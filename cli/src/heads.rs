@@ -1,0 +1,369 @@
+//! `leap train-heads`: an early-exit head (Lever §4.3) trained on a corpus and written into the
+//! model's sidecar; and loading it back for `leap generate` / `leap bench`, refusing a head
+//! trained on another model or a sidecar that cannot be read (with a warning: Leap then runs
+//! without early exit).
+//!
+//! Training data comes from llama.cpp running the model over the corpus in windows: the eval
+//! callback copies every row's hidden state at the exit layer (`l_out-L`), and the row's final
+//! logits give the teacher (its top 32 tokens) and the candidate set. The candidate set of a
+//! position is what Leap's drafters put in a tree there: the corpus's own next token (retrieval
+//! copies text), the teacher's top 3, and the shadow tokens (the corpus's most frequent tokens,
+//! the same comparison references the head uses at run time).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{ensure, Context as _, Result};
+use leap_host::eval::{EvalObserver, TensorView};
+use leap_host::project::OnDemand;
+use leap_host::sidecar::Sidecar;
+use leap_host::{Batch, ContextParams, Model, ModelParams};
+use leap_spec::exit::{self, ModelShape};
+use leap_spec::head::{self, Head, Sample, TrainConfig, Vocab};
+
+use crate::{models, progress};
+
+/// Teacher tokens kept per position.
+const TOP_K: usize = 32;
+/// Teacher tokens in a position's candidate set.
+const CAND_TOP: usize = 3;
+/// Shadow tokens.
+const SHADOW: usize = 16;
+
+/// What `leap train-heads` was asked to do.
+#[derive(Debug, Clone)]
+pub struct TrainHeads {
+    /// A model name or GGUF path.
+    pub model: String,
+    /// Text, or a `leap bench` workload (`.jsonl`: its prompts).
+    pub corpus: PathBuf,
+    /// The exit layer (its output `l_out-L` is what the head reads).
+    pub layer: u32,
+    /// The sidecar to write (default next to the model).
+    pub out: Option<PathBuf>,
+    /// Corpus positions to train and evaluate on.
+    pub positions: usize,
+    /// Window length in tokens.
+    pub window: usize,
+    /// Training passes.
+    pub epochs: usize,
+    pub threads: i32,
+    pub progress: bool,
+}
+
+/// What training measured.
+#[derive(Debug, Clone)]
+pub struct Trained {
+    pub out: PathBuf,
+    pub head: Head,
+    pub train_samples: usize,
+    pub held_out: usize,
+    /// The head before training (the model's own final norm and output projection applied
+    /// at layer L: the "logit lens") and after, on the held-out positions.
+    pub lens: head::Eval,
+    pub eval: head::Eval,
+}
+
+/// The corpus as documents: a `.jsonl` workload's prompts, or the whole text.
+fn documents(path: &Path) -> Result<Vec<String>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    if path.extension().is_some_and(|e| e == "jsonl") {
+        let mut docs = Vec::new();
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
+            let p = v["prompt"]
+                .as_str()
+                .with_context(|| format!("{}:{}: no \"prompt\"", path.display(), i + 1))?;
+            docs.push(p.to_string());
+        }
+        ensure!(!docs.is_empty(), "{} has no requests", path.display());
+        return Ok(docs);
+    }
+    ensure!(!text.trim().is_empty(), "{} is empty", path.display());
+    Ok(vec![text])
+}
+
+/// Copies `l_out-L` out of every decode.
+struct Capture {
+    name: String,
+    rows: Arc<Mutex<Vec<f32>>>,
+}
+
+impl EvalObserver for Capture {
+    fn wants(&mut self, t: &TensorView<'_>) -> bool {
+        t.name() == self.name
+    }
+
+    fn observe(&mut self, t: &TensorView<'_>) -> bool {
+        if let Some(v) = t.read_f32() {
+            *self.rows.lock().unwrap_or_else(|e| e.into_inner()) = v;
+        }
+        true
+    }
+}
+
+/// The `output_norm.weight` of the model (f32), the logit lens's scale.
+fn output_norm(model: &Model) -> Result<Option<Vec<f32>>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let info = leap_host::GgufInfo::open(model.path())?;
+    let Some(t) = info
+        .tensors
+        .iter()
+        .find(|t| t.name == "output_norm.weight" && t.ggml_type == "f32")
+    else {
+        return Ok(None);
+    };
+    let mut f = std::fs::File::open(model.path())?;
+    f.seek(SeekFrom::Start(t.offset))?;
+    let mut b = vec![0u8; t.size as usize];
+    f.read_exact(&mut b)?;
+    Ok(Some(
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    ))
+}
+
+/// `leap train-heads` (see the module docs).
+pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
+    ensure!(a.window >= 16, "--window must be at least 16 tokens");
+    ensure!(a.positions >= 100, "--positions must be at least 100");
+    let path = models::resolve(&a.model)?;
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| leap_host::sidecar::path_for(&path));
+    let model = Model::load(&path, &ModelParams::default())?;
+    let (n_layer, d) = (model.n_layer() as u32, model.n_embd() as usize);
+    ensure!(
+        a.layer + 1 < n_layer,
+        "--layer {} leaves no layer after it to skip: this model has {n_layer} layers (0..{})",
+        a.layer,
+        n_layer - 1
+    );
+    let fingerprint = leap_host::project::fingerprint(&model)?
+        .context("the model has no output weights a head can score with")?;
+
+    // Windows of the corpus, and its most frequent tokens (the shadow tokens).
+    let mut windows: Vec<Vec<i32>> = Vec::new();
+    let mut counts = std::collections::HashMap::<i32, usize>::new();
+    let mut total = 0;
+    for doc in documents(&a.corpus)? {
+        if total >= a.positions {
+            break;
+        }
+        let toks = model.tokenize(&doc, true, false)?;
+        for w in toks.chunks(a.window).filter(|w| w.len() >= 16) {
+            for &t in &w[1..] {
+                *counts.entry(t).or_default() += 1;
+            }
+            total += w.len() - 1;
+            windows.push(w.to_vec());
+            if total >= a.positions {
+                break;
+            }
+        }
+    }
+    ensure!(
+        total >= 100,
+        "{} gives only {total} positions",
+        a.corpus.display()
+    );
+    let mut freq: Vec<(i32, usize)> = counts.into_iter().collect();
+    freq.sort_by(|x, y| y.1.cmp(&x.1).then(x.0.cmp(&y.0)));
+    let shadow: Vec<i32> = freq.iter().take(SHADOW).map(|&(t, _)| t).collect();
+
+    // Capture: hidden states at the exit layer and the teacher's logits, per position.
+    let rows = Arc::new(Mutex::new(Vec::new()));
+    let capture = Box::new(Capture {
+        name: format!("l_out-{}", a.layer),
+        rows: rows.clone(),
+    });
+    let params = ContextParams {
+        n_ctx: a.window as u32,
+        n_batch: a.window as u32,
+        n_ubatch: a.window as u32,
+        n_threads: a.threads,
+        n_threads_batch: a.threads,
+        ..Default::default()
+    };
+    let (mut ctx, od) = OnDemand::context_with(&model, &params, Some(capture))?;
+    let od = od.context("the model's output projection is not one Leap can score with")?;
+    let bar = progress::bar(
+        a.progress,
+        total as u64,
+        "train-heads: reading the model's answers [{bar:30}] {pos}/{len} positions",
+    );
+    let mut samples: Vec<(usize, Sample)> = Vec::with_capacity(total);
+    let mut idx: Vec<u32> = Vec::new();
+    for (wi, w) in windows.iter().enumerate() {
+        ctx.clear(true);
+        let mut b = Batch::new(w.len(), 1);
+        for (i, &t) in w.iter().enumerate() {
+            b.add(t, i as i32, &[0], i + 1 < w.len())?;
+        }
+        ctx.decode(&b)?;
+        let hidden = std::mem::take(&mut *rows.lock().unwrap_or_else(|e| e.into_inner()));
+        ensure!(
+            hidden.len() == w.len() * d,
+            "the model's graph has no l_out-{} of every row (got {} values for {} rows)",
+            a.layer,
+            hidden.len(),
+            w.len()
+        );
+        for i in 0..w.len() - 1 {
+            let logits = ctx.logits(i as i32)?;
+            idx.clear();
+            idx.extend(0..logits.len() as u32);
+            let by = |x: &u32, y: &u32| logits[*y as usize].total_cmp(&logits[*x as usize]);
+            idx.select_nth_unstable_by(TOP_K, by);
+            idx.truncate(TOP_K);
+            idx.sort_by(by);
+            let top: Vec<(i32, f32)> = idx
+                .iter()
+                .map(|&t| (t as i32, logits[t as usize]))
+                .collect();
+            let mut cand: Vec<i32> = vec![w[i + 1]];
+            let teacher = top.iter().take(CAND_TOP).map(|&(t, _)| t);
+            for t in teacher.chain(shadow.iter().copied()) {
+                if !cand.contains(&t) {
+                    cand.push(t);
+                }
+            }
+            let cand = cand.iter().map(|&t| (t, logits[t as usize])).collect();
+            samples.push((
+                wi,
+                Sample {
+                    hidden: hidden[i * d..(i + 1) * d].to_vec(),
+                    top,
+                    cand,
+                },
+            ));
+        }
+        bar.inc(w.len() as u64 - 1);
+    }
+    bar.finish_and_clear();
+    drop(ctx);
+
+    // Hold out the last tenth of the windows.
+    let cut = windows.len() - (windows.len() / 10).max(1);
+    let (train, held): (Vec<_>, Vec<_>) = samples.into_iter().partition(|(w, _)| *w < cut);
+    let train: Vec<Sample> = train.into_iter().map(|(_, s)| s).collect();
+    let held: Vec<Sample> = held.into_iter().map(|(_, s)| s).collect();
+    ensure!(
+        !train.is_empty() && !held.is_empty(),
+        "the corpus is too short to hold out positions (make it longer or --window shorter)"
+    );
+    let mut all = train.clone();
+    all.extend(held.iter().cloned());
+    let ids = Vocab::needed(&all);
+    let mut vrows = vec![0f32; ids.len() * d];
+    for (r, &t) in ids.iter().enumerate() {
+        od.row_f32(t as usize, &mut vrows[r * d..(r + 1) * d]);
+    }
+    let vocab = Vocab { ids, rows: vrows };
+
+    // From the logit lens: A = diag(final norm weight).
+    let mut init = vec![0f32; d * d];
+    let scale = output_norm(&model)?.filter(|w| w.len() == d);
+    for i in 0..d {
+        init[i * d + i] = scale.as_ref().map_or(1.0, |w| w[i]);
+    }
+    let lens = head::evaluate(&held, &vocab, &init);
+    let cfg = TrainConfig {
+        epochs: a.epochs,
+        threads: a.threads.max(1) as usize,
+        ..TrainConfig::default()
+    };
+    let steps = train.len().div_ceil(cfg.batch) * cfg.epochs;
+    let bar = progress::bar(
+        a.progress,
+        steps as u64,
+        "train-heads: training [{bar:30}] {pos}/{len} steps {msg}",
+    );
+    let trained = head::train(&train, &vocab, init, &cfg, &mut |p| {
+        bar.inc(1);
+        bar.set_message(format!("epoch {} loss {:.3}", p.epoch + 1, p.loss));
+    });
+    bar.finish_and_clear();
+    let eval = head::evaluate(&held, &vocab, &trained);
+    let head = Head {
+        layer: a.layer,
+        n_embd: d,
+        a: trained,
+        temperature: 1.0,
+        shadow,
+    };
+    let mut side = match Sidecar::load(&out) {
+        Ok(s) => s.unwrap_or_default(),
+        Err(e) => {
+            log::warn!("{}: replacing an unreadable sidecar ({e})", out.display());
+            Sidecar::default()
+        }
+    };
+    let corpus = a
+        .corpus
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    exit::store(&mut side, &head, n_layer, &fingerprint, &corpus);
+    side.save(&out)?;
+    Ok(Trained {
+        out,
+        head,
+        train_samples: train.len(),
+        held_out: held.len(),
+        lens,
+        eval,
+    })
+}
+
+/// The early-exit head for `model` from the sidecar at `sidecar` (default: next to the
+/// model): `Ok(None)` without a sidecar or without a head in it, `Err` saying why when there
+/// is one Leap cannot use (trained on another model, a corrupt file).
+pub fn head_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Head>, String> {
+    let path = sidecar
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| leap_host::sidecar::path_for(model.path()));
+    let side = match Sidecar::load(&path) {
+        Ok(Some(s)) => s,
+        Ok(None) if sidecar.is_some() => return Err(format!("no sidecar at {}", path.display())),
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(format!("ignoring the sidecar {}: {e}", path.display())),
+    };
+    let fingerprint = match leap_host::project::fingerprint(model) {
+        Ok(Some(f)) => f,
+        Ok(None) => return Err("the model has no output weights to score with".into()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let shape = ModelShape {
+        fingerprint,
+        n_embd: model.n_embd() as usize,
+        n_layer: model.n_layer() as u32,
+        n_vocab: model.n_vocab() as usize,
+    };
+    exit::load(&side, &shape)
+        .map_err(|why| format!("ignoring the early-exit head in {}: {why}", path.display()))
+}
+
+/// [`head_for`], with a warning when the head is refused (Leap then runs without early
+/// exit).
+pub fn load_head(model: &Model, sidecar: Option<&Path>) -> Option<Head> {
+    match head_for(model, sidecar) {
+        Ok(Some(h)) => {
+            log::info!("early-exit head at layer {}", h.layer);
+            Some(h)
+        }
+        Ok(None) => None,
+        Err(why) => {
+            log::warn!("{why}; running without early exit");
+            None
+        }
+    }
+}
