@@ -37,6 +37,9 @@ pub struct TrainHeads {
     pub model: String,
     /// Text, or a `leap bench` workload (`.jsonl`: its prompts).
     pub corpus: PathBuf,
+    /// Documents (workload requests) at the start of the corpus to leave out: the ones a
+    /// benchmark of the head then runs on.
+    pub skip: usize,
     /// The exit layer (its output `l_out-L` is what the head reads).
     pub layer: u32,
     /// The sidecar to write (default next to the model).
@@ -154,7 +157,7 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
     let mut windows: Vec<Vec<i32>> = Vec::new();
     let mut counts = std::collections::HashMap::<i32, usize>::new();
     let mut total = 0;
-    for doc in documents(&a.corpus)? {
+    for doc in documents(&a.corpus)?.into_iter().skip(a.skip) {
         if total >= a.positions {
             break;
         }

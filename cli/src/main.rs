@@ -299,13 +299,17 @@ struct TrainHeadsArgs {
     #[arg(long)]
     corpus: PathBuf,
     /// The exit layer: the head reads this layer's output (0-based; at least one layer must
-    /// follow it). Default: the middle of the model.
+    /// follow it). Default: two thirds of the way up (12 of Gemma 3 270M's 18).
     #[arg(long)]
     layer: Option<u32>,
     /// The sidecar to write (default: MODEL.leap.gguf next to the model; other keys in it are
     /// kept).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Leave out the corpus's first N documents (requests of a `.jsonl` workload): keep them
+    /// for a benchmark of the head (`leap bench --limit N`).
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
     /// Corpus positions to read (the last tenth of the windows is held out to evaluate).
     #[arg(long, default_value_t = 12000)]
     positions: usize,
@@ -378,6 +382,10 @@ struct BenchArgs {
     /// Workload, JSON Lines of {id, task, prompt, max_tokens}.
     #[arg(long)]
     workload: PathBuf,
+    /// The early-exit head's pruning threshold: a tree node goes past the exit layer when
+    /// the head's scores along its path multiply to at least this (default 0.1).
+    #[arg(long)]
+    exit_threshold: Option<f32>,
     /// Take the first N requests (after --task filtering).
     #[arg(long)]
     limit: Option<usize>,
@@ -561,7 +569,6 @@ fn generate(a: GenerateArgs) -> Result<()> {
         let (exit, obs) = leap_host::exit::Exit::new(h.layer);
         let pruner = leap_spec::exit::Pruner {
             head: std::sync::Arc::new(h),
-            cfg: Default::default(),
             n_layer: model.n_layer() as u32,
         };
         ((exit, pruner), obs)
@@ -688,12 +695,15 @@ fn train_heads(a: TrainHeadsArgs) -> Result<()> {
                 .max()
                 .context("the model has no layers")?
                 + 1;
-            (n / 2).saturating_sub(1)
+            // Two thirds of the way up: on Gemma 3 270M a head at layer 8 of 18 found the
+            // teacher's top token 23% of the time on held-out text, at 12 58%, at 14 70%.
+            (2 * n / 3).min(n.saturating_sub(2))
         }
     };
     let t = leap_cli::heads::train_heads(&leap_cli::heads::TrainHeads {
         model: a.model,
         corpus: a.corpus,
+        skip: a.skip,
         layer,
         out: a.out,
         positions: a.positions,
@@ -741,6 +751,7 @@ fn run_bench(a: BenchArgs) -> Result<()> {
         modes: a.modes.clone(),
         threads: a.runtime.threads,
         sidecar: a.runtime.sidecar.clone(),
+        exit_threshold: a.exit_threshold,
         ctx: a.runtime.ctx,
         flash_attn: a.runtime.flash_attn(),
         flash_budget: a.flash_budget.first().copied(),

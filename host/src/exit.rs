@@ -62,6 +62,9 @@ pub type Decide = Box<dyn FnMut(&[f32], usize) -> Option<Vec<bool>> + Send>;
 struct Shared {
     /// The decision for the next decode (taken by it).
     decide: Option<Decide>,
+    /// Publish the decision as the row mask (else only record it: a measurement of what
+    /// pruning would keep, every row computed).
+    apply: bool,
     /// What the last armed decode decided.
     kept: Option<Vec<bool>>,
     /// Seconds the decision took.
@@ -102,7 +105,7 @@ impl EvalObserver for Observer {
         let keep = t.read_f32().and_then(|h| decide(&h, rows));
         let mut s = self.lock();
         s.seconds = t0.elapsed().as_secs_f64();
-        if let Some(k) = &keep {
+        if let Some(k) = keep.as_ref().filter(|_| s.apply) {
             set_mask(Some(Mask {
                 layer: self.layer,
                 keep: k.clone(),
@@ -142,10 +145,12 @@ impl Exit {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Decide with `decide` in the next decode on this thread.
-    pub fn arm(&self, decide: Decide) {
+    /// Decide with `decide` in the next decode on this thread; prune if `apply`, else only
+    /// record the decision (every row is computed).
+    pub fn arm(&self, decide: Decide, apply: bool) {
         let mut s = self.lock();
         s.decide = Some(decide);
+        s.apply = apply;
         s.kept = None;
         s.seconds = 0.0;
     }

@@ -43,13 +43,17 @@ pub struct EngineConfig {
     pub history_tokens: usize,
     /// Steps a reusable segment of a rejected draft is offered again (0: no reuse).
     pub reuse_lifetime: usize,
-    /// Project only the rows acceptance reads (when the engine has an [`OnDemand`]).
+    /// Project only the rows acceptance reads (when the engine has an [`OnDemand`]; without
+    /// this, the engine's [`OnDemand`] serves calibration only and verification reads
+    /// llama.cpp's logits of every row).
     pub on_demand: bool,
     /// In-context calibration from the prompt's prefill (needs an [`OnDemand`]).
     pub calibrate: bool,
     /// Prune verification rows with an early-exit head when one is given
     /// ([`Engine::with_exit`]; needs on-demand projection).
     pub exit: bool,
+    /// How the early-exit head prunes.
+    pub prune: crate::exit::PruneConfig,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +70,7 @@ impl Default for EngineConfig {
             on_demand: true,
             calibrate: true,
             exit: true,
+            prune: Default::default(),
         }
     }
 }
@@ -387,7 +392,9 @@ impl Engine {
                 // A streamed output projection (flash) is read from storage by every pass, so
                 // then even a lone row goes through Leap's chunked projection.
                 Some((od, checked))
-                    if (tree.len() > 1 || od.streamed()) && *checked != Some(false) =>
+                    if self.cfg.on_demand
+                        && (tree.len() > 1 || od.streamed())
+                        && *checked != Some(false) =>
                 {
                     if checked.is_none() {
                         let ok = od.check(ctx, &batch, 0)?;
@@ -404,7 +411,8 @@ impl Engine {
                             .as_ref()
                             .filter(|_| self.cfg.exit && tree.len() > 2 && !od.streamed());
                         if let Some((ex, pruner)) = exit {
-                            ex.arm(pruner.decide(&tree, od));
+                            let cfg = &self.cfg.prune;
+                            ex.arm(pruner.decide(&tree, od, cfg), !cfg.measure_only);
                             pruning = true;
                         }
                         od.arm(true);
@@ -422,10 +430,11 @@ impl Engine {
                 _ => ctx.decode(&batch)?,
             }
             // What acceptance walks: the tree, or what an early exit kept of it (`map`: each
-            // node's id in `tree`, which is also its row).
+            // node's id in `tree`, which is also its row). Measuring only, the whole tree.
+            let measure_only = self.cfg.prune.measure_only;
             let (vt, map) = match &kept {
-                Some(k) => tree.retain(k),
-                None => (tree.clone(), (0..tree.len()).collect()),
+                Some(k) if !measure_only => tree.retain(k),
+                _ => (tree.clone(), (0..tree.len()).collect()),
             };
             // The target's logits after a node of `vt`: projected on demand (into `row`), or
             // llama.cpp's. A node without logits leaves `f` uncalled.
@@ -526,13 +535,27 @@ impl Engine {
             }
             g.target_calls += 1;
             g.verify_rows += tree.len() as u64;
-            g.rows_after_exit += vt.len() as u64;
+            let would_keep = match (&kept, measure_only) {
+                (Some(k), true) => k.iter().filter(|&&x| x).count(),
+                _ => vt.len(),
+            };
+            g.rows_after_exit += would_keep as u64;
             // Back to `tree`'s ids: the accepted node, and the target's token after each node
             // (none for a pruned one).
             let acc = accept::Accepted {
                 node: map[acc.node],
                 tokens: acc.tokens,
             };
+            if pruning {
+                // Accepted drafts, and those on a kept prefix of the accepted path.
+                let path = path_nodes(&tree, acc.node);
+                let kept_prefix = match (&kept, measure_only) {
+                    (Some(k), true) => path[1..].iter().take_while(|&&n| k[n]).count(),
+                    _ => path.len() - 1,
+                };
+                g.exit_accepted += (path.len() - 1) as u64;
+                g.exit_accepted_kept += kept_prefix as u64;
+            }
             let mut predicted_at: Vec<Option<Token>> = vec![None; tree.len()];
             for (i, &p) in predicted.iter().enumerate() {
                 predicted_at[map[i]] = p;

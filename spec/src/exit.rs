@@ -51,6 +51,10 @@ pub struct PruneConfig {
     pub root_children: usize,
     /// Edge score below which the backbone stops.
     pub backbone_floor: f32,
+    /// Decide but do not prune: every row runs every layer, and the engine counts what
+    /// pruning would have kept and how many of the accepted tokens were among it (Lever's
+    /// "accepted-token retention on the same trees").
+    pub measure_only: bool,
 }
 
 impl Default for PruneConfig {
@@ -59,6 +63,7 @@ impl Default for PruneConfig {
             threshold: 0.1,
             root_children: 2,
             backbone_floor: 0.02,
+            measure_only: false,
         }
     }
 }
@@ -140,7 +145,6 @@ pub fn edge_scores(tree: &TokenTree, hidden: &[f32], head: &Head, od: &OnDemand)
 #[derive(Debug, Clone)]
 pub struct Pruner {
     pub head: Arc<Head>,
-    pub cfg: PruneConfig,
     /// The model's layer count.
     pub n_layer: u32,
 }
@@ -153,14 +157,9 @@ impl Pruner {
         f64::from(after) / f64::from(self.n_layer.max(1))
     }
 
-    /// The decision for verifying `tree` (moved into the observer).
-    pub fn decide(&self, tree: &TokenTree, od: &OnDemand) -> Decide {
-        let (tree, head, od, cfg) = (
-            tree.clone(),
-            self.head.clone(),
-            od.clone(),
-            self.cfg.clone(),
-        );
+    /// The decision for verifying `tree` under `cfg` (moved into the observer).
+    pub fn decide(&self, tree: &TokenTree, od: &OnDemand, cfg: &PruneConfig) -> Decide {
+        let (tree, head, od, cfg) = (tree.clone(), self.head.clone(), od.clone(), cfg.clone());
         Box::new(move |hidden: &[f32], rows: usize| {
             if rows != tree.len() || hidden.len() != rows * head.n_embd {
                 return None;
@@ -273,6 +272,7 @@ mod tests {
             threshold: 0.2,
             root_children: 1,
             backbone_floor: 0.1,
+            measure_only: false,
         };
         let keep = keep_set(&t, &edge, &cfg).unwrap();
         // 3: path 0.036 and under the backbone floor; 4: path 0.3; 5: 0.27; 6: 0.05.
@@ -287,6 +287,7 @@ mod tests {
             threshold: 0.9,
             root_children: 0,
             backbone_floor: 0.1,
+            measure_only: false,
         };
         let keep = keep_set(&t, &edge, &cfg).unwrap();
         // The backbone starts at the best root child (1) and follows 2, 3.
@@ -304,6 +305,7 @@ mod tests {
                 threshold: rng.uniform() as f32,
                 root_children: (rng.uniform() * 3.0) as usize,
                 backbone_floor: rng.uniform() as f32 * 0.5,
+                measure_only: false,
             };
             if let Some(keep) = keep_set(&t, &edge, &cfg) {
                 assert!(keep[0]);

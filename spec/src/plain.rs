@@ -38,6 +38,10 @@ pub struct Generation {
     pub rows_after_exit: u64,
     /// Seconds the early-exit head took deciding which rows go on.
     pub exit_seconds: f64,
+    /// In calls the early-exit head decided on: drafted tokens accepted, and how many of them
+    /// the pruning kept (with `measure_only`, what it would have kept; when it prunes, all).
+    pub exit_accepted: u64,
+    pub exit_accepted_kept: u64,
     /// Rows whose logits were computed (the output projection's rows).
     pub output_rows: u64,
 }

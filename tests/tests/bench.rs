@@ -58,6 +58,7 @@ fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
         modes: modes.iter().map(|s| s.to_string()).collect(),
         threads: threads(),
         sidecar: None,
+        exit_threshold: None,
         ctx: 1024,
         flash_attn: FlashAttn::Auto,
         flash_budget: None,

@@ -40,6 +40,7 @@ fn sidecar(name: &str) -> PathBuf {
     let t = leap_cli::heads::train_heads(&leap_cli::heads::TrainHeads {
         model: model_path(name).to_string_lossy().into_owned(),
         corpus: concat!(env!("CARGO_MANIFEST_DIR"), "/data/attention-notes.txt").into(),
+        skip: 0,
         layer,
         out: Some(out.clone()),
         positions: 400,
@@ -87,10 +88,9 @@ fn pruning_engine(
     assert!(od.is_some());
     let pruner = Pruner {
         head: Arc::new(h),
-        cfg: prune,
         n_layer: m.n_layer() as u32,
     };
-    let engine = Engine::new(cfg)
+    let engine = Engine::new(EngineConfig { prune, ..cfg })
         .with_on_demand(od)
         .with_exit(Some((exit, pruner)));
     (ctx, engine)
@@ -111,6 +111,7 @@ fn aggressive() -> PruneConfig {
         threshold: 0.6,
         root_children: 1,
         backbone_floor: 0.5,
+        measure_only: false,
     }
 }
 

@@ -38,6 +38,8 @@ pub struct BenchConfig {
     pub threads: i32,
     /// The model's sidecar, for `leap`'s early-exit head (`None`: next to the model).
     pub sidecar: Option<PathBuf>,
+    /// The early-exit head's path-score threshold (`None`: the default).
+    pub exit_threshold: Option<f32>,
     pub ctx: u32,
     pub flash_attn: FlashAttn,
     pub flash_budget: Option<f64>,
@@ -71,6 +73,7 @@ pub const LEAP_CONFIGS: &[&str] = &[
     "tree",
     "eager",
     "ondemand",
+    "exit-measure",
     "ggml",
     "draft",
 ];
@@ -85,10 +88,11 @@ pub const LEAP_CONFIGS: &[&str] = &[
 /// without the sidecar's early-exit head); `ggml` is `leap` with verification's matrix
 /// products on ggml's CPU kernels instead of Leap's device.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
-    // Only `leap` itself prunes with an early-exit head (when the sidecar has one): every
-    // named configuration shows its technique without it.
+    // Only `leap` itself (and `leap:tree`, which is `leap` with wider trees) prunes with an
+    // early-exit head when the sidecar has one: every other named configuration shows its
+    // technique without it.
     let base = EngineConfig {
-        exit: name.is_none(),
+        exit: name.is_none() || name == Some("tree"),
         ..EngineConfig::default()
     };
     let sam = EngineConfig {
@@ -126,6 +130,16 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
         // Issue 7's pair: on-demand output projection only (`leap` without the early-exit
         // head).
         Some("ondemand") => base,
+        // `leap`'s early-exit head deciding on every tree without pruning: what it would
+        // keep, and how many accepted tokens that would have kept, on the same trees.
+        Some("exit-measure") => EngineConfig {
+            exit: true,
+            prune: leap_spec::exit::PruneConfig {
+                measure_only: true,
+                ..base.prune.clone()
+            },
+            ..base
+        },
         // `leap` on llama.cpp's kernels alone (see `BenchConfig::kernels`).
         Some("ggml") => base,
         // `leap` plus a draft model (`--draft`), across vocabularies if need be.
@@ -287,6 +301,13 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         .modes
         .iter()
         .map(|m| ModeKind::parse(m))
+        .map(|k| match (k, cfg.exit_threshold) {
+            (Ok(ModeKind::Leap(mut ec)), Some(t)) => {
+                ec.prune.threshold = t;
+                Ok(ModeKind::Leap(ec))
+            }
+            (k, _) => k,
+        })
         .collect::<Result<_>>()?;
     let needs_draft = kinds
         .iter()
@@ -384,7 +405,6 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 });
                 let pruner = leap_spec::exit::Pruner {
                     head: h.clone(),
-                    cfg: Default::default(),
                     n_layer: model.n_layer() as u32,
                 };
                 exit = Some((e, pruner));
@@ -398,8 +418,10 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         if let ModeKind::Leap(ec) = kind {
             let (target, od) = OnDemand::context_with(&model, &params, observer)
                 .with_context(|| format!("creating the context for mode {name}"))?;
+            // `leap:eager` keeps the projection for calibration's prefill; its engine verifies
+            // with llama.cpp's logits (`EngineConfig::on_demand`).
             let od = od
-                .filter(|_| ec.on_demand)
+                .filter(|_| ec.on_demand || ec.calibrate)
                 .map(|od| chunked(od, streamers.last().expect("pushed above")));
             let mut engine = Engine::new(ec.clone()).with_on_demand(od).with_exit(exit);
             if name == "leap:draft" {
@@ -529,6 +551,9 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 verify_rows: g.verify_rows,
                 rows_after_exit: g.rows_after_exit,
                 output_rows: g.output_rows,
+                exit_accepted: g.exit_accepted,
+                exit_accepted_kept: g.exit_accepted_kept,
+                exit_seconds: g.exit_seconds,
                 output_sha256: report::tokens_sha256(&g.tokens),
             });
             bar.inc(1);
@@ -714,6 +739,19 @@ pub fn table(report: &Report, order: &[String]) -> String {
             m.rows_after_exit,
             m.output_rows
         );
+        if m.exit_accepted > 0 {
+            let _ = writeln!(
+                s,
+                "{:<22} early exit kept {:.0}% of rows past its layer; {}/{} accepted drafts \
+                 on kept rows ({:.1}%); deciding {:.2} ms a call",
+                "",
+                100.0 * m.rows_after_exit as f64 / m.verify_rows.max(1) as f64,
+                m.exit_accepted_kept,
+                m.exit_accepted,
+                100.0 * m.exit_accepted_kept as f64 / m.exit_accepted as f64,
+                1e3 * m.exit_seconds / m.target_calls.max(1) as f64
+            );
+        }
     }
     if let Some(f) = report.flash_budget {
         let _ = writeln!(

@@ -74,6 +74,16 @@ pub struct ModeReport {
     /// Rows whose logits were computed (output-projection rows). Added field.
     #[serde(default)]
     pub output_rows: u64,
+    /// In calls the early-exit head decided on: accepted drafted tokens, and those on the
+    /// part of the tree pruning kept (`leap:exit-measure`: would have kept, on the same
+    /// trees). Added fields.
+    #[serde(default)]
+    pub exit_accepted: u64,
+    #[serde(default)]
+    pub exit_accepted_kept: u64,
+    /// Seconds the early-exit head took deciding. Added field.
+    #[serde(default)]
+    pub exit_seconds: f64,
     /// Requests whose output differs from `plain` (ids). Added field.
     #[serde(default)]
     pub differing_requests: Vec<String>,
@@ -119,6 +129,13 @@ pub struct RequestReport {
     /// Added field: rows whose logits were computed.
     #[serde(default)]
     pub output_rows: u64,
+    /// Added fields: as the mode's.
+    #[serde(default)]
+    pub exit_accepted: u64,
+    #[serde(default)]
+    pub exit_accepted_kept: u64,
+    #[serde(default)]
+    pub exit_seconds: f64,
     pub output_sha256: String,
 }
 
@@ -148,6 +165,9 @@ impl ModeReport {
         self.verify_rows = self.requests.iter().map(|r| r.verify_rows).sum();
         self.rows_after_exit = self.requests.iter().map(|r| r.rows_after_exit).sum();
         self.output_rows = self.requests.iter().map(|r| r.output_rows).sum();
+        self.exit_accepted = self.requests.iter().map(|r| r.exit_accepted).sum();
+        self.exit_accepted_kept = self.requests.iter().map(|r| r.exit_accepted_kept).sum();
+        self.exit_seconds = self.requests.iter().map(|r| r.exit_seconds).sum();
     }
 }
 
