@@ -200,6 +200,7 @@ impl Drafter for CalibratedDrafter {
             out.push(Proposal {
                 tokens,
                 match_len: m.len,
+                source: crate::draft::Source::Calibrated,
             });
         }
     }

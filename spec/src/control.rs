@@ -13,6 +13,46 @@
 /// Buckets of suffix-match length: 1, 2, 3-4, 5-8, 9-16, 17+.
 const BUCKETS: usize = 6;
 
+/// Where a drafted token came from: each source's acceptance is learned on its own, so a
+/// source whose drafts fail (on this model, this request) stops crowding out the others as
+/// a sibling in trees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Source {
+    /// Retrieval from the request (prompt and output so far).
+    #[default]
+    Request,
+    /// Retrieval from earlier requests and answers.
+    History,
+    /// A rejected draft's segment the target agreed with, offered again.
+    Reuse,
+    /// The in-context calibrated predictions.
+    Calibrated,
+    /// A draft model.
+    Model,
+    /// Tokens accepted off the trunk in the last step.
+    Carry,
+}
+
+const SOURCES: usize = 6;
+
+/// What backs a drafted token: its source and the length of the suffix match behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Evidence {
+    pub source: Source,
+    pub match_len: usize,
+}
+
+impl Evidence {
+    /// `match_len` from `source`.
+    pub fn new(source: Source, match_len: usize) -> Self {
+        Self { source, match_len }
+    }
+
+    fn cell(self) -> (usize, usize) {
+        (self.source as usize, bucket(self.match_len))
+    }
+}
+
 fn bucket(match_len: usize) -> usize {
     match match_len {
         0 | 1 => 0,
@@ -43,10 +83,10 @@ pub struct Controller {
     /// Reliability factor: observed accepted drafts over the expected (EMA), scaling the
     /// per-token acceptance estimates of trees.
     reliability: f64,
-    /// Accepted draft tokens per bucket (with a prior).
-    accepted: [f64; BUCKETS],
-    /// Rejections per bucket (at most one per verified draft), with a prior.
-    rejected: [f64; BUCKETS],
+    /// Accepted draft tokens per source and bucket (with a prior).
+    accepted: [[f64; BUCKETS]; SOURCES],
+    /// Rejections per source and bucket (at most one per verified draft), with a prior.
+    rejected: [[f64; BUCKETS]; SOURCES],
     /// Seconds of a 1-row call (EMA).
     t1: f64,
     /// Least-squares sums for beta: sum x*y and sum x*x with x = k-1, y = t/t1 - 1.
@@ -68,8 +108,8 @@ impl Controller {
         Self {
             profile: [0.0; PROFILE_ROWS],
             reliability: 1.0,
-            accepted: PRIOR.map(|a| a * WEIGHT),
-            rejected: PRIOR.map(|a| WEIGHT * (1.0 - a)),
+            accepted: [PRIOR.map(|a| a * WEIGHT); SOURCES],
+            rejected: [PRIOR.map(|a| WEIGHT * (1.0 - a)); SOURCES],
             t1: 0.0,
             sxy: beta_prior * 4.0,
             sxx: 4.0,
@@ -78,10 +118,10 @@ impl Controller {
         }
     }
 
-    /// Estimated per-token acceptance for drafts from a match of `match_len` tokens.
-    pub fn acceptance(&self, match_len: usize) -> f64 {
-        let b = bucket(match_len);
-        self.accepted[b] / (self.accepted[b] + self.rejected[b])
+    /// Estimated per-token acceptance for drafts with evidence `ev`.
+    pub fn acceptance(&self, ev: Evidence) -> f64 {
+        let (s, b) = ev.cell();
+        self.accepted[s][b] / (self.accepted[s][b] + self.rejected[s][b])
     }
 
     /// Estimated cost slope.
@@ -161,27 +201,27 @@ impl Controller {
         self.reliability = (0.9 * self.reliability + 0.1 * r).clamp(0.3, 1.5);
     }
 
-    /// Record that a drafted token from a match of `match_len` was checked (its parent was
-    /// reached) and whether the target took it.
-    pub fn record_token(&mut self, match_len: usize, accepted: bool) {
-        let b = bucket(match_len);
+    /// Record that a drafted token with evidence `ev` was checked (its parent was reached)
+    /// and whether the target took it.
+    pub fn record_token(&mut self, ev: Evidence, accepted: bool) {
+        let (s, b) = ev.cell();
         if accepted {
-            self.accepted[b] += 1.0;
+            self.accepted[s][b] += 1.0;
         } else {
-            self.rejected[b] += 1.0;
+            self.rejected[s][b] += 1.0;
         }
     }
 
     /// Record a verified draft: `drafted` tokens from a match of `match_len`, of which the
     /// first `accepted` were accepted.
-    pub fn record_acceptance(&mut self, match_len: usize, drafted: usize, accepted: usize) {
+    pub fn record_acceptance(&mut self, ev: Evidence, drafted: usize, accepted: usize) {
         if drafted == 0 {
             return;
         }
-        let b = bucket(match_len);
-        self.accepted[b] += accepted as f64;
+        let (s, b) = ev.cell();
+        self.accepted[s][b] += accepted as f64;
         if accepted < drafted {
-            self.rejected[b] += 1.0;
+            self.rejected[s][b] += 1.0;
         }
     }
 

@@ -10,6 +10,7 @@
 //!   on which the target's own predictions agreed, offered again after the correction, for a
 //!   limited number of steps.
 
+pub use crate::control::Source;
 use crate::sam::{Match, Matcher, SuffixAutomaton, Token};
 
 /// A candidate continuation of the text so far.
@@ -18,8 +19,10 @@ pub struct Proposal {
     /// The drafted tokens (not empty).
     pub tokens: Vec<Token>,
     /// How much evidence backs it: the length of the suffix match it continues (the
-    /// controller's acceptance estimates are indexed by it).
+    /// controller's acceptance estimates are indexed by it and the source).
     pub match_len: usize,
+    /// Which drafter proposed it.
+    pub source: Source,
 }
 
 /// A source of draft continuations. The engine calls [`Drafter::begin`] with the prompt,
@@ -83,6 +86,7 @@ impl Drafter for ContextDrafter {
                 out.push(Proposal {
                     tokens,
                     match_len: m.len,
+                    source: Source::Request,
                 });
             }
         }
@@ -146,6 +150,7 @@ impl Drafter for HistoryDrafter {
                 out.push(Proposal {
                     tokens,
                     match_len: m.len,
+                    source: Source::History,
                 });
             }
         }
@@ -242,6 +247,7 @@ impl Drafter for ReuseDrafter {
             out.push(Proposal {
                 tokens: seg[..seg.len().min(budget)].to_vec(),
                 match_len: seg.len().min(budget),
+                source: Source::Reuse,
             });
             *left -= 1;
             if *left == 0 {

@@ -16,7 +16,7 @@ use leap_host::{Batch, Context, Error, Result, Token};
 
 use crate::accept::{self, SplitMix64, Uniform};
 use crate::calib::{self, CalibratedDrafter, Calibration};
-use crate::control::Controller;
+use crate::control::{Controller, Evidence};
 use crate::dist::Truncation;
 use crate::draft::{ContextDrafter, Drafter, HistoryDrafter, Proposal, ReuseDrafter};
 use crate::exit::Pruner;
@@ -210,12 +210,13 @@ impl Engine {
         carry: &[Token],
         budget: usize,
         branches: usize,
-    ) -> (TokenTree, Vec<usize>, f64) {
+    ) -> (TokenTree, Vec<Evidence>, f64) {
         if self.cfg.adaptive {
             if !carry.is_empty() {
                 proposals.push(Proposal {
                     tokens: carry.to_vec(),
                     match_len: lever::CARRY_MATCH,
+                    source: crate::draft::Source::Carry,
                 });
             }
             let b = lever::build(
@@ -226,10 +227,10 @@ impl Engine {
                 branches,
                 budget,
             );
-            return (b.tree, b.match_len, b.expected);
+            return (b.tree, b.evidence, b.expected);
         }
         let mut tree = TokenTree::new(id_last);
-        let mut lens = vec![0];
+        let mut lens = vec![Evidence::default()];
         if budget == 0 {
             return (tree, lens, 0.0);
         }
@@ -246,7 +247,7 @@ impl Engine {
             }
             tree.add_path(0, &p.tokens[..p.tokens.len().min(budget)]);
         }
-        lens.resize(tree.len(), 0);
+        lens.resize(tree.len(), Evidence::default());
         (tree, lens, 0.0)
     }
 
@@ -372,7 +373,7 @@ impl Engine {
                     d.propose(budget, branches, &mut proposals);
                 }
             }
-            let (tree, match_len, expected) =
+            let (tree, evidence, expected) =
                 self.build_tree(&mut proposals, id_last, &carry, budget, branches);
             g.draft_seconds += td.elapsed().as_secs_f64();
 
@@ -574,8 +575,7 @@ impl Engine {
                 for (n, node) in tree.nodes().iter().enumerate().skip(1) {
                     if let Some(p) = node.parent {
                         if on_path.contains(&p) {
-                            self.control
-                                .record_token(match_len[n], on_path.contains(&n));
+                            self.control.record_token(evidence[n], on_path.contains(&n));
                         }
                     }
                 }
@@ -631,7 +631,12 @@ impl Engine {
         g.decode_seconds = t1.elapsed().as_secs_f64();
         log::debug!(
             "acceptance by match length 1,2,3-4,5-8,9-16,17+: {:?}; cost of 2..9 rows: {:?}",
-            [1, 2, 3, 5, 9, 17].map(|m| (self.control.acceptance(m) * 100.0).round() / 100.0),
+            [1, 2, 3, 5, 9, 17].map(|m| (self
+                .control
+                .acceptance(crate::control::Evidence::new(Default::default(), m))
+                * 100.0)
+                .round()
+                / 100.0),
             (2..10)
                 .map(|r| (self.control.cost(r) * 100.0).round() / 100.0)
                 .collect::<Vec<_>>()

@@ -17,7 +17,7 @@
 //! short of a better tree, so Leap follows the greedy order up to the row cap and keeps the
 //! prefix with the best `G / C`; and no tree at all unless it beats a plain step.
 
-use crate::control::Controller;
+use crate::control::{Controller, Evidence};
 use crate::draft::Proposal;
 use crate::sam::Token;
 use crate::tree::TokenTree;
@@ -32,8 +32,9 @@ struct Cand {
     token: Token,
     parent: usize,
     children: Vec<usize>,
-    /// Longest suffix match behind a proposal through this node.
-    match_len: usize,
+    /// The best-backed proposal through this node (the one with the highest estimated
+    /// acceptance): its source and suffix-match length.
+    ev: Evidence,
     /// Reach probability.
     reach: f64,
 }
@@ -43,8 +44,9 @@ struct Cand {
 pub struct Built {
     /// The tree (root = the last accepted token).
     pub tree: TokenTree,
-    /// Match length behind each tree node (0 for the root), for the controller's feedback.
-    pub match_len: Vec<usize>,
+    /// The evidence behind each tree node (default for the root), for the controller's
+    /// feedback.
+    pub evidence: Vec<Evidence>,
     /// Expected accepted drafts, `sum R` over the tree's nodes.
     pub expected: f64,
 }
@@ -65,7 +67,7 @@ pub fn build(
         token: root,
         parent: usize::MAX,
         children: Vec::new(),
-        match_len: 0,
+        ev: Evidence::default(),
         reach: 1.0,
     }];
     for p in proposals {
@@ -78,7 +80,10 @@ pub fn build(
                 .find(|&c| trie[c].token == t);
             at = match next {
                 Some(c) => {
-                    trie[c].match_len = trie[c].match_len.max(p.match_len);
+                    let ev = Evidence::new(p.source, p.match_len);
+                    if control.acceptance(ev) > control.acceptance(trie[c].ev) {
+                        trie[c].ev = ev;
+                    }
                     c
                 }
                 None => {
@@ -87,7 +92,7 @@ pub fn build(
                         token: t,
                         parent: at,
                         children: Vec::new(),
-                        match_len: p.match_len,
+                        ev: Evidence::new(p.source, p.match_len),
                         reach: 0.0,
                     });
                     trie[at].children.push(id);
@@ -102,7 +107,7 @@ pub fn build(
         let kids = trie[n].children.clone();
         let a: Vec<f64> = kids
             .iter()
-            .map(|&c| control.acceptance(trie[c].match_len))
+            .map(|&c| control.acceptance(trie[c].ev))
             .collect();
         let sum: f64 = a.iter().sum();
         for (&c, &ac) in kids.iter().zip(&a) {
@@ -159,7 +164,7 @@ pub fn build(
 fn insert_dfs(trie: &[Cand], chosen: &[bool], root: Token) -> Built {
     let mut b = Built {
         tree: TokenTree::new(root),
-        match_len: vec![0],
+        evidence: vec![Evidence::default()],
         expected: 0.0,
     };
     fn visit(trie: &[Cand], chosen: &[bool], n: usize, at: usize, b: &mut Built) {
@@ -172,7 +177,7 @@ fn insert_dfs(trie: &[Cand], chosen: &[bool], root: Token) -> Built {
         kids.sort_by(|x, y| trie[*y].reach.total_cmp(&trie[*x].reach));
         for c in kids {
             let id = b.tree.add(at, trie[c].token, None);
-            b.match_len.push(trie[c].match_len);
+            b.evidence.push(trie[c].ev);
             b.expected += trie[c].reach;
             visit(trie, chosen, c, id, b);
         }
@@ -184,21 +189,34 @@ fn insert_dfs(trie: &[Cand], chosen: &[bool], root: Token) -> Built {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::control::Source;
 
     fn prop(tokens: &[Token], match_len: usize) -> Proposal {
         Proposal {
             tokens: tokens.to_vec(),
             match_len,
+            source: Source::Request,
         }
     }
+
+    const ALL: [Source; 6] = [
+        Source::Request,
+        Source::History,
+        Source::Reuse,
+        Source::Calibrated,
+        Source::Model,
+        Source::Carry,
+    ];
 
     /// A controller that has seen per-token acceptance `acc` at every match length and a
     /// linear cost curve of slope `slope`.
     fn trained(acc: f64, slope: f64) -> Controller {
         let mut c = Controller::new(slope);
-        for m in [1, 2, 4, 8, 16, 32, CARRY_MATCH] {
-            for i in 0..1000 {
-                c.record_token(m, (i as f64) < acc * 1000.0);
+        for s in ALL {
+            for m in [1, 2, 4, 8, 16, 32, CARRY_MATCH] {
+                for i in 0..1000 {
+                    c.record_token(Evidence::new(s, m), (i as f64) < acc * 1000.0);
+                }
             }
         }
         for _ in 0..50 {
@@ -217,7 +235,7 @@ mod tests {
         assert_eq!(b.tree.n_seqs(), 1);
         assert_eq!(b.tree.len(), 9, "cheap rows: the whole chain");
         // A chain's gain is the thesis' closed form (003 Eq. 4.1).
-        let a = cheap.acceptance(20) * cheap.reliability();
+        let a = cheap.acceptance(Evidence::new(Source::Request, 20)) * cheap.reliability();
         assert!((1.0 + b.expected - crate::control::expected_tokens(a, 8)).abs() < 1e-9);
         let dear = trained(0.9, 0.9);
         let b = build(0, &[prop(&[1, 2, 3, 4, 5, 6, 7, 8], 20)], &dear, 17, 4, 16);
@@ -263,7 +281,29 @@ mod tests {
         for (i, n) in t.nodes().iter().enumerate().skip(1) {
             assert!(n.parent.unwrap() < i);
         }
-        assert_eq!(b.match_len.len(), t.len());
+        assert_eq!(b.evidence.len(), t.len());
+    }
+
+    #[test]
+    fn a_failing_source_gives_way_to_its_siblings() {
+        // Same match length, but calibrated drafts have been failing: the request's
+        // continuation is the trunk, with most of the reach.
+        let mut c = trained(0.9, 0.05);
+        for _ in 0..2000 {
+            c.record_token(Evidence::new(Source::Calibrated, 3), false);
+        }
+        let calib = Proposal {
+            source: Source::Calibrated,
+            ..prop(&[5, 6, 7], 3)
+        };
+        let b = build(0, &[calib, prop(&[1, 2, 3], 3)], &c, 17, 4, 16);
+        let t = &b.tree;
+        assert_eq!(t.nodes()[1].token, 1, "{t:?}");
+        assert_eq!(b.evidence[1].source, Source::Request);
+        assert!(
+            t.child(0, 5).is_none(),
+            "the failing source is not worth a row: {t:?}"
+        );
     }
 
     #[test]

@@ -143,6 +143,7 @@ impl<L: DraftLm> Drafter for ModelDrafter<L> {
             Ok(tokens) if !tokens.is_empty() => out.push(Proposal {
                 tokens,
                 match_len: MODEL_MATCH,
+                source: crate::draft::Source::Model,
             }),
             Ok(_) => {}
             Err(e) => {
