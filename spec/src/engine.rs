@@ -572,9 +572,11 @@ impl Engine {
                 // Every drafted node whose parent verification reached was checked: taken if
                 // it is on the accepted path.
                 let on_path = path_nodes(&tree, acc.node);
+                // A node an early exit pruned was never checked: its outcome is unknown.
+                let checked = |n: usize| measure_only || kept.as_ref().is_none_or(|k| k[n]);
                 for (n, node) in tree.nodes().iter().enumerate().skip(1) {
                     if let Some(p) = node.parent {
-                        if on_path.contains(&p) {
+                        if on_path.contains(&p) && checked(n) {
                             self.control.record_token(evidence[n], on_path.contains(&n));
                         }
                     }
