@@ -156,6 +156,12 @@ pub trait RowStream: Send + Sync {
     fn after(&self, rows: std::ops::Range<usize>);
 }
 
+/// The output projection's weights: `output.weight`, or the tied `token_embd.weight`.
+fn output_tensor(info: &GgufInfo) -> Option<&crate::gguf::GgufTensor> {
+    let named = |n: &str| info.tensors.iter().find(|t| t.name == n);
+    named("output.weight").or_else(|| named("token_embd.weight"))
+}
+
 /// What identifies a model's output weights (`output.weight`, or the tied `token_embd.weight`):
 /// their shape, type and a hash of their first megabyte. A sidecar trained on another model
 /// does not match. `None` for a model without either tensor.
@@ -165,12 +171,9 @@ pub trait RowStream: Send + Sync {
 pub fn fingerprint(model: &Model) -> Result<Option<String>> {
     use std::io::{Read, Seek, SeekFrom};
     let info = GgufInfo::open(model.path())?;
-    let t = info
-        .tensors
-        .iter()
-        .find(|t| t.name == "output.weight")
-        .or_else(|| info.tensors.iter().find(|t| t.name == "token_embd.weight"));
-    let Some(t) = t else { return Ok(None) };
+    let Some(t) = output_tensor(&info) else {
+        return Ok(None);
+    };
     let io = |e: std::io::Error| Error::InvalidGguf {
         path: model.path().to_path_buf(),
         reason: format!("reading the output weights: {e}"),
@@ -481,12 +484,9 @@ impl Projection {
         if softcap != 0.0 {
             return Ok(None);
         }
-        let t = info
-            .tensors
-            .iter()
-            .find(|t| t.name == "output.weight")
-            .or_else(|| info.tensors.iter().find(|t| t.name == "token_embd.weight"));
-        let Some(t) = t else { return Ok(None) };
+        let Some(t) = output_tensor(&info) else {
+            return Ok(None);
+        };
         let Some(ty) = type_by_name(&t.ggml_type) else {
             return Ok(None);
         };

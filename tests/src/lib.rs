@@ -129,6 +129,23 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// The prompt of the sampled-distribution tests: a short cycle whose continuation the
+/// drafters find, so the second token goes through acceptance of a draft.
+pub const SAMPLED_PROMPT: &str =
+    "red green blue red green blue red green blue red green blue red green";
+
+/// The sampler settings of the sampled-distribution tests (seeded): hot and top-4, so the
+/// first two tokens spread over a handful of pairs a chi-square test can check.
+pub fn sampled_params(seed: u32) -> leap_host::sampler::SamplingParams {
+    leap_host::sampler::SamplingParams {
+        temp: 1.5,
+        top_k: 4,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed,
+    }
+}
+
 /// Chi-square test (p = 0.001) that `pairs`, the first two tokens of seeded sampled
 /// generations after `toks`, follow the joint distribution llama.cpp's sampler chain with
 /// `params` draws from on `c`'s model (computed from plain prefill logits).

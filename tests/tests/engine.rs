@@ -271,22 +271,9 @@ fn history_drafts_a_repeated_request_from_the_earlier_answer() {
 /// from (chi-square over the pairs).
 #[test]
 fn sampled_output_follows_the_target_distribution() {
-    use leap_host::sampler::SamplingParams;
     let m = model(SMOLLM);
-    let toks = m
-        .tokenize(
-            "red green blue red green blue red green blue red green blue red green",
-            true,
-            false,
-        )
-        .unwrap();
-    let params = |seed| SamplingParams {
-        temp: 1.5,
-        top_k: 4,
-        top_p: 1.0,
-        min_p: 0.0,
-        seed,
-    };
+    let toks = m.tokenize(leap_tests::SAMPLED_PROMPT, true, false).unwrap();
+    let params = leap_tests::sampled_params;
     let mut c = ctx(SMOLLM, 1);
     let mut engine = Engine::new(EngineConfig {
         adaptive: false,

@@ -7,12 +7,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use leap_host::exit::Exit;
-use leap_host::sampler::SamplingParams;
 use leap_host::{Context, Model};
 use leap_spec::engine::{Engine, EngineConfig};
 use leap_spec::exit::{PruneConfig, Pruner};
 use leap_spec::head::Head;
-use leap_tests::{context, kernels, model, model_path, params, plain_greedy, GEMMA, SMOLLM};
+use leap_tests::{
+    context, kernels, model, model_path, params, plain_greedy, sampled_params, GEMMA,
+    SAMPLED_PROMPT, SMOLLM,
+};
 
 const PROMPTS: &[&str] = &[
     "The apt-get command installs packages. The apt-get command removes packages. The apt-get \
@@ -163,20 +165,8 @@ fn pruned_output_is_plain_greedy_on_gemma() {
 fn pruned_sampled_output_follows_the_target_distribution() {
     assert!(kernels());
     let m = model(SMOLLM);
-    let toks = m
-        .tokenize(
-            "red green blue red green blue red green blue red green blue red green",
-            true,
-            false,
-        )
-        .unwrap();
-    let params = |seed| SamplingParams {
-        temp: 1.5,
-        top_k: 4,
-        top_p: 1.0,
-        min_p: 0.0,
-        seed,
-    };
+    let toks = m.tokenize(SAMPLED_PROMPT, true, false).unwrap();
+    let params = sampled_params;
     let cfg = EngineConfig {
         history_tokens: 0,
         reuse_lifetime: 0,
