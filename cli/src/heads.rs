@@ -263,9 +263,10 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
         !train.is_empty() && !held.is_empty(),
         "the corpus is too short to hold out positions (make it longer or --window shorter)"
     );
-    let mut all = train.clone();
-    all.extend(held.iter().cloned());
-    let ids = Vocab::needed(&all);
+    let mut ids = Vocab::needed(&train);
+    ids.extend(Vocab::needed(&held));
+    ids.sort_unstable();
+    ids.dedup();
     let mut vrows = vec![0f32; ids.len() * d];
     for (r, &t) in ids.iter().enumerate() {
         od.row_f32(t as usize, &mut vrows[r * d..(r + 1) * d]);

@@ -433,10 +433,15 @@ impl Engine {
             // What acceptance walks: the tree, or what an early exit kept of it (`map`: each
             // node's id in `tree`, which is also its row). Measuring only, the whole tree.
             let measure_only = self.cfg.prune.measure_only;
-            let (vt, map) = match &kept {
-                Some(k) if !measure_only => tree.retain(k),
-                _ => (tree.clone(), (0..tree.len()).collect()),
+            let pruned = match &kept {
+                Some(k) if !measure_only => Some(tree.retain(k)),
+                _ => None,
             };
+            let (vt, map) = match &pruned {
+                Some((t, m)) => (t, Some(m.as_slice())),
+                None => (&tree, None),
+            };
+            let old = |n: NodeId| map.map_or(n, |m| m[n]);
             // The target's logits after a node of `vt`: projected on demand (into `row`), or
             // llama.cpp's. A node without logits leaves `f` uncalled.
             let mut predicted: Vec<Option<Token>> = vec![None; vt.len()];
@@ -447,7 +452,9 @@ impl Engine {
             if let (Some(h), Some(od)) = (&hidden, od) {
                 if od.streamed() {
                     let n = od.n_embd();
-                    let hs: Vec<&[f32]> = map.iter().map(|&c| &h[c * n..(c + 1) * n]).collect();
+                    let hs: Vec<&[f32]> = (0..vt.len())
+                        .map(|c| &h[old(c) * n..(old(c) + 1) * n])
+                        .collect();
                     every.resize_with(vt.len().max(every.len()), Vec::new);
                     let tp = Instant::now();
                     od.try_logits_rows(&hs, &mut every[..vt.len()])?;
@@ -467,19 +474,19 @@ impl Engine {
                 (Some(h), Some(od)) => {
                     let n = od.n_embd();
                     singles.set(singles.get() + 1);
-                    let r = map[node];
+                    let r = old(node);
                     od.logits(&h[r * n..(r + 1) * n], &mut row);
                     f(&row);
                 }
                 _ => {
-                    if let Ok(l) = ctx.logits(map[node] as i32) {
+                    if let Ok(l) = ctx.logits(old(node) as i32) {
                         f(l);
                     }
                 }
             };
             let acc = if sampled {
                 accept::stochastic(
-                    &vt,
+                    vt,
                     |node| {
                         let mut d = Vec::new();
                         logits_of(node, &mut |l| d = trunc.apply(l).dense(n_vocab));
@@ -488,7 +495,7 @@ impl Engine {
                     &mut rng,
                 )
             } else {
-                accept::greedy(&vt, |node| {
+                accept::greedy(vt, |node| {
                     if predicted[node].is_none() {
                         match (&hidden, od) {
                             // Project the node and the most likely path below it in one pass
@@ -505,10 +512,10 @@ impl Engine {
                                 } else {
                                     2
                                 };
-                                let chain = trunk_chain(&vt, node, ahead.min(MAX_PROJECTED));
+                                let chain = trunk_chain(vt, node, ahead.min(MAX_PROJECTED));
                                 let hs: Vec<&[f32]> = chain
                                     .iter()
-                                    .map(|&c| &h[map[c] * n..(map[c] + 1) * n])
+                                    .map(|&c| &h[old(c) * n..(old(c) + 1) * n])
                                     .collect();
                                 projected.resize_with(chain.len(), Vec::new);
                                 let tp = Instant::now();
@@ -544,7 +551,7 @@ impl Engine {
             // Back to `tree`'s ids: the accepted node, and the target's token after each node
             // (none for a pruned one).
             let acc = accept::Accepted {
-                node: map[acc.node],
+                node: old(acc.node),
                 tokens: acc.tokens,
             };
             if pruning {
@@ -559,7 +566,7 @@ impl Engine {
             }
             let mut predicted_at: Vec<Option<Token>> = vec![None; tree.len()];
             for (i, &p) in predicted.iter().enumerate() {
-                predicted_at[map[i]] = p;
+                predicted_at[old(i)] = p;
             }
             let predicted = predicted_at;
             if hidden.is_none() {
