@@ -25,14 +25,11 @@ fn kind_of(t: g::ggml_type) -> Option<Kind> {
 const OUTPUT: &[u8] = b"result_output";
 
 /// A tensor's name.
-fn tensor_name(t: &g::ggml_tensor) -> String {
-    let bytes: Vec<u8> = t
-        .name
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
+fn tensor_name(t: &g::ggml_tensor) -> &str {
+    // SAFETY: `name` is a NUL-terminated char array inside the tensor.
+    unsafe { std::ffi::CStr::from_ptr(t.name.as_ptr()) }
+        .to_str()
+        .unwrap_or("")
 }
 
 /// Whether the device computes `op` (see the crate docs for the conditions).
@@ -86,9 +83,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         .expect("the activation type has a quantizer");
     // The batch rows to compute: all, or those an early exit kept past this layer
     // (`leap_host::exit`); the others get zeros.
-    let sel: Vec<usize> = match leap_host::exit::layer_of(&tensor_name(s0))
-        .and_then(|l| leap_host::exit::rows_kept(l, m))
-    {
+    let sel: Vec<usize> = match leap_host::exit::rows_kept(tensor_name(s0), m) {
         Some(keep) => {
             for r in (0..m).filter(|&r| !keep[r]) {
                 let out = (node.data as *mut u8).add(r * node.nb[1]).cast::<f32>();

@@ -32,15 +32,15 @@ thread_local! {
     static MASK: RefCell<Option<Mask>> = const { RefCell::new(None) };
 }
 
-/// For a matrix product of layer `layer` over `n_rows` rows computed on this thread: which
-/// rows to compute (`None`: all). Only products of layers after the exit layer, over exactly
-/// the rows of the masked call, are masked.
-pub fn rows_kept(layer: u32, n_rows: usize) -> Option<Vec<bool>> {
+/// For a matrix product with the weight named `weight` (`blk.N.…`) over `n_rows` rows computed
+/// on this thread: which rows to compute (`None`: all). Only products of layers after the
+/// exit layer, over exactly the rows of the masked call, are masked; without a mask the name
+/// is not even parsed.
+pub fn rows_kept(weight: &str, n_rows: usize) -> Option<Vec<bool>> {
     MASK.with(|m| {
-        m.borrow()
-            .as_ref()
-            .filter(|m| layer > m.layer && m.keep.len() == n_rows)
-            .map(|m| m.keep.clone())
+        let m = m.borrow();
+        let m = m.as_ref().filter(|m| m.keep.len() == n_rows)?;
+        (layer_of(weight)? > m.layer).then(|| m.keep.clone())
     })
 }
 
@@ -180,22 +180,25 @@ mod tests {
 
     #[test]
     fn the_mask_covers_later_layers_of_the_same_call_on_this_thread_only() {
+        const L4: &str = "blk.4.ffn_up.weight";
+        const L5: &str = "blk.5.attn_q.weight";
         set_mask(Some(Mask {
             layer: 4,
             keep: vec![true, false, true],
         }));
-        assert_eq!(rows_kept(5, 3), Some(vec![true, false, true]));
+        assert_eq!(rows_kept(L5, 3), Some(vec![true, false, true]));
         assert_eq!(
-            rows_kept(4, 3),
+            rows_kept(L4, 3),
             None,
             "the exit layer itself runs every row"
         );
-        assert_eq!(rows_kept(5, 4), None, "another call's shape");
-        std::thread::spawn(|| assert_eq!(rows_kept(5, 3), None))
+        assert_eq!(rows_kept(L5, 4), None, "another call's shape");
+        assert_eq!(rows_kept("output.weight", 3), None, "not a layer's weight");
+        std::thread::spawn(|| assert_eq!(rows_kept(L5, 3), None))
             .join()
             .unwrap();
         let (exit, _obs) = Exit::new(4);
         assert_eq!(exit.disarm().0, None);
-        assert_eq!(rows_kept(5, 3), None, "disarm clears the mask");
+        assert_eq!(rows_kept(L5, 3), None, "disarm clears the mask");
     }
 }

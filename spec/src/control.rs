@@ -212,19 +212,6 @@ impl Controller {
         }
     }
 
-    /// Record a verified draft: `drafted` tokens from a match of `match_len`, of which the
-    /// first `accepted` were accepted.
-    pub fn record_acceptance(&mut self, ev: Evidence, drafted: usize, accepted: usize) {
-        if drafted == 0 {
-            return;
-        }
-        let (s, b) = ev.cell();
-        self.accepted[s][b] += accepted as f64;
-        if accepted < drafted {
-            self.rejected[s][b] += 1.0;
-        }
-    }
-
     /// Record the wall time of a call of `rows` rows.
     pub fn record_cost(&mut self, rows: usize, seconds: f64) {
         if let Some(t) = self.profile.get_mut(rows) {

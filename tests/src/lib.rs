@@ -129,6 +129,15 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Prompts the engine tests decode with Leap and with plain decoding: repetition (summary),
+/// code and a pattern (question and answer), so retrieval finds drafts in each.
+pub const PROMPTS: &[&str] = &[
+    "The apt-get command installs packages. The apt-get command removes packages. The apt-get \
+     command upgrades packages. The dpkg command installs a .deb file. Summary: the apt-get command",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Question: What is the capital of France?\nAnswer: Paris.\nQuestion: What is the capital of Italy?\nAnswer:",
+];
+
 /// The prompt of the sampled-distribution tests: a short cycle whose continuation the
 /// drafters find, so the second token goes through acceptance of a draft.
 pub const SAMPLED_PROMPT: &str =

@@ -6,14 +6,7 @@
 use leap_host::Context;
 use leap_spec::engine::{Engine, EngineConfig};
 use leap_spec::plain;
-use leap_tests::{context, leap_context, leap_greedy, model, plain_greedy, GEMMA, SMOLLM};
-
-const PROMPTS: &[&str] = &[
-    "The apt-get command installs packages. The apt-get command removes packages. The apt-get \
-     command upgrades packages. The dpkg command installs a .deb file. Summary: the apt-get command",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
-    "Question: What is the capital of France?\nAnswer: Paris.\nQuestion: What is the capital of Italy?\nAnswer:",
-];
+use leap_tests::{context, leap_context, leap_greedy, model, plain_greedy, GEMMA, PROMPTS, SMOLLM};
 
 /// The engine drafting whatever it finds, up to 8 tokens, whatever the measured costs: tests
 /// that count drafts must not depend on timings (the controller's decisions do, and tests run

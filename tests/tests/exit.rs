@@ -12,16 +12,9 @@ use leap_spec::engine::{Engine, EngineConfig};
 use leap_spec::exit::{PruneConfig, Pruner};
 use leap_spec::head::Head;
 use leap_tests::{
-    context, kernels, model, model_path, params, plain_greedy, sampled_params, GEMMA,
+    context, kernels, model, model_path, params, plain_greedy, sampled_params, GEMMA, PROMPTS,
     SAMPLED_PROMPT, SMOLLM,
 };
-
-const PROMPTS: &[&str] = &[
-    "The apt-get command installs packages. The apt-get command removes packages. The apt-get \
-     command upgrades packages. The dpkg command installs a .deb file. Summary: the apt-get command",
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
-    "Question: What is the capital of France?\nAnswer: Paris.\nQuestion: What is the capital of Italy?\nAnswer:",
-];
 
 fn scratch() -> PathBuf {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
