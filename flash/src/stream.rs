@@ -212,6 +212,9 @@ struct Shared {
     direct: Mutex<Option<Arc<Direct>>>,
     /// Whether to try O_DIRECT for the output chunks (`LEAP_FLASH_DIRECT=0` says no).
     allow_direct: std::sync::atomic::AtomicBool,
+    /// Whether a projection pass follows the next calls: its first chunk is then read during
+    /// their last layers (see `RowStream::prefetch`).
+    prefetch_output: std::sync::atomic::AtomicBool,
 }
 
 /// Streams a model's blocks during llama.cpp's decodes: give [`Streamer::observer`] to the
@@ -270,6 +273,7 @@ impl Streamer {
             allow_direct: std::env::var("LEAP_FLASH_DIRECT")
                 .map_or(true, |v| v != "0")
                 .into(),
+            prefetch_output: true.into(),
         });
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
@@ -713,6 +717,12 @@ impl RowStream for OutputRows {
         Ok(src)
     }
 
+    fn prefetch(&self, on: bool) {
+        self.shared
+            .prefetch_output
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn after(&self, rows: std::ops::Range<usize>) {
         let sh = &self.shared;
         let k = Key::Out(rows.start / self.rows);
@@ -800,7 +810,11 @@ impl EvalObserver for Observer {
             }
             // Leap's projection streams the output in chunks: the first is read while the
             // last blocks compute.
-            if i + sh.ahead >= sh.map.blocks() {
+            if i + sh.ahead >= sh.map.blocks()
+                && sh
+                    .prefetch_output
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            {
                 sh.request(Key::Out(sh.first_streamed_chunk()));
             }
             if i > 0 && sh.streamed(i - 1) {

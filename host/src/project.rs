@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use llama_cpp_sys_2 as sys;
 
 use crate::eval::{EvalObserver, TensorView};
-use crate::{Context, ContextParams, Error, GgufInfo, Model, Result};
+use crate::{Context, ContextParams, Error, GgufInfo, Model, Result, Token};
 
 /// The tensor llama.cpp names the final normalised hidden states.
 const HIDDEN: &str = "result_norm";
@@ -154,6 +154,9 @@ pub trait RowStream: Send + Sync {
     ) -> std::result::Result<Option<*const u8>, String>;
     /// The pass is done with rows `rows`.
     fn after(&self, rows: std::ops::Range<usize>);
+    /// Whether a projection pass follows the next target calls: a stream reads its first
+    /// chunk ahead during a call's last layers when one does (the default).
+    fn prefetch(&self, _on: bool) {}
 }
 
 /// The output projection's weights: `output.weight`, or the tied `token_embd.weight`.
@@ -195,6 +198,9 @@ pub fn fingerprint(model: &Model) -> Result<Option<String>> {
 /// The output weights and ggml's kernels for them.
 struct Projection {
     weights: Arc<Mapped>,
+    /// The model file and where the weights start in it (for reads that bypass the mapping).
+    path: std::path::PathBuf,
+    offset: u64,
     /// The weights' ggml type.
     ty: sys::ggml_type,
     vec_dot_type: sys::ggml_type,
@@ -291,6 +297,15 @@ impl OnDemand {
     pub fn with_stream(mut self, stream: Option<Arc<dyn RowStream>>) -> Self {
         self.stream = stream;
         self
+    }
+
+    /// Tell a streamed projection whether a pass follows the next target calls (see
+    /// [`RowStream::prefetch`]): calls that only draft leave it off, so the first chunk is not
+    /// read ahead for nothing.
+    pub fn prefetch(&self, on: bool) {
+        if let Some(st) = &self.stream {
+            st.prefetch(on);
+        }
     }
 
     /// Whether the output weights are streamed: each projection pass reads them from
@@ -428,6 +443,23 @@ impl OnDemand {
         }
     }
 
+    /// A resident copy of the output weights' rows for `tokens` (see [`DraftVocab`]), read
+    /// from the model file with plain reads. Under flash streaming the pages those reads
+    /// leave in the page cache are dropped again, so the copy is the only resident one.
+    ///
+    /// # Errors
+    /// The model file cannot be read.
+    pub fn draft_vocab(&self, tokens: &[Token]) -> Result<DraftVocab> {
+        let mut v = DraftVocab {
+            proj: self.proj.clone(),
+            drop_cache: self.stream.is_some(),
+            tokens: Vec::new(),
+            bytes: Vec::new(),
+        };
+        v.add(tokens)?;
+        Ok(v)
+    }
+
     /// Check on this context that projecting row `row` of the hidden states reproduces
     /// llama.cpp's logits bit for bit. Decodes `batch` once, hidden states copied and the
     /// graph run to the end. Returns whether they matched.
@@ -467,6 +499,217 @@ impl OnDemand {
                 .iter()
                 .zip(want)
                 .all(|(a, b)| a.to_bits() == b.to_bits())
+    }
+}
+
+/// Read `buf.len()` bytes at `at` from `f`, opened with `O_DIRECT`: whole aligned pages
+/// into an aligned bounce buffer.
+fn read_direct(f: &std::fs::File, buf: &mut [u8], at: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const ALIGN: u64 = 4096;
+    let start = at / ALIGN * ALIGN;
+    let end = (at + buf.len() as u64).div_ceil(ALIGN) * ALIGN;
+    let len = (end - start) as usize;
+    let layout = std::alloc::Layout::from_size_align(len, ALIGN as usize)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: a non-zero size (buf is not empty when called) with a valid alignment.
+    let p = unsafe { std::alloc::alloc(layout) };
+    if p.is_null() {
+        return Err(std::io::ErrorKind::OutOfMemory.into());
+    }
+    // SAFETY: `p` points at `len` freshly allocated bytes, freed below.
+    let bounce = unsafe { std::slice::from_raw_parts_mut(p, len) };
+    let mut done = 0;
+    let r = loop {
+        if done == len {
+            break Ok(());
+        }
+        match f.read_at(&mut bounce[done..], start + done as u64) {
+            // The end of the file inside the last page: what was read must cover `buf`.
+            Ok(0) => {
+                break if (start + done as u64) >= at + buf.len() as u64 {
+                    Ok(())
+                } else {
+                    Err(std::io::ErrorKind::UnexpectedEof.into())
+                }
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(e),
+        }
+    };
+    if r.is_ok() {
+        let off = (at - start) as usize;
+        buf.copy_from_slice(&bounce[off..off + buf.len()]);
+    }
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(p, layout) };
+    r
+}
+
+/// Some rows of the output weights, copied out and kept resident: the vocabulary a draft
+/// is allowed to choose from when the full output projection is streamed from storage.
+/// Projecting a hidden state onto these rows only ([`DraftVocab::argmax`]) costs a few
+/// thousand dot products and no I/O; the token is a draft, checked by the full projection.
+pub struct DraftVocab {
+    proj: Arc<Projection>,
+    /// Drop the pages plain reads leave in the page cache (flash: keep the budget honest).
+    drop_cache: bool,
+    /// The rows' tokens, ascending, each once.
+    tokens: Vec<Token>,
+    /// The rows' bytes, in `tokens` order.
+    bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for DraftVocab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraftVocab")
+            .field("rows", &self.tokens.len())
+            .finish()
+    }
+}
+
+impl DraftVocab {
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether it holds no row.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Resident bytes (the rows).
+    pub fn bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Whether `token`'s row is held.
+    pub fn contains(&self, token: Token) -> bool {
+        self.tokens.binary_search(&token).is_ok()
+    }
+
+    /// Add the rows of `tokens` not held yet (tokens outside the vocabulary are ignored).
+    ///
+    /// # Errors
+    /// The model file cannot be read.
+    pub fn add(&mut self, tokens: &[Token]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let p = &*self.proj;
+        let mut new: Vec<Token> = tokens
+            .iter()
+            .copied()
+            .filter(|&t| t >= 0 && (t as usize) < p.n_vocab && !self.contains(t))
+            .collect();
+        new.sort_unstable();
+        new.dedup();
+        if new.is_empty() {
+            return Ok(());
+        }
+        let io = |e: std::io::Error| Error::InvalidGguf {
+            path: p.path.clone(),
+            reason: format!("reading output weight rows: {e}"),
+        };
+        let f = std::fs::File::open(&p.path).map_err(io)?;
+        // Streamed weights: read around the page cache, which would keep (large) folios of
+        // the streamed matrix resident behind the budget's back.
+        let direct = if self.drop_cache {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&p.path)
+                .ok()
+        } else {
+            None
+        };
+        let rb = p.row_bytes;
+        // Runs of consecutive tokens in one read each.
+        let mut got = vec![0u8; new.len() * rb];
+        let mut i = 0;
+        while i < new.len() {
+            let mut j = i + 1;
+            while j < new.len() && new[j] == new[j - 1] + 1 {
+                j += 1;
+            }
+            let at = p.offset + new[i] as u64 * rb as u64;
+            let buf = &mut got[i * rb..j * rb];
+            let read_direct = direct
+                .as_ref()
+                .is_some_and(|d| read_direct(d, buf, at).is_ok());
+            if !read_direct {
+                f.read_exact_at(buf, at).map_err(io)?;
+            }
+            if self.drop_cache && !read_direct {
+                use std::os::unix::io::AsRawFd;
+                // SAFETY: an advisory call on an open descriptor; no memory is touched.
+                unsafe {
+                    libc::posix_fadvise(
+                        f.as_raw_fd(),
+                        at as libc::off_t,
+                        buf.len() as libc::off_t,
+                        libc::POSIX_FADV_DONTNEED,
+                    )
+                };
+            }
+            i = j;
+        }
+        // Merge the new rows into the sorted set.
+        let old_tokens = std::mem::take(&mut self.tokens);
+        let old_bytes = std::mem::take(&mut self.bytes);
+        self.tokens.reserve(old_tokens.len() + new.len());
+        self.bytes.reserve(old_bytes.len() + got.len());
+        let (mut a, mut b) = (0, 0);
+        while a < old_tokens.len() || b < new.len() {
+            let take_old = b >= new.len() || (a < old_tokens.len() && old_tokens[a] < new[b]);
+            if take_old {
+                self.tokens.push(old_tokens[a]);
+                self.bytes
+                    .extend_from_slice(&old_bytes[a * rb..(a + 1) * rb]);
+                a += 1;
+            } else {
+                self.tokens.push(new[b]);
+                self.bytes.extend_from_slice(&got[b * rb..(b + 1) * rb]);
+                b += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// The held token with the largest logit after hidden state `h` (the smallest id among
+    /// equal maxima), and its logit; `None` when nothing is held. Each logit is bit-identical
+    /// to the full projection's for that token (Leap's kernel is checked against ggml's).
+    pub fn argmax(&self, h: &[f32]) -> Option<(Token, f32)> {
+        let p = &*self.proj;
+        let act = p.quantize(h);
+        let rb = p.row_bytes;
+        let n = self.tokens.len();
+        // One thread: between a call's layers ggml's own workers still spin on the other core.
+        let mut best: Option<(usize, f32)> = None;
+        let mut vals = [0.0f32; 256];
+        let prepared = p
+            .kernel
+            .map(|k| (k, k.prepare(p.n_embd, &[act.as_slice()])));
+        for i0 in (0..n).step_by(256) {
+            let m = 256.min(n - i0);
+            let vals = &mut vals[..m];
+            let w = &self.bytes[i0 * rb..(i0 + m) * rb];
+            match &prepared {
+                Some((k, a)) => k.dot_many(a, w, vals),
+                None => {
+                    for (j, v) in vals.iter_mut().enumerate() {
+                        p.dot_row(&w[j * rb..(j + 1) * rb], &act, v);
+                    }
+                }
+            }
+            for (j, &v) in vals.iter().enumerate() {
+                if best.is_none_or(|(_, b)| v > b) {
+                    best = Some((i0 + j, v));
+                }
+            }
+        }
+        best.map(|(i, v)| (self.tokens[i], v))
     }
 }
 
@@ -518,6 +761,8 @@ impl Projection {
         let weights = Mapped::shared(model.path(), t.offset, t.size as usize)?;
         let mut p = Self {
             weights,
+            path: model.path().to_path_buf(),
+            offset: t.offset,
             ty,
             vec_dot_type: vdt,
             n_embd,

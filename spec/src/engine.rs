@@ -54,6 +54,10 @@ pub struct EngineConfig {
     pub exit: bool,
     /// How the early-exit head prunes.
     pub prune: crate::exit::PruneConfig,
+    /// Under a streamed output projection (flash) and greedy decoding: the target drafts for
+    /// itself over a resident vocabulary ([`crate::vocab`]) instead of building trees from
+    /// the drafters. `None`: trees there too.
+    pub vocab: Option<crate::vocab::VocabConfig>,
 }
 
 impl Default for EngineConfig {
@@ -71,6 +75,7 @@ impl Default for EngineConfig {
             calibrate: true,
             exit: true,
             prune: Default::default(),
+            vocab: Some(Default::default()),
         }
     }
 }
@@ -104,6 +109,8 @@ pub struct Engine {
     on_demand: Option<(OnDemand, Option<bool>)>,
     /// Early exit (Lever §4.3): the context's exit observer and the head that decides.
     exit: Option<(leap_host::exit::Exit, Pruner)>,
+    /// Self-drafting's measured costs and acceptance ([`crate::vocab`]).
+    vocab: crate::vocab::VocabState,
 }
 
 /// A caller's drafter (opaque to `Debug`).
@@ -141,6 +148,7 @@ impl Engine {
             on_demand: None,
             exit: None,
             extra: None,
+            vocab: Default::default(),
         }
     }
 
@@ -271,6 +279,55 @@ impl Engine {
         self.generate_with(ctx, prompt, max_tokens, n_batch, &greedy, on_token)
     }
 
+    /// Greedy generation on a streamed output projection with the target drafting for
+    /// itself over a resident vocabulary ([`crate::vocab`]), when configured and the
+    /// projection reproduces llama.cpp's logits (checked here once, on the prompt's first
+    /// token). `None`: not applicable, the caller builds trees.
+    fn self_draft(
+        &mut self,
+        ctx: &mut Context,
+        prompt: &[Token],
+        max_tokens: usize,
+        n_batch: usize,
+        sampled: bool,
+        on_token: &mut dyn FnMut(Token) -> bool,
+    ) -> Result<Option<Generation>> {
+        let Some(vc) = self.cfg.vocab.filter(|_| !sampled && self.cfg.on_demand) else {
+            return Ok(None);
+        };
+        let Some((od, checked)) = self.on_demand.as_mut().filter(|(od, _)| od.streamed()) else {
+            return Ok(None);
+        };
+        if checked.is_none() {
+            ctx.clear(false);
+            let mut b = Batch::new(1, 1);
+            b.add(prompt[0], 0, &[0], true)?;
+            let ok = od.check(ctx, &b, 0)?;
+            if !ok {
+                log::warn!(
+                    "on-demand output projection does not reproduce llama.cpp's logits for \
+                     this model; verifying with llama.cpp's logits"
+                );
+            }
+            *checked = Some(ok);
+        }
+        if *checked != Some(true) {
+            return Ok(None);
+        }
+        let od = od.clone();
+        crate::vocab::generate(
+            ctx,
+            &od,
+            &vc,
+            &mut self.vocab,
+            prompt,
+            max_tokens,
+            n_batch,
+            on_token,
+        )
+        .map(Some)
+    }
+
     /// Generation with `sampling`: greedy when `sampling.temp <= 0` (as [`Engine::generate`]),
     /// else speculative sampling: each step's tree is accepted by multi-round rejection
     /// ([`accept::stochastic`]) against the distribution llama.cpp's sampler chain with the
@@ -297,6 +354,9 @@ impl Engine {
                 n_tokens: 0,
                 reason: "empty prompt".into(),
             });
+        }
+        if let Some(g) = self.self_draft(ctx, prompt, max_tokens, n_batch, sampled, on_token)? {
+            return Ok(g);
         }
         ctx.clear(false);
         let t0 = Instant::now();

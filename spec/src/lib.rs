@@ -16,6 +16,7 @@
 //! | [`head`] | early-exit heads (Lever §4.3): the head, its training |
 //! | [`tree`] | token trees, the rows of their one-call verification (leaf sequence ids), KV rollback plans |
 //! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
+//! | [`vocab`] | on a streamed output projection (flash): the target drafting for itself over a resident vocabulary |
 //! | [`plain`] | plain decoding (the baseline), [`plain::Generation`]: what a generation produced and cost |
 //!
 //! The crate is safe Rust on `leap-host`.
@@ -35,3 +36,4 @@ pub mod model_draft;
 pub mod plain;
 pub mod sam;
 pub mod tree;
+pub mod vocab;

@@ -392,3 +392,92 @@ fn other_mappings_of_the_model_are_found_with_their_areas() {
         }
     }
 }
+
+/// On a streamed target `leap` drafts with the target itself over a resident vocabulary
+/// (`leap_spec::vocab`): plain greedy decoding's tokens, with fewer passes over the streamed
+/// output weights than tokens, within the budget less the resident rows. A resident
+/// vocabulary of 16 rows (nearly every draft rejected) keeps the tokens too.
+#[test]
+fn self_drafting_on_a_streamed_target_keeps_the_tokens_and_the_budget() {
+    use leap_flash::Streamer;
+    use leap_host::project::OnDemand;
+    use leap_spec::engine::{Engine, EngineConfig};
+    use leap_spec::vocab::VocabConfig;
+    let _serial = serial();
+    let path = model_path("gemma3-270m");
+    let model = leap_tests::model("gemma3-270m");
+    let prompt = model
+        .tokenize(
+            "Write a Python function that returns the squares of a list of numbers.\n",
+            true,
+            false,
+        )
+        .expect("tokens");
+    let n = 32;
+    let want = {
+        let mut ctx = leap_tests::context("gemma3-270m", 512, 1);
+        leap_tests::plain_greedy(&mut ctx, &prompt, n).tokens
+    };
+    let map = LayerMap::open(&path).expect("map");
+    let output = map.bytes(Section::Embed) + map.bytes(Section::Output);
+    let row_bytes = output / model.n_vocab() as u64;
+    let chunk = map.largest_block();
+    for vc in [
+        VocabConfig::default(),
+        VocabConfig {
+            prefix: 16,
+            extra: 0,
+            max_draft: 4,
+        },
+    ] {
+        let budget = map.per_call_bytes() / 4;
+        let reserve = vc.resident_rows() as u64 * row_bytes;
+        let p = plan(&map, budget - reserve, chunk, 1, Strategy::Fill);
+        let pinned = p.pinned_bytes;
+        let streamer = Streamer::new(&path, map.clone(), p, 1)
+            .expect("streamer")
+            .measure_every(1);
+        let (mut ctx, od) = OnDemand::context_with(
+            &model,
+            &leap_tests::params(512, 1),
+            Some(streamer.observer()),
+        )
+        .expect("context");
+        let od = streamer.stream_projection(od.expect("projection"));
+        let mut engine = Engine::new(EngineConfig {
+            vocab: Some(vc),
+            ..EngineConfig::default().streamed()
+        })
+        .with_on_demand(Some(od));
+        let g = engine
+            .generate(&mut ctx, &prompt, n, 512, &mut |_| true)
+            .expect("self-drafting");
+        assert_eq!(g.tokens, want, "self-drafting changed the tokens ({vc:?})");
+        assert!(g.drafted_tokens > 0, "{g:?}");
+        streamer.flush();
+        let calls = streamer.calls();
+        let decode = &calls[calls.len() - g.target_calls as usize..];
+        assert!(decode.iter().all(|c| !c.llama_output), "{decode:?}");
+        for (k, c) in decode.iter().enumerate() {
+            assert!(
+                pinned + reserve + c.peak_streamed_resident <= budget + chunk,
+                "call {k}: pinned {pinned} + rows {reserve} + {c:?} over {budget}"
+            );
+        }
+        let read: u64 = decode.iter().map(|c| c.read_bytes).sum();
+        eprintln!(
+            "{vc:?}: {} tokens, {} calls, {} drafted, {:.1} MB read",
+            g.tokens.len(),
+            g.target_calls,
+            g.drafted_tokens,
+            read as f64 / 1e6
+        );
+        // Each pass over the output weights projects every drafted state at once.
+        if vc.prefix > 16 && io_read_bytes().is_some() {
+            assert!(
+                read < output * n as u64 / 2,
+                "{read} bytes read for {n} tokens: a pass per token"
+            );
+        }
+    }
+}

@@ -91,8 +91,11 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     // Only `leap` itself (and `leap:tree`, which is `leap` with wider trees) prunes with an
     // early-exit head when the sidecar has one: every other named configuration shows its
     // technique without it.
+    // Only `leap` drafts with the target itself on a streamed target (flash): the named
+    // configurations show their trees there.
     let base = EngineConfig {
         exit: name.is_none() || name == Some("tree"),
+        vocab: None,
         ..EngineConfig::default()
     };
     let sam = EngineConfig {
@@ -102,7 +105,10 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
         ..base.clone()
     };
     Some(match name {
-        None => base,
+        None => EngineConfig {
+            vocab: EngineConfig::default().vocab,
+            ..base
+        },
         Some("sam") => sam,
         Some("sam-fixed") => EngineConfig {
             adaptive: false,
@@ -368,6 +374,8 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         .filter(|_| flash.is_none())
         .map(Arc::new);
     let mut streamers: Vec<Option<leap_flash::Streamer>> = Vec::new();
+    // Bytes each mode keeps resident besides its plan's (budgeted out of the plan).
+    let mut reserved: Vec<u64> = Vec::new();
     for (name, kind) in cfg.modes.iter().zip(&kinds) {
         let mut params = cparams.clone();
         let mut kind = kind.clone();
@@ -383,13 +391,35 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         if let ModeKind::Leap(ec) = kind {
             params.n_seq_max = ec.max_branches as u32;
         }
+        // `leap`'s resident vocabulary ([`leap_spec::vocab`]) comes out of its budget: its
+        // blocks and output rows are planned for what is left.
+        let reserve = match (kind, &flash) {
+            (ModeKind::Leap(ec), Some((map, _))) => ec.vocab.map_or(0, |v| {
+                let out = if map.tied_output {
+                    leap_flash::Section::Embed
+                } else {
+                    leap_flash::Section::Output
+                };
+                v.resident_rows() as u64 * (map.bytes(out) / model.n_vocab().max(1) as u64)
+            }),
+            _ => 0,
+        };
+        reserved.push(reserve);
         let streamer = match &flash {
-            Some((map, p)) => Some(leap_flash::Streamer::new(
-                &cfg.model,
-                map.clone(),
-                p.clone(),
-                1,
-            )?),
+            Some((map, p)) => {
+                let p = if reserve > 0 {
+                    leap_flash::plan(
+                        map,
+                        p.budget.saturating_sub(reserve),
+                        map.largest_block().max(1),
+                        1,
+                        cfg.flash_strategy,
+                    )
+                } else {
+                    p.clone()
+                };
+                Some(leap_flash::Streamer::new(&cfg.model, map.clone(), p, 1)?)
+            }
             None => None,
         };
         let mut observer = streamer.as_ref().map(|s| s.observer());
@@ -530,7 +560,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                     decode
                         .iter()
                         .filter(|c| !(chunked && c.llama_output))
-                        .map(|c| c.peak_streamed_resident + st.plan().pinned_bytes)
+                        .map(|c| c.peak_streamed_resident + st.plan().pinned_bytes + reserved[i])
                         .max()
                         .unwrap_or(0),
                 );

@@ -1,0 +1,361 @@
+//! Drafting with the target itself over a resident vocabulary, for a target whose output
+//! projection is streamed from storage (flash).
+//!
+//! Under a DRAM budget most of a call's I/O is the output projection: in Gemma 3 270M the
+//! tied embedding matrix is 178 MB of the 247 MB a call reads, and the transformer blocks
+//! mostly stay resident. A single-row pass through the blocks is then cheap next to a pass
+//! over the output weights. So the target drafts for itself: each step runs one token through
+//! the blocks (cut before the projection, [`OnDemand::arm`]), projects the hidden state onto
+//! a small resident set of rows ([`DraftVocab`]: the first ids of the vocabulary, the
+//! prompt's tokens, every token emitted so far) and takes the best of them as the next draft.
+//! After k such steps one streamed pass projects all k + 1 hidden states with the full
+//! matrix, and acceptance walks them: a draft stands when the full projection's argmax is the
+//! same token, which is exactly when the target's choice lies in the resident set.
+//!
+//! Each hidden state comes from the same single-row call plain decoding makes, and each full
+//! projection is bit-identical to llama.cpp's, so the tokens are plain greedy decoding's. The
+//! rejected drafts' cache cells are removed; the accepted ones are the target's own. What it
+//! saves is the streamed passes: one per accepted run instead of one per token.
+//!
+//! How many steps to draft before a pass is the analytic choice of the thesis (003, Eq. 4.1)
+//! on measured costs: with per-step acceptance `p`, a step costing `d` seconds and a pass
+//! `P + R * rows`, k maximises `(1 - p^(k+1)) / (1 - p) / ((k + 1) (d + R) + P)`.
+
+use std::time::Instant;
+
+use leap_host::project::{DraftVocab, OnDemand};
+use leap_host::usage::cpu_seconds;
+use leap_host::{Batch, Context, Error, Result, Token};
+
+use crate::plain::{argmax, prefill, Generation};
+
+/// Settings of [`generate`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VocabConfig {
+    /// The first `prefix` token ids are resident (SentencePiece and BPE vocabularies put
+    /// their most frequent pieces first), besides the prompt's and the emitted tokens.
+    pub prefix: usize,
+    /// Rows for other tokens (the prompts' and the emitted ones), at most: the resident
+    /// vocabulary never holds more than `prefix + extra` rows.
+    pub extra: usize,
+    /// At most this many drafted steps before a full pass.
+    pub max_draft: usize,
+}
+
+impl VocabConfig {
+    /// The most rows resident at once.
+    pub fn resident_rows(&self) -> usize {
+        self.prefix + self.extra
+    }
+}
+
+impl Default for VocabConfig {
+    fn default() -> Self {
+        Self {
+            prefix: 8192,
+            extra: 4096,
+            max_draft: 24,
+        }
+    }
+}
+
+/// Measured costs and acceptance, carried across requests (one per conversation).
+#[derive(Debug)]
+pub struct VocabState {
+    /// Accepted drafts and trials (drafts up to and including the first rejected one).
+    accepted: f64,
+    trials: f64,
+    /// EMA of a one-row step (seconds).
+    step: Option<f64>,
+    /// Least squares of pass seconds on rows: n, Σx, Σy, Σxy, Σx².
+    fit: [f64; 5],
+    /// The resident vocabulary, kept from request to request (rebuilt when full).
+    vocab: Option<DraftVocab>,
+}
+
+impl Default for VocabState {
+    fn default() -> Self {
+        // A prior of 9 in 10 drafts accepted, weighing as 10 trials.
+        Self {
+            accepted: 9.0,
+            trials: 10.0,
+            step: None,
+            fit: [0.0; 5],
+            vocab: None,
+        }
+    }
+}
+
+impl VocabState {
+    /// Acceptance per drafted step.
+    pub fn acceptance(&self) -> f64 {
+        (self.accepted / self.trials).clamp(0.0, 0.999)
+    }
+
+    /// A pass's cost `(P, R)`: fixed seconds and seconds per row (`R` 0 until rows varied).
+    fn pass_cost(&self) -> Option<(f64, f64)> {
+        let [n, sx, sy, sxy, sxx] = self.fit;
+        if n < 1.0 {
+            return None;
+        }
+        let var = n * sxx - sx * sx;
+        let r = if n >= 3.0 && var > 1e-9 {
+            ((n * sxy - sx * sy) / var).max(0.0)
+        } else {
+            0.0
+        };
+        Some((((sy - r * sx) / n).max(0.0), r))
+    }
+
+    fn record_pass(&mut self, rows: usize, seconds: f64) {
+        let x = rows as f64;
+        let f = &mut self.fit;
+        f[0] += 1.0;
+        f[1] += x;
+        f[2] += seconds;
+        f[3] += x * seconds;
+        f[4] += x * x;
+    }
+
+    fn record_step(&mut self, seconds: f64) {
+        self.step = Some(match self.step {
+            Some(s) => 0.8 * s + 0.2 * seconds,
+            None => seconds,
+        });
+    }
+
+    /// Drafted steps before the next pass, at most `max`: Eq. 4.1's best on the measured
+    /// costs (`max` until both are measured).
+    pub fn steps(&self, max: usize) -> usize {
+        let (Some(d), Some((p0, r))) = (self.step, self.pass_cost()) else {
+            return max;
+        };
+        let p = self.acceptance();
+        let mut best = (0, 0.0);
+        for k in 0..=max {
+            let tokens = (1.0 - p.powi(k as i32 + 1)) / (1.0 - p);
+            let cost = (k as f64 + 1.0) * (d + r) + p0;
+            let rate = tokens / cost.max(1e-9);
+            if rate > best.1 {
+                best = (k, rate);
+            }
+        }
+        best.0
+    }
+}
+
+/// One token through the blocks at `pos` (sequence 0), cut before the output projection:
+/// its final hidden state.
+fn step(
+    ctx: &mut Context,
+    od: &OnDemand,
+    batch: &mut Batch,
+    tok: Token,
+    pos: i32,
+) -> Result<Vec<f32>> {
+    batch.clear();
+    batch.add(tok, pos, &[0], true)?;
+    od.arm(true);
+    let r = ctx.decode(batch);
+    od.disarm();
+    r?;
+    od.take_hidden()
+}
+
+/// Greedy generation of up to `max_tokens` tokens after `prompt`, drafting with the target
+/// over a resident vocabulary (see the module docs): plain greedy decoding's tokens. `od`
+/// must be `ctx`'s projection and reproduce llama.cpp's logits (the caller checks, see
+/// [`OnDemand::check`]). Stops at an end-of-generation token (kept) or when `on_token`
+/// returns false.
+///
+/// # Errors
+/// Decode failures; the model file cannot be read (the resident rows, a streamed pass).
+#[allow(clippy::too_many_arguments)]
+pub fn generate(
+    ctx: &mut Context,
+    od: &OnDemand,
+    cfg: &VocabConfig,
+    state: &mut VocabState,
+    prompt: &[Token],
+    max_tokens: usize,
+    n_batch: usize,
+    on_token: &mut dyn FnMut(Token) -> bool,
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidBatch {
+            n_tokens: 0,
+            reason: "empty prompt".into(),
+        });
+    }
+    ctx.clear(false);
+    let t0 = Instant::now();
+    // The prompt's pass ends in llama.cpp's projection: nothing of Leap's to read ahead.
+    od.prefetch(false);
+    prefill(ctx, prompt, n_batch)?;
+    let first = argmax(ctx.logits(-1)?);
+    // The resident vocabulary (part of the request's set-up, like prefill): the prefix, and
+    // the prompt's tokens while there is room. A full one starts again from the prefix.
+    let cap = cfg.resident_rows();
+    let mut vocab = match state.vocab.take() {
+        Some(v) if v.len() < cap => v,
+        _ => {
+            let n_vocab = ctx.model().n_vocab() as usize;
+            let prefix: Vec<Token> = (0..cfg.prefix.min(n_vocab) as Token).collect();
+            od.draft_vocab(&prefix)?
+        }
+    };
+    add_within(&mut vocab, prompt, cap)?;
+    add_within(&mut vocab, &[first], cap)?;
+    let mut g = Generation {
+        prefill_seconds: t0.elapsed().as_secs_f64(),
+        ..Default::default()
+    };
+    let model = ctx.model().clone();
+    let cpu0 = cpu_seconds();
+    let t1 = Instant::now();
+    let mut batch = Batch::new(1, 1);
+    g.tokens.push(first);
+    let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
+    // The emitted token not yet in the cache, and its position.
+    let mut next = first;
+    let mut pos = prompt.len() as i32;
+    let mut hs: Vec<Vec<f32>> = Vec::new();
+    let mut drafts: Vec<Token> = Vec::new();
+    let mut logits: Vec<Vec<f32>> = Vec::new();
+    while !done {
+        let tv = Instant::now();
+        hs.clear();
+        drafts.clear();
+        // At most one token more than drafted is emitted.
+        let k = state
+            .steps(cfg.max_draft)
+            .min(max_tokens - g.tokens.len() - 1);
+        // The stream reads the projection's first chunk ahead only in the call before a pass.
+        od.prefetch(k == 0);
+        let ts = Instant::now();
+        hs.push(step(ctx, od, &mut batch, next, pos)?);
+        state.record_step(ts.elapsed().as_secs_f64());
+        g.target_calls += 1;
+        while drafts.len() < k {
+            let td = Instant::now();
+            let h = hs.last().expect("one state per step");
+            let Some((d, _)) = vocab.argmax(h) else { break };
+            g.draft_seconds += td.elapsed().as_secs_f64();
+            drafts.push(d);
+            if model.is_eog(d) {
+                // Nothing follows an end of generation: no step for it.
+                break;
+            }
+            od.prefetch(drafts.len() == k);
+            let ts = Instant::now();
+            hs.push(step(ctx, od, &mut batch, d, pos + drafts.len() as i32)?);
+            state.record_step(ts.elapsed().as_secs_f64());
+            g.target_calls += 1;
+        }
+        g.drafted_tokens += drafts.len() as u64;
+        // One pass over the output weights for every state.
+        let tp = Instant::now();
+        let views: Vec<&[f32]> = hs.iter().map(Vec::as_slice).collect();
+        logits.resize_with(hs.len().max(logits.len()), Vec::new);
+        od.try_logits_rows(&views, &mut logits[..hs.len()])?;
+        let pass = tp.elapsed().as_secs_f64();
+        state.record_pass(hs.len(), pass);
+        g.project_seconds += pass;
+        g.output_rows += hs.len() as u64;
+        g.verify_rows += hs.len() as u64;
+        g.rows_after_exit += hs.len() as u64;
+        // Walk: the target's token after each state; a draft stands while it is that token.
+        let mut emitted = Vec::with_capacity(hs.len());
+        for (i, l) in logits[..hs.len()].iter().enumerate() {
+            let t = argmax(l);
+            emitted.push(t);
+            if drafts.get(i) != Some(&t) {
+                break;
+            }
+        }
+        // Accepted drafts: the emitted tokens that were drafted (the last one emitted is the
+        // target's correction or its token after the last draft, unless it was a drafted
+        // end of generation without a state).
+        let m = emitted
+            .iter()
+            .zip(&drafts)
+            .take_while(|(e, d)| e == d)
+            .count();
+        state.accepted += m as f64;
+        state.trials += (m + usize::from(m < drafts.len())) as f64;
+        // Cells past the accepted drafts belong to rejected ones.
+        ctx.seq_rm(0, pos + 1 + m as i32, -1);
+        add_within(&mut vocab, &emitted, cap)?;
+        g.verify_seconds += tv.elapsed().as_secs_f64();
+        for &t in &emitted {
+            g.tokens.push(t);
+            if model.is_eog(t) || !on_token(t) || g.tokens.len() >= max_tokens {
+                done = true;
+                break;
+            }
+        }
+        next = *emitted.last().expect("one token per pass at least");
+        pos += 1 + m as i32;
+    }
+    od.prefetch(true);
+    g.decode_seconds = t1.elapsed().as_secs_f64();
+    g.decode_cpu_seconds = cpu_seconds() - cpu0;
+    state.vocab = Some(vocab);
+    Ok(g)
+}
+
+/// Add the rows of `tokens` to `vocab` while it holds fewer than `cap`.
+fn add_within(vocab: &mut DraftVocab, tokens: &[Token], cap: usize) -> Result<()> {
+    let room = cap.saturating_sub(vocab.len());
+    let mut new: Vec<Token> = tokens
+        .iter()
+        .copied()
+        .filter(|&t| !vocab.contains(t))
+        .collect();
+    new.sort_unstable();
+    new.dedup();
+    new.truncate(room);
+    vocab.add(&new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::VocabState;
+
+    #[test]
+    fn drafts_longer_when_a_pass_costs_more_than_a_step() {
+        let mut s = VocabState::default();
+        assert_eq!(s.steps(24), 24, "unmeasured: the cap");
+        s.record_step(0.03);
+        s.record_pass(1, 0.25);
+        let long = s.steps(24);
+        let mut cheap = VocabState::default();
+        cheap.record_step(0.03);
+        cheap.record_pass(1, 0.005);
+        assert!(long > cheap.steps(24), "{long} vs {}", cheap.steps(24));
+        assert!(long >= 8, "{long}");
+        // A pass as cheap as a step: drafting does not pay.
+        assert!(cheap.steps(24) <= 2, "{}", cheap.steps(24));
+    }
+
+    #[test]
+    fn rejected_drafts_shorten_the_run() {
+        let mut s = VocabState::default();
+        s.record_step(0.03);
+        s.record_pass(1, 0.25);
+        let trusting = s.steps(24);
+        s.accepted += 5.0;
+        s.trials += 50.0;
+        assert!(s.steps(24) < trusting, "{} vs {trusting}", s.steps(24));
+    }
+
+    #[test]
+    fn the_row_cost_is_fitted_from_passes_of_different_sizes() {
+        let mut s = VocabState::default();
+        for rows in [1, 5, 9, 13] {
+            s.record_pass(rows, 0.2 + 0.01 * rows as f64);
+        }
+        let (p, r) = s.pass_cost().unwrap();
+        assert!((p - 0.2).abs() < 1e-9 && (r - 0.01).abs() < 1e-9, "{p} {r}");
+    }
+}
