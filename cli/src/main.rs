@@ -543,11 +543,27 @@ fn generate(a: GenerateArgs) -> Result<()> {
             let map = leap_flash::LayerMap::open(&path)?;
             let budget = parse_budget(b, map.per_call_bytes())?;
             let chunk = map.largest_block().max(1);
-            let p = leap_flash::plan(&map, budget, chunk, 1, leap_flash::Strategy::default());
+            // Greedy `leap` drafts over a resident vocabulary: its rows come out of the budget.
+            let reserve = if a.mode == "leap"
+                && a.sampling.params().temp <= 0.0
+                && budget < map.per_call_bytes()
+            {
+                leap_cli::bench::vocab_reserve(&map, model.n_vocab(), EngineConfig::default().vocab)
+            } else {
+                0
+            };
+            let p = leap_flash::plan(
+                &map,
+                budget.saturating_sub(reserve),
+                chunk,
+                1,
+                leap_flash::Strategy::default(),
+            );
             eprintln!(
-                "leap: flash budget {:.1} MB: {:.1} MB pinned, {:.1} MB read from storage every target call",
+                "leap: flash budget {:.1} MB: {:.1} MB pinned, {:.1} MB of draft vocabulary, {:.1} MB read from storage every target call",
                 budget as f64 / 1e6,
                 p.pinned_bytes as f64 / 1e6,
+                reserve as f64 / 1e6,
                 p.streamed_bytes as f64 / 1e6
             );
             Some(leap_flash::Streamer::new(&path, map, p, 1)?)

@@ -259,6 +259,14 @@ impl Pages {
         }
     }
 
+    /// Undo [`Pages::lock`] on `r`.
+    pub fn unlock(&self, r: Range<u64>) {
+        if let Ok((start, len)) = self.span(&r) {
+            // SAFETY: inside the mapping.
+            unsafe { libc::munlock(self.base.add(start), len) };
+        }
+    }
+
     /// Lock `r` in memory (pinned sections); false where the system refuses.
     pub fn lock(&self, r: Range<u64>) -> bool {
         match self.span(&r) {

@@ -314,6 +314,49 @@ impl Streamer {
         Ok(s)
     }
 
+    /// The ranges this plan pins: its pinned sections and the pinned prefix of a streamed
+    /// output projection.
+    fn pinned_ranges(&self) -> Vec<std::ops::Range<u64>> {
+        let sh = &self.shared;
+        let mut v: Vec<_> = sh
+            .plan
+            .pinned
+            .iter()
+            .flat_map(|&s| sh.map.ranges(s).iter().cloned())
+            .collect();
+        if sh.plan.output_pinned > 0 {
+            let end = sh.pinned_end();
+            v.push(end - sh.plan.output_pinned..end);
+        }
+        v
+    }
+
+    /// Let the pinned weights go (unlocked, left to the page cache): for several streamers of
+    /// one model in a process whose runs take turns (`leap bench`'s modes), where another's
+    /// plan runs next. Pinned pages of a suspended streamer are not this run's to keep.
+    pub fn suspend(&self) {
+        for r in self.pinned_ranges() {
+            self.shared.pages.unlock(r);
+        }
+    }
+
+    /// Start a run from this plan's state: its pinned weights read and locked again, every
+    /// streamed section (another plan may have kept some resident) dropped from memory.
+    ///
+    /// # Errors
+    /// The file cannot be read.
+    pub fn resume(&self) -> Result<()> {
+        let sh = &self.shared;
+        for r in self.pinned_ranges() {
+            sh.pages.load(r.clone())?;
+            sh.pages.lock(r);
+        }
+        for s in sh.plan.streamed.clone() {
+            sh.evict_section(s);
+        }
+        Ok(())
+    }
+
     /// The hook that lets Leap's own output projection (`leap_host::project::OnDemand`, rows of
     /// `row_bytes`) stream the output weights a window's worth at a time: the next chunk is
     /// read while one computes, and a chunk leaves memory once done. `None` when the plan

@@ -295,7 +295,11 @@ impl Engine {
         let Some(vc) = self.cfg.vocab.filter(|_| !sampled && self.cfg.on_demand) else {
             return Ok(None);
         };
-        let Some((od, checked)) = self.on_demand.as_mut().filter(|(od, _)| od.streamed()) else {
+        let Some((od, checked)) = self
+            .on_demand
+            .as_mut()
+            .filter(|(od, _)| od.streamed() || vc.resident)
+        else {
             return Ok(None);
         };
         if checked.is_none() {

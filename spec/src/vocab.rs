@@ -40,6 +40,8 @@ pub struct VocabConfig {
     pub extra: usize,
     /// At most this many drafted steps before a full pass.
     pub max_draft: usize,
+    /// Draft this way with resident output weights too (else only when they are streamed).
+    pub resident: bool,
 }
 
 impl VocabConfig {
@@ -52,9 +54,10 @@ impl VocabConfig {
 impl Default for VocabConfig {
     fn default() -> Self {
         Self {
-            prefix: 8192,
+            prefix: 2048,
             extra: 4096,
             max_draft: 24,
+            resident: false,
         }
     }
 }

@@ -76,6 +76,7 @@ pub const LEAP_CONFIGS: &[&str] = &[
     "exit-measure",
     "ggml",
     "draft",
+    "vocab",
 ];
 
 /// The engine configuration of `leap` (`None`) or `leap:NAME`. The named ones add one
@@ -150,6 +151,15 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
         Some("ggml") => base,
         // `leap` plus a draft model (`--draft`), across vocabularies if need be.
         Some("draft") => base,
+        // The target drafting for itself over a resident vocabulary, with resident weights
+        // too (`leap` does it on a streamed target).
+        Some("vocab") => EngineConfig {
+            vocab: Some(leap_spec::vocab::VocabConfig {
+                resident: true,
+                ..Default::default()
+            }),
+            ..base
+        },
         Some(_) => return None,
     })
 }
@@ -292,6 +302,23 @@ fn file_name(p: &std::path::Path) -> String {
     )
 }
 
+/// Bytes of the resident vocabulary `vc` (greedy `leap` on a streamed target drafts over it,
+/// see [`leap_spec::vocab`]): they come out of the DRAM budget before the plan.
+pub fn vocab_reserve(
+    map: &leap_flash::LayerMap,
+    n_vocab: i32,
+    vc: Option<leap_spec::vocab::VocabConfig>,
+) -> u64 {
+    vc.map_or(0, |v| {
+        let out = if map.tied_output {
+            leap_flash::Section::Embed
+        } else {
+            leap_flash::Section::Output
+        };
+        v.resident_rows() as u64 * (map.bytes(out) / n_vocab.max(1) as u64)
+    })
+}
+
 /// Run the benchmark and return the report (the caller writes it).
 ///
 /// # Errors
@@ -393,15 +420,13 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         }
         // `leap`'s resident vocabulary ([`leap_spec::vocab`]) comes out of its budget: its
         // blocks and output rows are planned for what is left.
+        // Nothing to reserve when the whole model fits: nothing streams, `leap` builds trees.
         let reserve = match (kind, &flash) {
-            (ModeKind::Leap(ec), Some((map, _))) => ec.vocab.map_or(0, |v| {
-                let out = if map.tied_output {
-                    leap_flash::Section::Embed
-                } else {
-                    leap_flash::Section::Output
-                };
-                v.resident_rows() as u64 * (map.bytes(out) / model.n_vocab().max(1) as u64)
-            }),
+            (ModeKind::Leap(ec), Some((map, p)))
+                if cfg.sampling.temp <= 0.0 && p.budget < map.per_call_bytes() =>
+            {
+                vocab_reserve(map, model.n_vocab(), ec.vocab)
+            }
             _ => 0,
         };
         reserved.push(reserve);
@@ -539,6 +564,16 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             leap_backend::set_enabled(
                 cfg.kernels && matches!(runner, Runner::Leap(..)) && cfg.modes[i] != "leap:ggml",
             );
+            // Under flash each mode's plan runs alone: the others' pins are let go, its own
+            // restored (plans differ: `leap` budgets its resident vocabulary out of its own).
+            if let Some(st) = &streamers[i] {
+                for (j, other) in streamers.iter().enumerate() {
+                    if let (true, Some(o)) = (j != i, other) {
+                        o.suspend();
+                    }
+                }
+                st.resume()?;
+            }
             let g = runner
                 .run(&prompt, req.max_tokens, cfg)
                 .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
