@@ -376,3 +376,53 @@ fn draft_model_across_vocabularies_keeps_plain_output() {
     }
     assert!(drafted > 0 && saved > 0, "drafted {drafted}, saved {saved}");
 }
+
+/// The target drafting for itself over a resident vocabulary (`leap_spec::vocab`, what `leap`
+/// does on a streamed target and `leap:vocab` always): plain greedy decoding's tokens on both
+/// models, with its drafts accepted; with 16 resident rows (nearly every draft rejected) and
+/// with retrieval chains batched into its calls too.
+#[test]
+fn self_drafting_over_a_resident_vocabulary_is_plain_greedy() {
+    use leap_spec::vocab::VocabConfig;
+    for name in [SMOLLM, GEMMA] {
+        let m = model(name);
+        let mut pc = ctx(name, 1);
+        for vc in [
+            VocabConfig {
+                resident: true,
+                ..Default::default()
+            },
+            VocabConfig {
+                resident: true,
+                prefix: 16,
+                extra: 0,
+                min_match: 2,
+                max_draft: 6,
+            },
+        ] {
+            let (mut ec, od) = leap_context(name, 2048, 1);
+            let mut engine = Engine::new(EngineConfig {
+                vocab: Some(vc),
+                ..EngineConfig::default()
+            })
+            .with_on_demand(od);
+            let (mut accepted, mut drafted) = (0, 0);
+            for p in PROMPTS {
+                let toks = m.tokenize(p, true, false).unwrap();
+                let want = plain_greedy(&mut pc, &toks, 40);
+                let got = leap_greedy(&mut engine, &mut ec, &toks, 40);
+                assert_eq!(got.tokens, want.tokens, "{name} {vc:?}: {p}");
+                drafted += got.drafted_tokens;
+                // Calls: one per round and one per drafted step (no chains); tokens: one per
+                // round and one per accepted draft.
+                accepted +=
+                    got.tokens.len() as i64 - got.target_calls as i64 + got.drafted_tokens as i64;
+            }
+            // Rejected drafts shorten later runs (Eq. 4.1), but the first ones are drafted.
+            assert!(drafted > 0, "{name} {vc:?}");
+            if vc.min_match == 0 {
+                assert!(accepted > 0, "{name}: no draft accepted");
+            }
+        }
+    }
+}

@@ -369,10 +369,9 @@ fn a_model_file_changed_mid_run_stops_decoding_with_a_clear_error() {
         };
         assert!(msg.contains(want), "{damage}: {msg}");
         // `leap`'s self-drafting on the streamed target stops the same way.
-        let mut engine = leap_spec::engine::Engine::new(
-            leap_spec::engine::EngineConfig::default().streamed(),
-        )
-        .with_on_demand(Some(od.clone()));
+        let mut engine =
+            leap_spec::engine::Engine::new(leap_spec::engine::EngineConfig::default().streamed())
+                .with_on_demand(Some(od.clone()));
         let err = engine
             .generate(&mut ctx, &prompt, 3, 256, &mut |_| true)
             .expect_err("the file changed under the stream");
@@ -439,6 +438,7 @@ fn self_drafting_on_a_streamed_target_keeps_the_tokens_and_the_budget() {
             extra: 0,
             max_draft: 4,
             resident: false,
+            min_match: 2,
         },
     ] {
         let budget = map.per_call_bytes() / 4;
