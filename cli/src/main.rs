@@ -225,8 +225,9 @@ struct GenerateArgs {
     mode: String,
     /// Flash streaming: keep this much of the model's weights in DRAM, a fraction (0.25) or
     /// a size (64M), and read the rest from storage for every target call (for a model
-    /// larger than the memory an app may use). Speculation then verifies bigger trees,
-    /// since a call's reads serve every row of it.
+    /// larger than the memory an app may use). Greedy `leap` then drafts with the target
+    /// itself over a small resident vocabulary (budgeted out of F) and verifies a run of
+    /// drafts with one streamed pass over the output weights.
     #[arg(long)]
     flash_budget: Option<String>,
     #[command(flatten)]
@@ -394,7 +395,7 @@ struct BenchArgs {
     task: Vec<String>,
     /// Modes, comma separated: plain, llama:TYPE (ngram-simple, ngram-map-k, ngram-map-k4v,
     /// ngram-mod, ngram-cache, draft-simple), leap, leap:NAME (sam, sam-fixed, history, reuse,
-    /// calib, tree, eager, ggml, draft; see the README).
+    /// calib, tree, eager, ondemand, exit-measure, ggml, draft, vocab; see the README).
     #[arg(long, value_delimiter = ',', default_value = "plain,llama:ngram-mod")]
     modes: Vec<String>,
     /// Flash streaming: the fraction of the target's weights kept in DRAM (0.25); the rest is
