@@ -159,24 +159,6 @@ impl VocabState {
     }
 }
 
-/// One token through the blocks at `pos` (sequence 0), cut before the output projection:
-/// its final hidden state.
-fn step(
-    ctx: &mut Context,
-    od: &OnDemand,
-    batch: &mut Batch,
-    tok: Token,
-    pos: i32,
-) -> Result<Vec<f32>> {
-    batch.clear();
-    batch.add(tok, pos, &[0], true)?;
-    od.arm(true);
-    let r = ctx.decode(batch);
-    od.disarm();
-    r?;
-    od.take_hidden()
-}
-
 /// Greedy generation of up to `max_tokens` tokens after `prompt`, drafting with the target
 /// over a resident vocabulary (see the module docs): plain greedy decoding's tokens. `od`
 /// must be `ctx`'s projection and reproduce llama.cpp's logits (the caller checks, see
@@ -256,6 +238,8 @@ pub fn generate(
         // A retrieval chain after `next`, through the blocks in the same call.
         let td = Instant::now();
         let mut chain: Vec<Token> = Vec::new();
+        // The next draft when the chain's check already found it.
+        let mut ahead: Option<Token> = None;
         if let (Some(c), true) = (context.as_mut(), k > 0) {
             proposals.clear();
             let budget = MAX_CHAIN
@@ -272,7 +256,7 @@ pub fn generate(
         let ts = Instant::now();
         g.verify_rows += 1 + chain.len() as u64;
         if chain.is_empty() {
-            hs.push(step(ctx, od, &mut batch, next, pos)?);
+            hs.extend(run(ctx, od, &mut batch, next, &[], pos)?);
             state.record_step(ts.elapsed().as_secs_f64());
         } else {
             let rows = run(ctx, od, &mut batch, next, &chain, pos)?;
@@ -281,14 +265,16 @@ pub fn generate(
             // not the target's: its best is the resident best or a token outside).
             let td = Instant::now();
             let mut kept = 0;
-            for (j, h) in rows.iter().enumerate() {
-                hs.push(h.clone());
-                if j == chain.len() {
-                    break;
-                }
-                match vocab.argmax(h) {
-                    Some((r, _)) if r == chain[j] => kept += 1,
-                    _ => break,
+            for (j, h) in rows.into_iter().enumerate() {
+                let best = vocab.argmax(&h).map(|(r, _)| r);
+                hs.push(h);
+                match (chain.get(j), best) {
+                    (Some(&c), Some(r)) if r == c => kept += 1,
+                    // The resident best after the last state kept is the next draft.
+                    (_, r) => {
+                        ahead = r;
+                        break;
+                    }
                 }
             }
             drafts.extend_from_slice(&chain[..kept]);
@@ -303,7 +289,9 @@ pub fn generate(
         {
             let td = Instant::now();
             let h = hs.last().expect("one state per step");
-            let Some((d, _)) = vocab.argmax(h) else { break };
+            let Some(d) = ahead.take().or_else(|| vocab.argmax(h).map(|(d, _)| d)) else {
+                break;
+            };
             g.draft_seconds += td.elapsed().as_secs_f64();
             drafts.push(d);
             if model.is_eog(d) {
@@ -312,7 +300,7 @@ pub fn generate(
             }
             od.prefetch(drafts.len() == k);
             let ts = Instant::now();
-            hs.push(step(ctx, od, &mut batch, d, pos + drafts.len() as i32)?);
+            hs.extend(run(ctx, od, &mut batch, d, &[], pos + drafts.len() as i32)?);
             state.record_step(ts.elapsed().as_secs_f64());
             g.target_calls += 1;
             g.verify_rows += 1;
