@@ -231,29 +231,6 @@ impl Streamer {
     /// The file cannot be mapped.
     pub fn new(path: &Path, map: LayerMap, plan: Plan, ahead: usize) -> Result<Self> {
         let pages = Pages::open(path)?;
-        for s in &plan.pinned {
-            for r in map.ranges(*s) {
-                pages.load(r.clone())?;
-                if !pages.lock(r.clone()) {
-                    log::debug!("flash: could not lock {s:?} (RLIMIT_MEMLOCK); kept, not locked");
-                }
-            }
-        }
-        // A prefix of a streamed output projection may be pinned too (Strategy::Fill).
-        if plan.output_pinned > 0 {
-            let out = plan
-                .streamed
-                .iter()
-                .copied()
-                .find(|s| matches!(s, Section::Output | Section::Embed));
-            if let Some(start) = out.and_then(|o| map.ranges(o).first().map(|r| r.start)) {
-                let r = start..start + plan.output_pinned;
-                pages.load(r.clone())?;
-                if !pages.lock(r) {
-                    log::debug!("flash: could not lock the output prefix (RLIMIT_MEMLOCK)");
-                }
-            }
-        }
         let (tx, rx) = mpsc::channel::<Key>();
         let shared = Arc::new(Shared {
             map,
@@ -275,6 +252,7 @@ impl Streamer {
                 .into(),
             prefetch_output: true.into(),
         });
+        shared.pin()?;
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
             .name("leap-flash-loader".into())
@@ -314,28 +292,11 @@ impl Streamer {
         Ok(s)
     }
 
-    /// The ranges this plan pins: its pinned sections and the pinned prefix of a streamed
-    /// output projection.
-    fn pinned_ranges(&self) -> Vec<std::ops::Range<u64>> {
-        let sh = &self.shared;
-        let mut v: Vec<_> = sh
-            .plan
-            .pinned
-            .iter()
-            .flat_map(|&s| sh.map.ranges(s).iter().cloned())
-            .collect();
-        if sh.plan.output_pinned > 0 {
-            let end = sh.pinned_end();
-            v.push(end - sh.plan.output_pinned..end);
-        }
-        v
-    }
-
     /// Let the pinned weights go (unlocked, left to the page cache): for several streamers of
     /// one model in a process whose runs take turns (`leap bench`'s modes), where another's
     /// plan runs next. Pinned pages of a suspended streamer are not this run's to keep.
     pub fn suspend(&self) {
-        for r in self.pinned_ranges() {
+        for r in self.shared.pinned_ranges() {
             self.shared.pages.unlock(r);
         }
     }
@@ -347,10 +308,7 @@ impl Streamer {
     /// The file cannot be read.
     pub fn resume(&self) -> Result<()> {
         let sh = &self.shared;
-        for r in self.pinned_ranges() {
-            sh.pages.load(r.clone())?;
-            sh.pages.lock(r);
-        }
+        sh.pin()?;
         for s in sh.plan.streamed.clone() {
             sh.evict_section(s);
         }
@@ -464,6 +422,33 @@ impl Streamer {
 }
 
 impl Shared {
+    /// The ranges the plan pins: its pinned sections and the pinned prefix of a streamed
+    /// output projection (Strategy::Fill).
+    fn pinned_ranges(&self) -> Vec<std::ops::Range<u64>> {
+        let mut v: Vec<_> = self
+            .plan
+            .pinned
+            .iter()
+            .flat_map(|&s| self.map.ranges(s).iter().cloned())
+            .collect();
+        if self.plan.output_pinned > 0 {
+            let end = self.pinned_end();
+            v.push(end - self.plan.output_pinned..end);
+        }
+        v
+    }
+
+    /// Read the pinned ranges and lock them in memory where the system allows.
+    fn pin(&self) -> Result<()> {
+        for r in self.pinned_ranges() {
+            self.pages.load(r.clone())?;
+            if !self.pages.lock(r.clone()) {
+                log::debug!("flash: could not lock {r:?} (RLIMIT_MEMLOCK); kept, not locked");
+            }
+        }
+        Ok(())
+    }
+
     fn streamed(&self, b: usize) -> bool {
         self.plan.streamed.contains(&Section::Block(b))
     }

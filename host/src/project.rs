@@ -454,9 +454,10 @@ impl OnDemand {
             proj: self.proj.clone(),
             drop_cache: self.stream.is_some(),
             tokens: Vec::new(),
+            sorted: Vec::new(),
             bytes: Vec::new(),
         };
-        v.add(tokens)?;
+        v.add(tokens, usize::MAX)?;
         Ok(v)
     }
 
@@ -555,8 +556,10 @@ pub struct DraftVocab {
     proj: Arc<Projection>,
     /// Drop the pages plain reads leave in the page cache (flash: keep the budget honest).
     drop_cache: bool,
-    /// The rows' tokens, ascending, each once.
+    /// The rows' tokens, in the order they were added, each once.
     tokens: Vec<Token>,
+    /// The same tokens ascending (lookups).
+    sorted: Vec<Token>,
     /// The rows' bytes, in `tokens` order.
     bytes: Vec<u8>,
 }
@@ -587,14 +590,15 @@ impl DraftVocab {
 
     /// Whether `token`'s row is held.
     pub fn contains(&self, token: Token) -> bool {
-        self.tokens.binary_search(&token).is_ok()
+        self.sorted.binary_search(&token).is_ok()
     }
 
-    /// Add the rows of `tokens` not held yet (tokens outside the vocabulary are ignored).
+    /// Add the rows of `tokens` not held yet, in ascending order while fewer than `cap` are
+    /// held (tokens outside the vocabulary are ignored).
     ///
     /// # Errors
     /// The model file cannot be read.
-    pub fn add(&mut self, tokens: &[Token]) -> Result<()> {
+    pub fn add(&mut self, tokens: &[Token], cap: usize) -> Result<()> {
         use std::os::unix::fs::FileExt;
         let p = &*self.proj;
         let mut new: Vec<Token> = tokens
@@ -604,6 +608,7 @@ impl DraftVocab {
             .collect();
         new.sort_unstable();
         new.dedup();
+        new.truncate(cap.saturating_sub(self.len()));
         if new.is_empty() {
             return Ok(());
         }
@@ -611,9 +616,9 @@ impl DraftVocab {
             path: p.path.clone(),
             reason: format!("reading output weight rows: {e}"),
         };
-        let f = std::fs::File::open(&p.path).map_err(io)?;
         // Streamed weights: read around the page cache, which would keep (large) folios of
-        // the streamed matrix resident behind the budget's back.
+        // the streamed matrix resident behind the budget's back. Plain reads otherwise, or
+        // where the file system refuses O_DIRECT.
         let direct = if self.drop_cache {
             use std::os::unix::fs::OpenOptionsExt;
             std::fs::OpenOptions::new()
@@ -624,9 +629,11 @@ impl DraftVocab {
         } else {
             None
         };
+        let mut buffered: Option<std::fs::File> = None;
         let rb = p.row_bytes;
+        let start = self.bytes.len();
+        self.bytes.resize(start + new.len() * rb, 0);
         // Runs of consecutive tokens in one read each.
-        let mut got = vec![0u8; new.len() * rb];
         let mut i = 0;
         while i < new.len() {
             let mut j = i + 1;
@@ -634,46 +641,34 @@ impl DraftVocab {
                 j += 1;
             }
             let at = p.offset + new[i] as u64 * rb as u64;
-            let buf = &mut got[i * rb..j * rb];
+            let buf = &mut self.bytes[start + i * rb..start + j * rb];
             let read_direct = direct
                 .as_ref()
                 .is_some_and(|d| read_direct(d, buf, at).is_ok());
             if !read_direct {
-                f.read_exact_at(buf, at).map_err(io)?;
-            }
-            if self.drop_cache && !read_direct {
-                use std::os::unix::io::AsRawFd;
-                // SAFETY: an advisory call on an open descriptor; no memory is touched.
-                unsafe {
-                    libc::posix_fadvise(
-                        f.as_raw_fd(),
-                        at as libc::off_t,
-                        buf.len() as libc::off_t,
-                        libc::POSIX_FADV_DONTNEED,
-                    )
+                let f = match &mut buffered {
+                    Some(f) => f,
+                    None => buffered.insert(std::fs::File::open(&p.path).map_err(io)?),
                 };
+                f.read_exact_at(buf, at).map_err(io)?;
+                if self.drop_cache {
+                    use std::os::unix::io::AsRawFd;
+                    // SAFETY: an advisory call on an open descriptor; no memory is touched.
+                    unsafe {
+                        libc::posix_fadvise(
+                            f.as_raw_fd(),
+                            at as libc::off_t,
+                            buf.len() as libc::off_t,
+                            libc::POSIX_FADV_DONTNEED,
+                        )
+                    };
+                }
             }
             i = j;
         }
-        // Merge the new rows into the sorted set.
-        let old_tokens = std::mem::take(&mut self.tokens);
-        let old_bytes = std::mem::take(&mut self.bytes);
-        self.tokens.reserve(old_tokens.len() + new.len());
-        self.bytes.reserve(old_bytes.len() + got.len());
-        let (mut a, mut b) = (0, 0);
-        while a < old_tokens.len() || b < new.len() {
-            let take_old = b >= new.len() || (a < old_tokens.len() && old_tokens[a] < new[b]);
-            if take_old {
-                self.tokens.push(old_tokens[a]);
-                self.bytes
-                    .extend_from_slice(&old_bytes[a * rb..(a + 1) * rb]);
-                a += 1;
-            } else {
-                self.tokens.push(new[b]);
-                self.bytes.extend_from_slice(&got[b * rb..(b + 1) * rb]);
-                b += 1;
-            }
-        }
+        self.tokens.extend_from_slice(&new);
+        self.sorted.extend_from_slice(&new);
+        self.sorted.sort_unstable();
         Ok(())
     }
 
@@ -704,7 +699,9 @@ impl DraftVocab {
                 }
             }
             for (j, &v) in vals.iter().enumerate() {
-                if best.is_none_or(|(_, b)| v > b) {
+                // Rows are in arrival order: the smallest id wins a tie.
+                let t = self.tokens[i0 + j];
+                if best.is_none_or(|(bi, b)| v > b || (v == b && t < self.tokens[bi])) {
                     best = Some((i0 + j, v));
                 }
             }

@@ -201,8 +201,8 @@ pub fn generate(
             od.draft_vocab(&prefix)?
         }
     };
-    add_within(&mut vocab, prompt, cap)?;
-    add_within(&mut vocab, &[first], cap)?;
+    vocab.add(prompt, cap)?;
+    vocab.add(&[first], cap)?;
     // Retrieval from the prompt and the tokens emitted so far.
     let mut context = (cfg.min_match > 0).then(|| {
         let mut c = ContextDrafter::new(cfg.min_match);
@@ -224,9 +224,12 @@ pub fn generate(
     // The emitted token not yet in the cache, and its position.
     let mut next = first;
     let mut pos = prompt.len() as i32;
-    let mut hs: Vec<Vec<f32>> = Vec::new();
+    // The round's final hidden states, `n` values each: after `next`, then after each draft.
+    let n = od.n_embd();
+    let mut hs: Vec<f32> = Vec::new();
     let mut drafts: Vec<Token> = Vec::new();
     let mut logits: Vec<Vec<f32>> = Vec::new();
+    let mut emitted: Vec<Token> = Vec::new();
     while !done {
         let tv = Instant::now();
         hs.clear();
@@ -256,19 +259,17 @@ pub fn generate(
         let ts = Instant::now();
         g.verify_rows += 1 + chain.len() as u64;
         if chain.is_empty() {
-            hs.extend(run(ctx, od, &mut batch, next, &[], pos)?);
+            run(ctx, od, &mut batch, next, &[], pos, &mut hs)?;
             state.record_step(ts.elapsed().as_secs_f64());
         } else {
-            let rows = run(ctx, od, &mut batch, next, &chain, pos)?;
+            run(ctx, od, &mut batch, next, &chain, pos, &mut hs)?;
             // The chain stands while each token is the resident vocabulary's best after the
             // one before; from the first that is not, its rows are dropped (that token is
             // not the target's: its best is the resident best or a token outside).
             let td = Instant::now();
             let mut kept = 0;
-            for (j, h) in rows.into_iter().enumerate() {
-                let best = vocab.argmax(&h).map(|(r, _)| r);
-                hs.push(h);
-                match (chain.get(j), best) {
+            for (j, h) in hs.chunks_exact(n).enumerate() {
+                match (chain.get(j), vocab.argmax(h).map(|(r, _)| r)) {
                     (Some(&c), Some(r)) if r == c => kept += 1,
                     // The resident best after the last state kept is the next draft.
                     (_, r) => {
@@ -277,6 +278,7 @@ pub fn generate(
                     }
                 }
             }
+            hs.truncate((kept + 1) * n);
             drafts.extend_from_slice(&chain[..kept]);
             g.draft_seconds += td.elapsed().as_secs_f64();
             ctx.seq_rm(0, pos + 1 + kept as i32, -1);
@@ -288,7 +290,7 @@ pub fn generate(
             && g.tokens.len() + drafts.len() + 1 < max_tokens
         {
             let td = Instant::now();
-            let h = hs.last().expect("one state per step");
+            let h = &hs[hs.len() - n..];
             let Some(d) = ahead.take().or_else(|| vocab.argmax(h).map(|(d, _)| d)) else {
                 break;
             };
@@ -300,7 +302,15 @@ pub fn generate(
             }
             od.prefetch(drafts.len() == k);
             let ts = Instant::now();
-            hs.extend(run(ctx, od, &mut batch, d, &[], pos + drafts.len() as i32)?);
+            run(
+                ctx,
+                od,
+                &mut batch,
+                d,
+                &[],
+                pos + drafts.len() as i32,
+                &mut hs,
+            )?;
             state.record_step(ts.elapsed().as_secs_f64());
             g.target_calls += 1;
             g.verify_rows += 1;
@@ -308,17 +318,18 @@ pub fn generate(
         g.drafted_tokens += drafts.len() as u64;
         // One pass over the output weights for every state.
         let tp = Instant::now();
-        let views: Vec<&[f32]> = hs.iter().map(Vec::as_slice).collect();
-        logits.resize_with(hs.len().max(logits.len()), Vec::new);
-        od.try_logits_rows(&views, &mut logits[..hs.len()])?;
+        let views: Vec<&[f32]> = hs.chunks_exact(n).collect();
+        let rows = views.len();
+        logits.resize_with(rows.max(logits.len()), Vec::new);
+        od.try_logits_rows(&views, &mut logits[..rows])?;
         let pass = tp.elapsed().as_secs_f64();
-        state.record_pass(hs.len(), pass);
+        state.record_pass(rows, pass);
         g.project_seconds += pass;
-        g.output_rows += hs.len() as u64;
-        g.rows_after_exit += hs.len() as u64;
+        g.output_rows += rows as u64;
+        g.rows_after_exit += rows as u64;
         // Walk: the target's token after each state; a draft stands while it is that token.
-        let mut emitted = Vec::with_capacity(hs.len());
-        for (i, l) in logits[..hs.len()].iter().enumerate() {
+        emitted.clear();
+        for (i, l) in logits[..rows].iter().enumerate() {
             let t = argmax(l);
             emitted.push(t);
             if drafts.get(i) != Some(&t) {
@@ -337,7 +348,7 @@ pub fn generate(
         state.trials += (m + usize::from(m < drafts.len())) as f64;
         // Cells past the accepted drafts belong to rejected ones.
         ctx.seq_rm(0, pos + 1 + m as i32, -1);
-        add_within(&mut vocab, &emitted, cap)?;
+        vocab.add(&emitted, cap)?;
         g.verify_seconds += tv.elapsed().as_secs_f64();
         for &t in &emitted {
             if let Some(c) = context.as_mut() {
@@ -360,7 +371,8 @@ pub fn generate(
 }
 
 /// `next` at `pos` and `chain` after it through the blocks in one call (sequence 0), cut
-/// before the output projection: the final hidden state after each of them.
+/// before the output projection: the final hidden state after each of them, appended to
+/// `out`.
 fn run(
     ctx: &mut Context,
     od: &OnDemand,
@@ -368,7 +380,8 @@ fn run(
     next: Token,
     chain: &[Token],
     pos: i32,
-) -> Result<Vec<Vec<f32>>> {
+    out: &mut Vec<f32>,
+) -> Result<()> {
     batch.clear();
     batch.add(next, pos, &[0], true)?;
     for (i, &t) in chain.iter().enumerate() {
@@ -378,23 +391,8 @@ fn run(
     let r = ctx.decode(batch);
     od.disarm();
     r?;
-    let h = od.take_hidden()?;
-    let n = od.n_embd();
-    Ok(h.chunks_exact(n).map(<[f32]>::to_vec).collect())
-}
-
-/// Add the rows of `tokens` to `vocab` while it holds fewer than `cap`.
-fn add_within(vocab: &mut DraftVocab, tokens: &[Token], cap: usize) -> Result<()> {
-    let room = cap.saturating_sub(vocab.len());
-    let mut new: Vec<Token> = tokens
-        .iter()
-        .copied()
-        .filter(|&t| !vocab.contains(t))
-        .collect();
-    new.sort_unstable();
-    new.dedup();
-    new.truncate(room);
-    vocab.add(&new)
+    out.extend_from_slice(&od.take_hidden()?);
+    Ok(())
 }
 
 #[cfg(test)]
