@@ -23,6 +23,7 @@ use crate::exit::Pruner;
 use crate::lever;
 use crate::plain::{argmax, prefill, Generation};
 use crate::tree::{KvOp, NodeId, TokenTree};
+use crate::vocab::Resident;
 
 /// How the engine drafts.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,9 +55,10 @@ pub struct EngineConfig {
     pub exit: bool,
     /// How the early-exit head prunes.
     pub prune: crate::exit::PruneConfig,
-    /// Under a streamed output projection (flash) and greedy decoding: the target drafts for
-    /// itself over a resident vocabulary ([`crate::vocab`]) instead of building trees from
-    /// the drafters. `None`: trees there too.
+    /// Greedy decoding with on-demand projection, under a streamed output projection (flash)
+    /// or where the projection is a large share of a call ([`Resident`]): the target drafts
+    /// for itself over a resident vocabulary ([`crate::vocab`]) instead of building trees
+    /// from the drafters. `None`: always trees.
     pub vocab: Option<crate::vocab::VocabConfig>,
 }
 
@@ -111,6 +113,8 @@ pub struct Engine {
     exit: Option<(leap_host::exit::Exit, Pruner)>,
     /// Self-drafting's measured costs and acceptance ([`crate::vocab`]).
     vocab: crate::vocab::VocabState,
+    /// [`Resident::Auto`]'s decision for this context, measured once.
+    vocab_pays: Option<bool>,
 }
 
 /// A caller's drafter (opaque to `Debug`).
@@ -149,6 +153,7 @@ impl Engine {
             exit: None,
             extra: None,
             vocab: Default::default(),
+            vocab_pays: None,
         }
     }
 
@@ -165,6 +170,7 @@ impl Engine {
     /// llama.cpp's logits for good if not (a log warning says so).
     pub fn with_on_demand(mut self, od: Option<OnDemand>) -> Self {
         self.on_demand = od.map(|o| (o, None));
+        self.vocab_pays = None;
         self
     }
 
@@ -298,7 +304,7 @@ impl Engine {
         let Some((od, checked)) = self
             .on_demand
             .as_mut()
-            .filter(|(od, _)| od.streamed() || vc.resident)
+            .filter(|(od, _)| od.streamed() || vc.resident != Resident::Never)
         else {
             return Ok(None);
         };
@@ -317,6 +323,29 @@ impl Engine {
         }
         if *checked != Some(true) {
             return Ok(None);
+        }
+        if !od.streamed() && vc.resident == Resident::Auto {
+            let pays = match self.vocab_pays {
+                Some(p) => p,
+                None => {
+                    let share = crate::vocab::projection_share(ctx, od, prompt[0])?;
+                    let p = share >= crate::vocab::AUTO_SHARE;
+                    log::info!(
+                        "the output projection is {:.0}% of a one-row call: {}",
+                        share * 100.0,
+                        if p {
+                            "the target drafts for itself over a resident vocabulary"
+                        } else {
+                            "token trees from the drafters"
+                        }
+                    );
+                    self.vocab_pays = Some(p);
+                    p
+                }
+            };
+            if !pays {
+                return Ok(None);
+            }
         }
         let od = od.clone();
         crate::vocab::generate(

@@ -122,6 +122,7 @@ fn sparse_attention_on_smollm2() {
     let mut engine = leap_spec::engine::Engine::new(leap_spec::engine::EngineConfig {
         adaptive: false,
         max_draft: 8,
+        vocab: None,
         ..Default::default()
     })
     .with_on_demand(od);

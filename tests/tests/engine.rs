@@ -15,6 +15,8 @@ fn eager_drafting() -> EngineConfig {
     EngineConfig {
         adaptive: false,
         max_draft: 8,
+        // Trees, not the target drafting for itself (Gemma's head would choose that).
+        vocab: None,
         ..Default::default()
     }
 }
@@ -389,11 +391,11 @@ fn self_drafting_over_a_resident_vocabulary_is_plain_greedy() {
         let mut pc = ctx(name, 1);
         for vc in [
             VocabConfig {
-                resident: true,
+                resident: leap_spec::vocab::Resident::Always,
                 ..Default::default()
             },
             VocabConfig {
-                resident: true,
+                resident: leap_spec::vocab::Resident::Always,
                 prefix: 16,
                 extra: 0,
                 min_match: 2,

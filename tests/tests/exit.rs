@@ -97,6 +97,7 @@ fn trees() -> EngineConfig {
         adaptive: false,
         max_draft: 8,
         max_branches: 4,
+        vocab: None,
         ..Default::default()
     }
 }

@@ -437,7 +437,7 @@ fn self_drafting_on_a_streamed_target_keeps_the_tokens_and_the_budget() {
             prefix: 16,
             extra: 0,
             max_draft: 4,
-            resident: false,
+            resident: leap_spec::vocab::Resident::Never,
             min_match: 2,
         },
     ] {

@@ -155,7 +155,7 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
         // too (`leap` does it on a streamed target).
         Some("vocab") => EngineConfig {
             vocab: Some(leap_spec::vocab::VocabConfig {
-                resident: true,
+                resident: leap_spec::vocab::Resident::Always,
                 ..Default::default()
             }),
             ..base
