@@ -31,7 +31,7 @@ test: models build
 # time, on the dev workload (about 20 minutes on 2 cores).
 bench: models
 	$(LEAP) bench --model gemma3-270m --workload ../shared/workloads/dev-all.jsonl --limit 12 \
-	  --modes plain,llama:ngram-mod,llama:ngram-simple,leap:sam,leap:history,leap:reuse,leap,leap:tree,leap:eager,leap:ggml,leap:sam-fixed \
+	  --modes plain,llama:ngram-mod,llama:ngram-simple,llama:ngram-map-k,leap:sam,leap:history,leap:reuse,leap:calib,leap:tree,leap:eager,leap \
 	  --out bench.json
 
 fmt:

@@ -1,7 +1,6 @@
 //! Running a node's work on the threads ggml's CPU backend uses.
 
-use std::ffi::{c_int, c_uint, c_void};
-use std::sync::OnceLock;
+pub(crate) use leap_host::par::parallel;
 
 /// A pointer shared with the worker threads (each writes disjoint elements).
 #[derive(Clone, Copy)]
@@ -15,72 +14,4 @@ impl Ptr {
         // SAFETY: callers stay inside the tensor's data.
         unsafe { self.0.add(offset) }
     }
-}
-
-type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
-type OmpInt = unsafe extern "C" fn() -> c_int;
-
-/// libgomp's entry points when the process has them (ggml's CPU backend brings OpenMP).
-fn gomp() -> Option<(GompParallel, OmpInt, OmpInt)> {
-    static GOMP: OnceLock<Option<(GompParallel, OmpInt, OmpInt)>> = OnceLock::new();
-    *GOMP.get_or_init(|| {
-        // SAFETY: dlsym on the global namespace with NUL-terminated names; the symbols, when
-        // present, have these C signatures (libgomp's ABI, also provided by LLVM's libomp).
-        unsafe {
-            let p = libc::dlsym(libc::RTLD_DEFAULT, c"GOMP_parallel".as_ptr());
-            let t = libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_thread_num".as_ptr());
-            let n = libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_num_threads".as_ptr());
-            if p.is_null() || t.is_null() || n.is_null() {
-                return None;
-            }
-            Some((
-                std::mem::transmute::<*mut c_void, GompParallel>(p),
-                std::mem::transmute::<*mut c_void, OmpInt>(t),
-                std::mem::transmute::<*mut c_void, OmpInt>(n),
-            ))
-        }
-    })
-}
-
-pub(crate) type Job<'a> = &'a (dyn Fn(usize, usize) + Sync);
-
-/// Run `f(thread, threads)` on `threads` threads: the OpenMP team ggml uses when there is one
-/// (no thread of our own, and its threads are already awake), else scoped threads.
-pub(crate) fn parallel(threads: usize, f: Job<'_>) {
-    if threads <= 1 {
-        f(0, 1);
-        return;
-    }
-    if let Some((par, tid, nth)) = gomp() {
-        struct Data<'a> {
-            f: Job<'a>,
-            tid: OmpInt,
-            nth: OmpInt,
-        }
-        extern "C" fn trampoline(p: *mut c_void) {
-            // SAFETY: `p` is the `Data` below, alive for the whole parallel region.
-            let d = unsafe { &*(p as *const Data<'_>) };
-            // SAFETY: OpenMP runtime queries, inside a parallel region.
-            let (t, n) = unsafe { ((d.tid)(), (d.nth)()) };
-            (d.f)(t.max(0) as usize, n.max(1) as usize);
-        }
-        let d = Data { f, tid, nth };
-        // SAFETY: the region runs `trampoline` on every team thread and returns after all
-        // finished, so `d` outlives it.
-        unsafe {
-            par(
-                trampoline,
-                &d as *const Data<'_> as *mut c_void,
-                threads as c_uint,
-                0,
-            )
-        };
-        return;
-    }
-    std::thread::scope(|s| {
-        for t in 1..threads {
-            s.spawn(move || f(t, threads));
-        }
-        f(0, threads);
-    });
 }

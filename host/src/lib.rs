@@ -31,6 +31,7 @@ pub mod eval;
 pub mod exit;
 pub mod gguf;
 pub mod model;
+pub mod par;
 pub mod project;
 pub mod qdot;
 pub mod sampler;

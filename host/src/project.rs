@@ -680,30 +680,47 @@ impl DraftVocab {
         let act = p.quantize(h);
         let rb = p.row_bytes;
         let n = self.tokens.len();
-        // One thread: between a call's layers ggml's own workers still spin on the other core.
-        let mut best: Option<(usize, f32)> = None;
-        let mut vals = [0.0f32; 256];
         let prepared = p
             .kernel
             .map(|k| (k, k.prepare(p.n_embd, &[act.as_slice()])));
-        for i0 in (0..n).step_by(256) {
-            let m = 256.min(n - i0);
-            let vals = &mut vals[..m];
-            let w = &self.bytes[i0 * rb..(i0 + m) * rb];
-            match &prepared {
-                Some((k, a)) => k.dot_many(a, w, vals),
-                None => {
-                    for (j, v) in vals.iter_mut().enumerate() {
-                        p.dot_row(&w[j * rb..(j + 1) * rb], &act, v);
+        let (prepared, act) = (&prepared, &act);
+        // Rows are in arrival order: the larger logit wins, the smaller id a tie.
+        let better = |(i, v): (usize, f32), best: Option<(usize, f32)>| {
+            best.is_none_or(|(bi, b)| v > b || (v == b && self.tokens[i] < self.tokens[bi]))
+        };
+        let bests: Mutex<Vec<(usize, f32)>> = Mutex::new(Vec::new());
+        // On the OpenMP team ggml's decode just used (its workers are still awake).
+        crate::par::parallel(p.threads, &|t, threads| {
+            let per = n.div_ceil(threads).max(1);
+            let (lo, hi) = ((t * per).min(n), ((t + 1) * per).min(n));
+            let mut best: Option<(usize, f32)> = None;
+            let mut vals = [0.0f32; 256];
+            for i0 in (lo..hi).step_by(256) {
+                let m = 256.min(hi - i0);
+                let vals = &mut vals[..m];
+                let w = &self.bytes[i0 * rb..(i0 + m) * rb];
+                match prepared {
+                    Some((k, a)) => k.dot_many(a, w, vals),
+                    None => {
+                        for (j, v) in vals.iter_mut().enumerate() {
+                            p.dot_row(&w[j * rb..(j + 1) * rb], act, v);
+                        }
+                    }
+                }
+                for (j, &v) in vals.iter().enumerate() {
+                    if better((i0 + j, v), best) {
+                        best = Some((i0 + j, v));
                     }
                 }
             }
-            for (j, &v) in vals.iter().enumerate() {
-                // Rows are in arrival order: the smallest id wins a tie.
-                let t = self.tokens[i0 + j];
-                if best.is_none_or(|(bi, b)| v > b || (v == b && t < self.tokens[bi])) {
-                    best = Some((i0 + j, v));
-                }
+            if let Some(b) = best {
+                bests.lock().unwrap_or_else(|e| e.into_inner()).push(b);
+            }
+        });
+        let mut best = None;
+        for b in bests.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            if better(b, best) {
+                best = Some(b);
             }
         }
         best.map(|(i, v)| (self.tokens[i], v))
@@ -864,15 +881,8 @@ impl Projection {
             }
             o.resize(self.n_vocab, 0.0);
         }
-        let per = vocab.len().div_ceil(self.threads).max(1);
-        // Per thread, its vocabulary chunk of every output row.
-        let mut chunks: Vec<Vec<&mut [f32]>> = (0..self.threads).map(|_| Vec::new()).collect();
-        for o in outs.iter_mut() {
-            for (c, part) in o[vocab.clone()].chunks_mut(per).enumerate() {
-                chunks[c].push(part);
-            }
-        }
         let first = vocab.start;
+        let len = vocab.len();
         let src = src.map(|p| p as usize);
         let rows_of = move |v: usize, n: usize| -> &[u8] {
             match src {
@@ -890,40 +900,41 @@ impl Projection {
                 None => self.rows(v, n),
             }
         };
-        let acts = &acts;
-        std::thread::scope(|s| {
-            for (c, mut parts) in chunks.into_iter().enumerate() {
-                if parts.is_empty() {
-                    continue;
-                }
-                s.spawn(move || {
-                    let r = acts.len();
-                    let prepared = self.kernel.map(|k| (k, k.prepare(self.n_embd, acts)));
-                    // Weight rows a pass: their results for every state stay in cache.
-                    const TILE: usize = 256;
-                    let mut tmp = vec![0.0f32; TILE * r];
-                    let len = parts[0].len();
-                    for i0 in (0..len).step_by(TILE) {
-                        let n = TILE.min(len - i0);
-                        let v0 = first + c * per + i0;
-                        let tmp = &mut tmp[..n * r];
-                        match &prepared {
-                            Some((k, a)) => k.dot_many(a, rows_of(v0, n), tmp),
-                            None => {
-                                for (i, t) in tmp.chunks_exact_mut(r).enumerate() {
-                                    for (a, t) in acts.iter().zip(t) {
-                                        self.dot_row(rows_of(v0 + i, 1), a, t);
-                                    }
-                                }
-                            }
-                        }
-                        for (j, p) in parts.iter_mut().enumerate() {
-                            for i in 0..n {
-                                p[i0 + i] = tmp[i * r + j];
+        // Each thread writes its own vocabulary chunk of every output row.
+        let outs_at: Vec<usize> = outs.iter_mut().map(|o| o.as_mut_ptr() as usize).collect();
+        let (acts, outs_at) = (&acts, &outs_at);
+        let prepared = self.kernel.map(|k| (k, k.prepare(self.n_embd, acts)));
+        let prepared = &prepared;
+        // The OpenMP team ggml's decode just used: no threads spawned, none left spinning
+        // against ours.
+        crate::par::parallel(self.threads, &|t, threads| {
+            let per = len.div_ceil(threads).max(1);
+            let (lo, hi) = ((t * per).min(len), ((t + 1) * per).min(len));
+            let r = acts.len();
+            // Weight rows a pass: their results for every state stay in cache.
+            const TILE: usize = 256;
+            let mut tmp = vec![0.0f32; TILE * r];
+            for i0 in (lo..hi).step_by(TILE) {
+                let n = TILE.min(hi - i0);
+                let v0 = first + i0;
+                let tmp = &mut tmp[..n * r];
+                match prepared {
+                    Some((k, a)) => k.dot_many(a, rows_of(v0, n), tmp),
+                    None => {
+                        for (i, t) in tmp.chunks_exact_mut(r).enumerate() {
+                            for (a, t) in acts.iter().zip(t) {
+                                self.dot_row(rows_of(v0 + i, 1), a, t);
                             }
                         }
                     }
-                });
+                }
+                for (j, &o) in outs_at.iter().enumerate() {
+                    for i in 0..n {
+                        // SAFETY: every output is vocabulary-sized (resized above) and this
+                        // thread alone writes entries `first + lo..first + hi` of each.
+                        unsafe { *(o as *mut f32).add(v0 + i) = tmp[i * r + j] };
+                    }
+                }
             }
         });
     }

@@ -92,8 +92,8 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     // Only `leap` itself (and `leap:tree`, which is `leap` with wider trees) prunes with an
     // early-exit head when the sidecar has one: every other named configuration shows its
     // technique without it.
-    // Only `leap` drafts with the target itself on a streamed target (flash): the named
-    // configurations show their trees there.
+    // Only `leap` drafts with the target itself (on a streamed target, or where the output
+    // projection is a large share of a call): the named configurations show their trees.
     let base = EngineConfig {
         exit: name.is_none() || name == Some("tree"),
         vocab: None,
