@@ -30,6 +30,7 @@ fn gomp() -> Option<(GompParallel, OmpInt, OmpInt)> {
     })
 }
 
+/// Work for [`parallel`]: called as `f(thread, threads)` on each thread.
 pub type Job<'a> = &'a (dyn Fn(usize, usize) + Sync);
 
 /// Run `f(thread, threads)` on `threads` threads: the OpenMP team ggml uses when there is one
