@@ -434,9 +434,8 @@ pub fn generate(
 /// Other spellings of the tokens a text used: the same word with and without a leading
 /// space, capitalised and not (`" Python"`, `"Python"`, `" python"`), each where it is a
 /// single token. Text tends to come back in another of these forms (a word opening a
-/// sentence, after a bracket); with them resident, about half of the target's tokens
-/// outside the resident vocabulary on the dev requests were inside it (miss rate 2.1% ->
-/// 1.0% on Gemma 3, 12 requests), for 66% more rows.
+/// sentence, after a bracket). A miss also wastes the steps drafted after it: on 6 Gemma dev
+/// requests self-drafting took 780 steps for 762 tokens with the spellings, 847 without.
 #[derive(Debug, Default)]
 struct Spellings {
     done: std::collections::HashSet<Token>,
