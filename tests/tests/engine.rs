@@ -397,6 +397,7 @@ fn self_drafting_over_a_resident_vocabulary_is_plain_greedy() {
             VocabConfig {
                 resident: leap_spec::vocab::Resident::Always,
                 prefix: 16,
+                resident_prefix: 16,
                 extra: 0,
                 min_match: 2,
                 max_draft: 6,

@@ -435,6 +435,7 @@ fn self_drafting_on_a_streamed_target_keeps_the_tokens_and_the_budget() {
         VocabConfig::default(),
         VocabConfig {
             prefix: 16,
+            resident_prefix: 16,
             extra: 0,
             max_draft: 4,
             resident: leap_spec::vocab::Resident::Never,
