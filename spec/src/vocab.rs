@@ -53,7 +53,8 @@ pub struct VocabConfig {
     /// with 2048 ids fixed, 0.39 ms growing, 0.87 ms with 16384 from the start).
     pub resident_prefix: usize,
     /// Rows for other tokens (the prompts' and the emitted ones), at most: the resident
-    /// vocabulary never holds more than `prefix + extra` rows.
+    /// vocabulary never holds more than `prefix + extra` rows (`resident_prefix + extra`
+    /// with resident output weights).
     pub extra: usize,
     /// At most this many drafted steps before a full pass.
     pub max_draft: usize,
