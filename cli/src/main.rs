@@ -545,14 +545,13 @@ fn generate(a: GenerateArgs) -> Result<()> {
             let budget = parse_budget(b, map.per_call_bytes())?;
             let chunk = map.largest_block().max(1);
             // Greedy `leap` drafts over a resident vocabulary: its rows come out of the budget.
-            let reserve = if a.mode == "leap"
-                && a.sampling.params().temp <= 0.0
-                && budget < map.per_call_bytes()
-            {
-                leap_cli::bench::vocab_reserve(&map, model.n_vocab(), EngineConfig::default().vocab)
-            } else {
-                0
-            };
+            let reserve = leap_cli::bench::vocab_reserve(
+                &map,
+                budget,
+                model.n_vocab(),
+                EngineConfig::default().vocab.filter(|_| a.mode == "leap"),
+                a.sampling.params().temp <= 0.0,
+            );
             let p = leap_flash::plan(
                 &map,
                 budget.saturating_sub(reserve),

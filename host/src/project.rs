@@ -633,38 +633,48 @@ impl DraftVocab {
         let rb = p.row_bytes;
         let start = self.bytes.len();
         self.bytes.resize(start + new.len() * rb, 0);
+        let drop_cache = self.drop_cache;
+        let bytes = &mut self.bytes;
         // Runs of consecutive tokens in one read each.
-        let mut i = 0;
-        while i < new.len() {
-            let mut j = i + 1;
-            while j < new.len() && new[j] == new[j - 1] + 1 {
-                j += 1;
-            }
-            let at = p.offset + new[i] as u64 * rb as u64;
-            let buf = &mut self.bytes[start + i * rb..start + j * rb];
-            let read_direct = direct
-                .as_ref()
-                .is_some_and(|d| read_direct(d, buf, at).is_ok());
-            if !read_direct {
-                let f = match &mut buffered {
-                    Some(f) => f,
-                    None => buffered.insert(std::fs::File::open(&p.path).map_err(io)?),
-                };
-                f.read_exact_at(buf, at).map_err(io)?;
-                if self.drop_cache {
-                    use std::os::unix::io::AsRawFd;
-                    // SAFETY: an advisory call on an open descriptor; no memory is touched.
-                    unsafe {
-                        libc::posix_fadvise(
-                            f.as_raw_fd(),
-                            at as libc::off_t,
-                            buf.len() as libc::off_t,
-                            libc::POSIX_FADV_DONTNEED,
-                        )
-                    };
+        let mut read = || -> Result<()> {
+            let mut i = 0;
+            while i < new.len() {
+                let mut j = i + 1;
+                while j < new.len() && new[j] == new[j - 1] + 1 {
+                    j += 1;
                 }
+                let at = p.offset + new[i] as u64 * rb as u64;
+                let buf = &mut bytes[start + i * rb..start + j * rb];
+                let read_direct = direct
+                    .as_ref()
+                    .is_some_and(|d| read_direct(d, buf, at).is_ok());
+                if !read_direct {
+                    let f = match &mut buffered {
+                        Some(f) => f,
+                        None => buffered.insert(std::fs::File::open(&p.path).map_err(io)?),
+                    };
+                    f.read_exact_at(buf, at).map_err(io)?;
+                    if drop_cache {
+                        use std::os::unix::io::AsRawFd;
+                        // SAFETY: an advisory call on an open descriptor; no memory is touched.
+                        unsafe {
+                            libc::posix_fadvise(
+                                f.as_raw_fd(),
+                                at as libc::off_t,
+                                buf.len() as libc::off_t,
+                                libc::POSIX_FADV_DONTNEED,
+                            )
+                        };
+                    }
+                }
+                i = j;
             }
-            i = j;
+            Ok(())
+        };
+        if let Err(e) = read() {
+            // Rows and tokens stay in step: nothing of a failed add is kept.
+            self.bytes.truncate(start);
+            return Err(e);
         }
         self.tokens.extend_from_slice(&new);
         self.sorted.extend_from_slice(&new);

@@ -98,17 +98,13 @@ pub const AUTO_SHARE: f64 = 0.45;
 /// Decode failures; a streamed projection that cannot be read.
 pub fn projection_share(ctx: &mut Context, od: &OnDemand, token: Token) -> Result<f64> {
     let mut batch = Batch::new(1, 1);
-    batch.add(token, 0, &[0], true)?;
     let (mut step, mut pass) = (f64::INFINITY, f64::INFINITY);
-    let mut logits = Vec::new();
+    let (mut h, mut logits) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         ctx.clear(false);
+        h.clear();
         let t = Instant::now();
-        od.arm(true);
-        let r = ctx.decode(&batch);
-        od.disarm();
-        r?;
-        let h = od.take_hidden()?;
+        run(ctx, od, &mut batch, token, &[], 0, &mut h)?;
         step = step.min(t.elapsed().as_secs_f64());
         let t = Instant::now();
         od.try_logits(&h, &mut logits)?;
@@ -509,15 +505,18 @@ impl Spellings {
             let rest = chars.as_str();
             let upper: String = c.to_uppercase().chain(rest.chars()).collect();
             let lower: String = c.to_lowercase().chain(rest.chars()).collect();
-            for w in [word, upper.as_str(), lower.as_str()] {
-                for text in [w.to_string(), format!(" {w}")] {
-                    if text == piece {
-                        continue;
-                    }
-                    if let Ok(ts) = model.tokenize(&text, false, false) {
-                        if let [v] = ts[..] {
-                            out.push(v);
-                        }
+            let mut texts: Vec<String> = [word, upper.as_str(), lower.as_str()]
+                .iter()
+                .flat_map(|w| [w.to_string(), format!(" {w}")])
+                .filter(|t| *t != piece)
+                .collect();
+            // A word already capitalised (or not) is one spelling, tokenized once.
+            texts.sort_unstable();
+            texts.dedup();
+            for text in texts {
+                if let Ok(ts) = model.tokenize(&text, false, false) {
+                    if let [v] = ts[..] {
+                        out.push(v);
                     }
                 }
             }

@@ -303,12 +303,19 @@ fn file_name(p: &std::path::Path) -> String {
 }
 
 /// Bytes of the resident vocabulary `vc` (greedy `leap` on a streamed target drafts over it,
-/// see [`leap_spec::vocab`]): they come out of the DRAM budget before the plan.
+/// see [`leap_spec::vocab`]): they come out of the DRAM budget before the plan. None for
+/// sampled decoding (trees), nor when `budget` holds the whole model (nothing streams, and
+/// the rows are drafted from the resident weights' own budget-free copy).
 pub fn vocab_reserve(
     map: &leap_flash::LayerMap,
+    budget: u64,
     n_vocab: i32,
     vc: Option<leap_spec::vocab::VocabConfig>,
+    greedy: bool,
 ) -> u64 {
+    if !greedy || budget >= map.per_call_bytes() {
+        return 0;
+    }
     vc.map_or(0, |v| {
         let out = if map.tied_output {
             leap_flash::Section::Embed
@@ -420,13 +427,14 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         }
         // `leap`'s resident vocabulary ([`leap_spec::vocab`]) comes out of its budget: its
         // blocks and output rows are planned for what is left.
-        // Nothing to reserve when the whole model fits: nothing streams, `leap` builds trees.
         let reserve = match (kind, &flash) {
-            (ModeKind::Leap(ec), Some((map, p)))
-                if cfg.sampling.temp <= 0.0 && p.budget < map.per_call_bytes() =>
-            {
-                vocab_reserve(map, model.n_vocab(), ec.vocab)
-            }
+            (ModeKind::Leap(ec), Some((map, p))) => vocab_reserve(
+                map,
+                p.budget,
+                model.n_vocab(),
+                ec.vocab,
+                cfg.sampling.temp <= 0.0,
+            ),
             _ => 0,
         };
         reserved.push(reserve);
