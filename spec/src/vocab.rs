@@ -46,11 +46,10 @@ pub struct VocabConfig {
     pub prefix: usize,
     /// With resident output weights (nothing to budget) the prefix grows from `prefix` up to
     /// this many ids, [`GROW`] at a time, while a request's drafts keep missing (the target's
-    /// token outside the set): Gemma 3's ids are not in frequency order (the first 2048
-    /// cover 46% of an English text's tokens, the first 16384 68%), and a short prompt
+    /// token outside the set): Gemma 3's ids are not in frequency order, and a short prompt
     /// brings few rows of its own. Where the prompt covers the text it stays small: every
     /// row costs the argmax memory traffic each step (on the dev requests 0.18 ms a step
-    /// with 2048 ids fixed, 0.39 ms growing, 0.87 ms with 16384 from the start).
+    /// with 2048 ids fixed, 0.39 ms growing).
     pub resident_prefix: usize,
     /// Rows for other tokens (the prompts' and the emitted ones), at most: the resident
     /// vocabulary never holds more than `prefix + extra` rows (`resident_prefix + extra`
@@ -86,8 +85,8 @@ pub enum Resident {
 /// with the target itself. A drafted step saves at most the projection of its row, so the
 /// speed-up is bounded by `1 / (1 - share)`; token trees do better where it is small (they
 /// save the blocks too when their drafts hold). Measured here by [`projection_share`] (2
-/// threads): Gemma 3 270M 0.65, SmolLM2-135M 0.29; on 6 dev requests the target drafting
-/// for itself ran 1.43x plain on Gemma, 0.94x on SmolLM2 (where trees ran 1.19x).
+/// threads): Gemma 3 270M 0.65, SmolLM2-135M 0.29; on 12 dev requests the target drafting
+/// for itself ran 1.39x plain on Gemma, 1.00x on SmolLM2 (where trees ran 1.16x).
 pub const AUTO_SHARE: f64 = 0.45;
 
 /// The projection's share of a one-row call on this machine: `token` through the blocks
@@ -478,7 +477,7 @@ pub fn generate(
 /// space, capitalised and not (`" Python"`, `"Python"`, `" python"`), each where it is a
 /// single token. Text tends to come back in another of these forms (a word opening a
 /// sentence, after a bracket). A miss also wastes the steps drafted after it: on 6 Gemma dev
-/// requests self-drafting took 780 steps for 762 tokens with the spellings, 847 without.
+/// requests self-drafting took 780 steps for 762 tokens with the spellings, 850 without.
 #[derive(Debug, Default)]
 struct Spellings {
     done: std::collections::HashSet<Token>,
