@@ -31,9 +31,12 @@ pub enum Source {
     Model,
     /// Tokens accepted off the trunk in the last step.
     Carry,
+    /// Retrieval from the request: another token that followed the longest match earlier
+    /// (a sibling of the [`Source::Request`] continuation).
+    Sibling,
 }
 
-const SOURCES: usize = 6;
+const SOURCES: usize = 7;
 
 /// What backs a drafted token: its source and the length of the suffix match behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -78,8 +81,11 @@ const PROFILE_ROWS: usize = 65;
 /// Online acceptance and cost estimates, and the draft-length decision.
 #[derive(Debug, Clone)]
 pub struct Controller {
-    /// Latency profile (Lever §4.2): seconds of a call of `r` rows (EMA), 0 if never seen.
+    /// Latency profile (Lever §4.2): a call of `r` rows over the 1-row time when it was
+    /// recorded (EMA), 0 if never seen.
     profile: [f64; PROFILE_ROWS],
+    /// Row counts called at least once.
+    seen: [bool; PROFILE_ROWS],
     /// Reliability factor: observed accepted drafts over the expected (EMA), scaling the
     /// per-token acceptance estimates of trees.
     reliability: f64,
@@ -96,7 +102,13 @@ pub struct Controller {
     /// early exit), and the fraction of drafted rows kept past it (EMA).
     exit_share: f64,
     keep_rate: f64,
+    /// Steps since the last one that verified a draft.
+    idle: usize,
 }
+
+/// Steps without a verified draft after which the next tree is verified even if the
+/// estimates say it does not pay ([`Controller::exploring`]).
+pub const EXPLORE_AFTER: usize = 48;
 
 impl Controller {
     /// A controller with weak, optimistic priors: acceptance rising with the match length
@@ -105,16 +117,26 @@ impl Controller {
     pub fn new(beta_prior: f64) -> Self {
         const PRIOR: [f64; BUCKETS] = [0.6, 0.7, 0.75, 0.8, 0.85, 0.9];
         const WEIGHT: f64 = 4.0;
+        let mut accepted = [PRIOR.map(|a| a * WEIGHT); SOURCES];
+        let mut rejected = [PRIOR.map(|a| WEIGHT * (1.0 - a)); SOURCES];
+        // A sibling is the road not taken the last time the match occurred: half as likely
+        // until it shows otherwise, so it does not crowd out the continuation it competes
+        // with (nor, rejected, drag down the reliability of every tree).
+        let s = Source::Sibling as usize;
+        accepted[s] = PRIOR.map(|a| a * 0.5 * WEIGHT);
+        rejected[s] = PRIOR.map(|a| WEIGHT * (1.0 - a * 0.5));
         Self {
             profile: [0.0; PROFILE_ROWS],
+            seen: [false; PROFILE_ROWS],
             reliability: 1.0,
-            accepted: [PRIOR.map(|a| a * WEIGHT); SOURCES],
-            rejected: [PRIOR.map(|a| WEIGHT * (1.0 - a)); SOURCES],
+            accepted,
+            rejected,
             t1: 0.0,
             sxy: beta_prior * 4.0,
             sxx: 4.0,
             exit_share: 0.0,
             keep_rate: 0.7,
+            idle: 0,
         }
     }
 
@@ -139,7 +161,7 @@ impl Controller {
             return 1.0;
         }
         match self.profile.get(rows) {
-            Some(&t) if t > 0.0 && self.t1 > 0.0 => t / self.t1,
+            Some(&r) if r > 0.0 => r,
             _ => linear * 1.1,
         }
     }
@@ -194,6 +216,7 @@ impl Controller {
 
     /// Record one tree verification: `expected` accepted drafts were predicted, `got` came.
     pub fn record_reliability(&mut self, expected: f64, got: usize) {
+        self.idle = 0;
         if expected <= 0.0 {
             return;
         }
@@ -212,13 +235,41 @@ impl Controller {
         }
     }
 
+    /// Record a step that verified no draft: the reliability factor drifts back towards 1
+    /// (1% a step). It is only measured on trees, so without this a run of bad trees that
+    /// stops drafting would keep it low for good, and the engine would never draft again
+    /// once drafts are good again; now it tries a tree within some dozens of steps.
+    pub fn record_plain_step(&mut self) {
+        self.reliability += 0.01 * (1.0 - self.reliability);
+        self.idle += 1;
+    }
+
+    /// Whether the next tree should be verified whatever the estimates say: after
+    /// [`EXPLORE_AFTER`] steps without a draft. Estimates only change on drafted calls, so
+    /// without this a few slow multi-row calls (a new batch shape's first call allocates its
+    /// graph; the machine has a slow spell) or an unlucky run of rejections would stop
+    /// drafting for good: this costs one multi-row call in that many steps.
+    pub fn exploring(&self) -> bool {
+        self.idle >= EXPLORE_AFTER
+    }
+
     /// Record the wall time of a call of `rows` rows.
     pub fn record_cost(&mut self, rows: usize, seconds: f64) {
-        if let Some(t) = self.profile.get_mut(rows) {
-            *t = if *t == 0.0 {
-                seconds
+        // Multi-row calls are kept relative to the 1-row time of their moment: a row count
+        // seen while the machine ran slow, and not since, does not look dear for good once
+        // it runs fast again (and 1-row calls keep coming).
+        // A row count's first call is left out: it can pay one-off costs (the first graph
+        // of that batch shape).
+        let first = rows < PROFILE_ROWS && !std::mem::replace(&mut self.seen[rows], true);
+        if let (Some(r), true) = (
+            self.profile.get_mut(rows),
+            rows > 1 && self.t1 > 0.0 && !first,
+        ) {
+            let ratio = seconds / self.t1;
+            *r = if *r == 0.0 {
+                ratio
             } else {
-                0.8 * *t + 0.2 * seconds
+                0.8 * *r + 0.2 * ratio
             };
         }
         if rows <= 1 {
@@ -254,8 +305,10 @@ mod tests {
     fn pruned_rows_make_trees_cheaper() {
         let mut c = Controller::new(0.5);
         c.record_cost(1, 0.02);
-        for r in 2..10 {
-            c.record_cost(r, 0.02 * (1.0 + 0.5 * (r - 1) as f64));
+        for _ in 0..2 {
+            for r in 2..10 {
+                c.record_cost(r, 0.02 * (1.0 + 0.5 * (r - 1) as f64));
+            }
         }
         assert_eq!(c.tree_cost(5), c.cost(5), "no exit: the profile");
         c.set_exit_share(0.5);
@@ -268,6 +321,41 @@ mod tests {
         assert!((c.tree_cost(9) - (1.0 + 0.5 * (full - 1.0))).abs() < 1e-3);
         assert!(c.tree_cost(9) < c.cost(9));
         assert_eq!(c.full_rows(9, 3), 1.0 + 4.0 + 1.0);
+    }
+
+    #[test]
+    fn a_controller_that_stopped_drafting_tries_again() {
+        let mut c = Controller::new(0.5);
+        for _ in 0..40 {
+            c.record_reliability(2.0, 0);
+        }
+        assert!(c.reliability() < 0.35, "{}", c.reliability());
+        for _ in 0..150 {
+            c.record_plain_step();
+        }
+        assert!(c.reliability() > 0.8, "{}", c.reliability());
+        // A sibling starts below the continuation it competes with.
+        let ev = |source| Evidence::new(source, 4);
+        assert!(c.acceptance(ev(Source::Sibling)) < 0.5 * c.acceptance(ev(Source::Request)) + 0.01);
+    }
+
+    #[test]
+    fn a_slow_spell_does_not_make_row_counts_dear_for_good() {
+        let mut c = Controller::new(0.5);
+        // A row count's first call (its graph's first build) is left out.
+        c.record_cost(1, 0.020);
+        c.record_cost(3, 0.200);
+        assert!((c.cost(3) - 1.1 * (1.0 + 2.0 * c.beta())).abs() < 1e-9);
+        // Measured while the machine ran at half speed...
+        for _ in 0..60 {
+            c.record_cost(1, 0.040);
+            c.record_cost(3, 0.060);
+        }
+        // ...then only 1-row calls, at full speed.
+        for _ in 0..200 {
+            c.record_cost(1, 0.020);
+        }
+        assert!((c.cost(3) - 1.5).abs() < 0.01, "{}", c.cost(3));
     }
 
     #[test]

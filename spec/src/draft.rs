@@ -80,6 +80,7 @@ impl Drafter for ContextDrafter {
     }
 
     fn propose(&mut self, budget: usize, max: usize, out: &mut Vec<Proposal>) {
+        let from = out.len();
         for m in self.sam.repeats(self.min_match, max) {
             let tokens = continuation(&self.sam, m, budget);
             if !tokens.is_empty() {
@@ -88,6 +89,21 @@ impl Drafter for ContextDrafter {
                     match_len: m.len,
                     source: Source::Request,
                 });
+            }
+        }
+        // With room for branches: the other tokens that followed the longest match, each
+        // with its own continuation (the tree builder weighs them by what siblings earned).
+        if max > 1 {
+            let firsts: Vec<Token> = out[from..].iter().map(|p| p.tokens[0]).collect();
+            for m in self.sam.alternatives(self.min_match, max - 1, &firsts) {
+                let tokens = continuation(&self.sam, m, budget);
+                if !tokens.is_empty() {
+                    out.push(Proposal {
+                        tokens,
+                        match_len: m.len,
+                        source: Source::Sibling,
+                    });
+                }
             }
         }
     }
@@ -284,6 +300,25 @@ mod tests {
         out.clear();
         d.propose(8, 1, &mut out);
         assert_eq!(out[0].tokens[..3], [4, 5, 9]);
+    }
+
+    #[test]
+    fn context_drafter_offers_the_other_tokens_that_followed_the_match() {
+        // "1 2" was followed by 3, then by 7, then by 3 again; now the text ends in "1 2".
+        let mut d = ContextDrafter::new(2);
+        d.begin(&[1, 2, 3, 4, 1, 2, 7, 8, 1, 2, 3, 5, 1, 2]);
+        let mut out = Vec::new();
+        d.propose(2, 4, &mut out);
+        let firsts: Vec<(Token, Source)> = out.iter().map(|p| (p.tokens[0], p.source)).collect();
+        assert_eq!(firsts[0], (3, Source::Request));
+        assert!(firsts.contains(&(7, Source::Sibling)), "{firsts:?}");
+        let sibling = out.iter().find(|p| p.source == Source::Sibling).unwrap();
+        assert_eq!(sibling.tokens, [7, 8]);
+        assert_eq!(sibling.match_len, 2);
+        // Chains (one branch) get no siblings.
+        out.clear();
+        d.propose(2, 1, &mut out);
+        assert!(out.iter().all(|p| p.source == Source::Request));
     }
 
     #[test]

@@ -683,6 +683,8 @@ impl Engine {
                 }
                 self.control
                     .record_reliability(expected, tree.nodes()[acc.node].depth);
+            } else if self.cfg.adaptive {
+                self.control.record_plain_step();
             }
             // Keep the trunk part of the accepted path and the target's token after it; the
             // rest of the path is drafted again first thing next step (see `trunk_end`).

@@ -15,7 +15,8 @@
 //! `R`. Eq. 6 stops at the first node that does not raise `G / C`. On a CPU the cost curve
 //! has steps (a 3-row call can cost more than a 4-row one), where that rule stops one node
 //! short of a better tree, so Leap follows the greedy order up to the row cap and keeps the
-//! prefix with the best `G / C`; and no tree at all unless it beats a plain step.
+//! prefix with the best `G / C`; and no tree at all unless it beats a plain step, or the
+//! controller has gone long without drafting and explores ([`Controller::exploring`]).
 
 use crate::control::{Controller, Evidence};
 use crate::draft::Proposal;
@@ -150,6 +151,20 @@ pub fn build(
             best_len = k + 1;
         }
     }
+    // Exploring (see `Controller::exploring`): the best non-empty prefix, even if it does
+    // not beat a plain step.
+    if best_len == 0 && control.exploring() {
+        let mut gain = 1.0;
+        let mut rate = 0.0;
+        for (k, &n) in order.iter().enumerate() {
+            gain += trie[n].reach;
+            let r = gain / control.tree_cost(k + 2);
+            if r > rate {
+                rate = r;
+                best_len = k + 1;
+            }
+        }
+    }
     // Insert depth-first, most likely child first: every node after its parent, and the
     // first chain inserted (the tree's trunk, see `TokenTree::trunk_end`) is the most likely
     // path.
@@ -199,8 +214,9 @@ mod tests {
         }
     }
 
-    const ALL: [Source; 6] = [
+    const ALL: [Source; 7] = [
         Source::Request,
+        Source::Sibling,
         Source::History,
         Source::Reuse,
         Source::Calibrated,
@@ -248,6 +264,25 @@ mod tests {
         let b = build(0, &[prop(&[1, 2, 3], 2)], &c, 17, 4, 16);
         assert!(b.tree.is_empty());
         assert_eq!(b.expected, 0.0);
+    }
+
+    #[test]
+    fn a_controller_that_has_not_drafted_for_long_verifies_a_tree_anyway() {
+        let mut c = trained(0.1, 0.5);
+        for _ in 0..crate::control::EXPLORE_AFTER - 1 {
+            c.record_plain_step();
+        }
+        assert!(build(0, &[prop(&[1, 2, 3], 2)], &c, 17, 4, 16)
+            .tree
+            .is_empty());
+        c.record_plain_step();
+        let b = build(0, &[prop(&[1, 2, 3], 2)], &c, 17, 4, 16);
+        assert_eq!(b.tree.len(), 2, "the best tree, however poor: {:?}", b.tree);
+        // Once it is verified, the estimates decide again.
+        c.record_reliability(b.expected, 0);
+        assert!(build(0, &[prop(&[1, 2, 3], 2)], &c, 17, 4, 16)
+            .tree
+            .is_empty());
     }
 
     #[test]

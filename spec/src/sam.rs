@@ -178,6 +178,44 @@ impl SuffixAutomaton {
         out
     }
 
+    /// Other continuations of the longest repeated suffix (the first of [`repeats`]): one
+    /// match per distinct token that followed an earlier occurrence of it, other than
+    /// `except` (in the automaton's edge order, roughly the order they first followed
+    /// it). Each match ends right before
+    /// the first occurrence of the suffix followed by that token, so its continuation starts
+    /// with the token. At most `max`; none for a suffix shorter than `min_len`.
+    ///
+    /// [`repeats`]: SuffixAutomaton::repeats
+    pub fn alternatives(&self, min_len: usize, max: usize, except: &[Token]) -> Vec<Match> {
+        let s = self.states[self.last as usize].link;
+        if s == NONE || s == 0 || max == 0 {
+            return Vec::new();
+        }
+        let st = self.states[s as usize];
+        if (st.len as usize) < min_len {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for &t in &self.edges[s as usize] {
+            if out.len() == max {
+                break;
+            }
+            if except.contains(&t) {
+                continue;
+            }
+            // The suffix followed by `t` lives in the state `s` goes to on `t`; its first
+            // occurrence ends at that state's `first_end`, `t` being the last token there.
+            let to = self.go(s, t).expect("an edge of s");
+            let end = self.states[to as usize].first_end as usize;
+            debug_assert_eq!(self.text[end], t);
+            out.push(Match {
+                len: st.len as usize,
+                end: end - 1,
+            });
+        }
+        out
+    }
+
     /// Up to `len` tokens that follow a match.
     pub fn continuation(&self, m: Match, len: usize) -> &[Token] {
         let start = (m.end + 1).min(self.text.len());
@@ -281,6 +319,52 @@ mod tests {
                 for m in &got {
                     assert!(occurs_ending_at(&text, &text[text.len() - m.len..], m.end));
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn alternatives_are_every_other_token_after_the_longest_repeat() {
+        let mut rng = Lcg(5);
+        for alphabet in [2, 3, 6] {
+            let mut sam = SuffixAutomaton::new();
+            let mut text = Vec::new();
+            for _ in 0..200 {
+                let t = rng.next(alphabet);
+                sam.push(t);
+                text.push(t);
+                let n = text.len();
+                let l = brute_longest_repeat(&text);
+                let alts = sam.alternatives(1, usize::MAX, &[]);
+                if l == 0 {
+                    assert!(alts.is_empty());
+                    continue;
+                }
+                let suffix = &text[n - l..];
+                // The distinct tokens that followed an earlier occurrence of the suffix, in
+                // the order they first did.
+                let mut want: Vec<Token> = Vec::new();
+                for e in l - 1..n - 1 {
+                    if occurs_ending_at(&text, suffix, e) && !want.contains(&text[e + 1]) {
+                        want.push(text[e + 1]);
+                    }
+                }
+                let mut got: Vec<Token> = Vec::new();
+                for m in &alts {
+                    assert_eq!(m.len, l);
+                    assert!(occurs_ending_at(&text, suffix, m.end), "a real occurrence");
+                    got.push(sam.continuation(*m, 1)[0]);
+                }
+                got.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(got, want, "alphabet {alphabet}, text {text:?}");
+                // `except` and `max` leave tokens out.
+                let first = want[0];
+                let fewer = sam.alternatives(1, usize::MAX, &[first]);
+                assert_eq!(fewer.len(), want.len() - 1);
+                assert!(fewer.iter().all(|m| sam.continuation(*m, 1)[0] != first));
+                assert_eq!(sam.alternatives(1, 1, &[]).len(), 1);
+                assert!(sam.alternatives(l + 1, 8, &[]).is_empty());
             }
         }
     }
