@@ -83,11 +83,12 @@ pub const LEAP_CONFIGS: &[&str] = &[
 /// technique at a time, so a bench run shows each one's contribution:
 /// `sam` (retrieval from the request only, Lever trees of one leaf), `sam-fixed` (the same
 /// drafting the longest continuation every step), `history` (+ earlier requests and answers),
-/// `reuse` (+ draft reuse), `calib` (+ in-context calibration = `leap`), `tree` (+ up to 4
-/// leaves per step); `eager` is `leap` with llama.cpp computing logits for every verified row
-/// instead of on-demand output projection, `ondemand` the on-demand projection alone (`leap`
-/// without the sidecar's early-exit head); `ggml` is `leap` with verification's matrix
-/// products on ggml's CPU kernels instead of Leap's device.
+/// `reuse` (+ draft reuse), `calib` (+ in-context calibration: `leap`'s trees where it builds
+/// them), `tree` (+ up to 4 leaves per step, and the sidecar's early-exit head); `eager`,
+/// `ondemand` and `exit-measure` verify `tree`'s trees with llama.cpp computing logits for
+/// every verified row, with on-demand output projection alone, and with the head deciding
+/// without pruning; `ggml` is `calib` with verification's matrix products on ggml's CPU
+/// kernels instead of Leap's device.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     // Only `leap` itself (and `leap:tree`, which is `leap` with wider trees) prunes with an
     // early-exit head when the sidecar has one: every other named configuration shows its
@@ -130,17 +131,24 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
             max_branches: 4,
             ..base
         },
+        // Issue 7's modes verify Lever's trees (up to 4 leaves, as `leap:tree`), which is
+        // where skipping rows pays: `eager` with llama.cpp computing every verified row's
+        // logits, `ondemand` projecting only the rows acceptance reads (no early-exit head),
+        // `exit-measure` with the sidecar's head deciding on every tree without pruning (what
+        // it would keep, and how many accepted tokens that would have kept, on the same
+        // trees). `leap:tree` is the three together.
         Some("eager") => EngineConfig {
             on_demand: false,
+            max_branches: 4,
             ..base
         },
-        // Issue 7's pair: on-demand output projection only (`leap` without the early-exit
-        // head).
-        Some("ondemand") => base,
-        // `leap`'s early-exit head deciding on every tree without pruning: what it would
-        // keep, and how many accepted tokens that would have kept, on the same trees.
+        Some("ondemand") => EngineConfig {
+            max_branches: 4,
+            ..base
+        },
         Some("exit-measure") => EngineConfig {
             exit: true,
+            max_branches: 4,
             prune: leap_spec::exit::PruneConfig {
                 measure_only: true,
                 ..base.prune.clone()
