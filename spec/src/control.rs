@@ -146,6 +146,31 @@ impl Controller {
         self.accepted[s][b] / (self.accepted[s][b] + self.rejected[s][b])
     }
 
+    /// A one-line account of the estimates (for debug logs): costs of 2-5 rows,
+    /// reliability, steps since a draft, and request retrieval's acceptance per bucket.
+    pub fn summary(&self) -> String {
+        let acc: Vec<String> = (0..BUCKETS)
+            .map(|b| {
+                let s = Source::Request as usize;
+                let (a, r) = (self.accepted[s][b], self.rejected[s][b]);
+                format!("{:.2}/{:.0}", a / (a + r), a + r)
+            })
+            .collect();
+        format!(
+            "cost(2..5) {:.2} {:.2} {:.2} {:.2}, beta {:.2}, t1 {:.1} ms, reliability {:.2}, \
+             idle {}, request acceptance by match length {}",
+            self.cost(2),
+            self.cost(3),
+            self.cost(4),
+            self.cost(5),
+            self.beta(),
+            self.t1 * 1e3,
+            self.reliability,
+            self.idle,
+            acc.join(" ")
+        )
+    }
+
     /// Estimated cost slope.
     pub fn beta(&self) -> f64 {
         (self.sxy / self.sxx).max(0.01)
@@ -246,9 +271,9 @@ impl Controller {
 
     /// Whether the next tree should be verified whatever the estimates say: after
     /// [`EXPLORE_AFTER`] steps without a draft. Estimates only change on drafted calls, so
-    /// without this a few slow multi-row calls (a new batch shape's first call allocates its
-    /// graph; the machine has a slow spell) or an unlucky run of rejections would stop
-    /// drafting for good: this costs one multi-row call in that many steps.
+    /// without this a few slow multi-row calls (the machine has a slow spell) or an unlucky
+    /// run of rejections would stop drafting for good: this costs one multi-row call in that
+    /// many steps.
     pub fn exploring(&self) -> bool {
         self.idle >= EXPLORE_AFTER
     }
@@ -258,13 +283,12 @@ impl Controller {
         // Multi-row calls are kept relative to the 1-row time of their moment: a row count
         // seen while the machine ran slow, and not since, does not look dear for good once
         // it runs fast again (and 1-row calls keep coming).
-        // A row count's first call is left out: it can pay one-off costs (the first graph
-        // of that batch shape).
-        let first = rows < PROFILE_ROWS && !std::mem::replace(&mut self.seen[rows], true);
-        if let (Some(r), true) = (
-            self.profile.get_mut(rows),
-            rows > 1 && self.t1 > 0.0 && !first,
-        ) {
+        // A row count's first call is left out (of the profile and the slope): it can pay
+        // one-off costs.
+        if rows > 1 && rows < PROFILE_ROWS && !std::mem::replace(&mut self.seen[rows], true) {
+            return;
+        }
+        if let (Some(r), true) = (self.profile.get_mut(rows), rows > 1 && self.t1 > 0.0) {
             let ratio = seconds / self.t1;
             *r = if *r == 0.0 {
                 ratio

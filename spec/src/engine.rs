@@ -523,6 +523,7 @@ impl Engine {
                 }
                 _ => ctx.decode(&batch)?,
             }
+            let t_dec = tc.elapsed().as_secs_f64();
             // What acceptance walks: the tree, or what an early exit kept of it (`map`: each
             // node's id in `tree`, which is also its row). Measuring only, the whole tree.
             let measure_only = self.cfg.prune.measure_only;
@@ -627,6 +628,13 @@ impl Engine {
             };
             g.output_rows += singles.get();
             let verify = tc.elapsed().as_secs_f64();
+            log::trace!(
+                "call rows {} decode {:.2} ms verify {:.2} ms accepted {}",
+                tree.len(),
+                t_dec * 1e3,
+                verify * 1e3,
+                tree.nodes()[acc.node].depth
+            );
             g.verify_seconds += verify;
             // The profile holds calls of full rows: a pruned call counts as fewer.
             let full = self.control.full_rows(tree.len(), vt.len());
@@ -635,6 +643,9 @@ impl Engine {
                 self.control.record_kept(tree.len(), vt.len());
             }
             g.target_calls += 1;
+            if g.target_calls % 32 == 0 {
+                log::debug!("controller: {}", self.control.summary());
+            }
             g.verify_rows += tree.len() as u64;
             let would_keep = match (&kept, measure_only) {
                 (Some(k), true) => k.iter().filter(|&&x| x).count(),

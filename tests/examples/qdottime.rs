@@ -1,4 +1,5 @@
-//! Diagnostic: one thread, 262144 x 640 weights against 1, 2 and 4 activation rows, per kernel.
+//! Diagnostic: one thread, 65536 x 640 weights against 1, 2 and 4 activation rows, per kernel
+//! (the 512-bit one, the 256-bit VNNI one, AVX2) for each non-k-quant type.
 use leap_host::qdot::{Kernel, Kind};
 fn main() {
     let (n, rows_w) = (640usize, 65536usize);
