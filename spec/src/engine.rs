@@ -483,11 +483,12 @@ impl Engine {
             let mut kept: Option<Vec<bool>> = None;
             let mut pruning = false;
             match &mut self.on_demand {
-                // A streamed output projection (flash) is read from storage by every pass, so
-                // then even a lone row goes through Leap's chunked projection.
+                // A lone row too, once the projection is checked: Leap's pass is faster than
+                // llama.cpp's (Gemma 3: 4.5 against ~6 ms, `tests/examples/projtime.rs`), and
+                // a streamed one (flash) is read from storage by every pass anyway.
                 Some((od, checked))
                     if self.cfg.on_demand
-                        && (tree.len() > 1 || od.streamed())
+                        && (tree.len() > 1 || od.streamed() || *checked == Some(true))
                         && *checked != Some(false) =>
                 {
                     if checked.is_none() {
