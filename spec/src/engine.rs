@@ -644,7 +644,7 @@ impl Engine {
                 self.control.record_kept(tree.len(), vt.len());
             }
             g.target_calls += 1;
-            if g.target_calls % 32 == 0 {
+            if g.target_calls.is_multiple_of(32) {
                 log::debug!("controller: {}", self.control.summary());
             }
             g.verify_rows += tree.len() as u64;
