@@ -885,11 +885,13 @@ impl Projection {
         assert_eq!(hs.len(), outs.len());
         let acts: Vec<Vec<u8>> = hs.iter().map(|h| self.quantize(h)).collect();
         let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
+        // Every entry of `vocab` is written below: a buffer already vocabulary-sized (the
+        // callers reuse theirs) is not zeroed again, a megabyte a row on Gemma 3.
         for o in outs.iter_mut() {
-            if vocab.len() == self.n_vocab {
+            if o.len() != self.n_vocab {
                 o.clear();
+                o.resize(self.n_vocab, 0.0);
             }
-            o.resize(self.n_vocab, 0.0);
         }
         let first = vocab.start;
         let len = vocab.len();
