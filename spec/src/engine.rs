@@ -90,6 +90,10 @@ impl EngineConfig {
         Self {
             max_rows: self.max_rows.max(33),
             max_draft: self.max_draft.max(24),
+            // Self-drafting's retrieval chains were measured with resident weights only.
+            vocab: self
+                .vocab
+                .map(|v| crate::vocab::VocabConfig { min_match: 0, ..v }),
             ..self
         }
     }

@@ -392,6 +392,11 @@ fn self_drafting_over_a_resident_vocabulary_is_plain_greedy() {
         for vc in [
             VocabConfig {
                 resident: leap_spec::vocab::Resident::Always,
+                min_match: 0,
+                ..Default::default()
+            },
+            VocabConfig {
+                resident: leap_spec::vocab::Resident::Always,
                 ..Default::default()
             },
             VocabConfig {
