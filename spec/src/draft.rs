@@ -80,30 +80,27 @@ impl Drafter for ContextDrafter {
     }
 
     fn propose(&mut self, budget: usize, max: usize, out: &mut Vec<Proposal>) {
-        let from = out.len();
-        for m in self.sam.repeats(self.min_match, max) {
-            let tokens = continuation(&self.sam, m, budget);
+        let sam = &self.sam;
+        let push = |m: crate::sam::Match, source: Source, out: &mut Vec<Proposal>| {
+            let tokens = continuation(sam, m, budget);
             if !tokens.is_empty() {
                 out.push(Proposal {
                     tokens,
                     match_len: m.len,
-                    source: Source::Request,
+                    source,
                 });
             }
+        };
+        let from = out.len();
+        for m in sam.repeats(self.min_match, max) {
+            push(m, Source::Request, out);
         }
         // With room for branches: the other tokens that followed the longest match, each
         // with its own continuation (the tree builder weighs them by what siblings earned).
         if max > 1 {
             let firsts: Vec<Token> = out[from..].iter().map(|p| p.tokens[0]).collect();
-            for m in self.sam.alternatives(self.min_match, max - 1, &firsts) {
-                let tokens = continuation(&self.sam, m, budget);
-                if !tokens.is_empty() {
-                    out.push(Proposal {
-                        tokens,
-                        match_len: m.len,
-                        source: Source::Sibling,
-                    });
-                }
+            for m in sam.alternatives(self.min_match, max - 1, &firsts) {
+                push(m, Source::Sibling, out);
             }
         }
     }

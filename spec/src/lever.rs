@@ -140,8 +140,10 @@ pub fn build(
         frontier.extend(trie[n].children.iter().copied());
     }
     // The prefix of that order with the best gain per cost; the empty prefix is a plain step
-    // (rate 1 / cost(1) = 1), and a tree must beat it by 2%.
+    // (rate 1 / cost(1) = 1), and a tree must beat it by 2%. Exploring (see
+    // `Controller::exploring`): the best non-empty prefix, even if it does not.
     let (mut best_len, mut best_rate) = (0usize, 1.0f64);
+    let (mut any_len, mut any_rate) = (0usize, 0.0f64);
     let mut gain = 1.0;
     for (k, &n) in order.iter().enumerate() {
         gain += trie[n].reach;
@@ -150,20 +152,13 @@ pub fn build(
             best_rate = rate;
             best_len = k + 1;
         }
-    }
-    // Exploring (see `Controller::exploring`): the best non-empty prefix, even if it does
-    // not beat a plain step.
-    if best_len == 0 && control.exploring() {
-        let mut gain = 1.0;
-        let mut rate = 0.0;
-        for (k, &n) in order.iter().enumerate() {
-            gain += trie[n].reach;
-            let r = gain / control.tree_cost(k + 2);
-            if r > rate {
-                rate = r;
-                best_len = k + 1;
-            }
+        if rate > any_rate {
+            any_rate = rate;
+            any_len = k + 1;
         }
+    }
+    if best_len == 0 && control.exploring() {
+        best_len = any_len;
     }
     // Insert depth-first, most likely child first: every node after its parent, and the
     // first chain inserted (the tree's trunk, see `TokenTree::trunk_end`) is the most likely
