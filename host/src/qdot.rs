@@ -164,6 +164,20 @@ impl Kernel {
         Self { zmm: false, ..self }
     }
 
+    /// The same kernel on AVX-512 registers where this CPU has them, also for `Q8_0`, which
+    /// [`Kernel::new`] keeps off them: for comparing them.
+    pub fn with_zmm(self) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let zmm = self.vnni
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw");
+            Self { zmm, ..self }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        self
+    }
+
     /// The weight type.
     pub fn kind(&self) -> Kind {
         self.kind
@@ -809,7 +823,8 @@ pub fn checked(kind: Kind) -> Option<Kernel> {
 mod tests {
     use super::{agrees_with_ggml, Kernel, Kind};
 
-    /// Every kernel (with and without VNNI) matches ggml's single-row `vec_dot` bit for bit.
+    /// Every kernel (with and without VNNI, on 512-bit registers or not) matches ggml's
+    /// single-row `vec_dot` bit for bit.
     #[test]
     fn kernels_match_ggml_vec_dot() {
         for kind in [Kind::Q8_0, Kind::Q5_0, Kind::Q4_1, Kind::Q4K, Kind::Q6K] {
@@ -817,7 +832,12 @@ mod tests {
                 eprintln!("no {kind:?} kernel on this CPU");
                 continue;
             };
-            for k in [fast, fast.without_zmm(), fast.without_vnni()] {
+            for k in [
+                fast,
+                fast.with_zmm(),
+                fast.without_zmm(),
+                fast.without_vnni(),
+            ] {
                 assert!(agrees_with_ggml(&k), "{k:?}");
             }
         }

@@ -1,14 +1,11 @@
-//! Diagnostic: Leap's projection pass right after a decode, by rows.
-use leap_host::{Batch, ContextParams, Model, ModelParams};
-use leap_tests::{model_path, threads};
+//! Diagnostic: Leap's projection pass right after a decode, by rows. Leap's ggml device is
+//! not registered here, so the decodes (the "hidden" and "full call" columns) run on
+//! llama.cpp's own kernels.
+use leap_host::{Batch, Model, ModelParams};
+use leap_tests::{model_path, params};
 fn main() {
     let m = Model::load(&model_path("gemma3-270m"), &ModelParams::default()).unwrap();
-    let p = ContextParams {
-        n_ctx: 2048,
-        n_threads: threads(),
-        n_threads_batch: threads(),
-        ..Default::default()
-    };
+    let p = params(2048, 1);
     let toks = m
         .tokenize(
             &std::fs::read_to_string("/work/shared/workloads/dev-longtext.txt").unwrap(),
