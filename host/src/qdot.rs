@@ -96,7 +96,8 @@ pub struct Kernel {
     kind: Kind,
     /// AVX-512 VNNI (`vpdpbusd`): the same integer lane sums in one instruction.
     vnni: bool,
-    /// AVX-512 registers holding two weight rows' lanes each (with VNNI).
+    /// AVX-512 registers holding two weight rows' lanes each (with VNNI); for the k-quants,
+    /// their 256-bit code with AVX-512VL's 32 registers.
     zmm: bool,
 }
 
@@ -253,8 +254,12 @@ impl Kernel {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `new` checked the CPU features; lengths checked above and in `prepare`.
         unsafe {
-            if self.kind == Kind::Q4K {
+            if self.kind == Kind::Q4K && self.zmm {
+                kquant::q4k_wide(&acts.rows, acts.nb, w, out)
+            } else if self.kind == Kind::Q4K {
                 kquant::q4k(&acts.rows, acts.nb, w, out)
+            } else if self.kind == Kind::Q6K && self.zmm {
+                kquant::q6k_wide(&acts.rows, acts.nb, w, out)
             } else if self.kind == Kind::Q6K {
                 kquant::q6k(&acts.rows, acts.nb, w, out)
             } else if self.zmm {
