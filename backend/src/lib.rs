@@ -6,7 +6,10 @@
 //! weight-stationary kernels ([`leap_host::qdot`]): each weight block is unpacked once for all
 //! rows instead of once per row, and every row's result is bit-identical to what ggml's CPU
 //! backend computes for that row alone, so speculative output stays token-identical to plain
-//! decoding. Everything else (single rows, other types and ops) stays on ggml's CPU backend.
+//! decoding. It also claims attention's two f16 products over the KV cache (without flash
+//! attention) for calls of up to 64 rows ([`kqmm`]): each cache row converted once for every
+//! head and row that reads it, with ggml's `vec_dot_f16` arithmetic. Everything else (single-row
+//! weight products, other types and ops) stays on ggml's CPU backend.
 //!
 //! How it plugs in, with an unmodified llama.cpp: [`register`] adds the device to ggml's
 //! registry; every llama.cpp context created afterwards initialises an `ACCEL` backend for it
@@ -31,6 +34,7 @@ pub mod attn_bench;
 mod est;
 pub mod f16;
 pub mod ffi;
+pub mod kqmm;
 mod matmul;
 #[cfg(feature = "opencl")]
 pub mod opencl;
@@ -362,7 +366,7 @@ unsafe extern "C" fn dev_supports_op(
     // Read only for attention nodes (the settings are cloned under a lock).
     let on_opencl = || attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
     guard("supports_op", false, || match (kind(dev), op.op) {
-        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op),
+        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm::supports(op),
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
         // Attention goes to the device its estimate runs on.
         (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && attn::supports_fa(op),
@@ -396,6 +400,7 @@ unsafe extern "C" fn backend_graph_compute(
                 | g::GGML_OP_PERMUTE
                 | g::GGML_OP_TRANSPOSE => continue,
                 g::GGML_OP_MUL_MAT if matmul::supports(node) => matmul::compute(node, threads),
+                g::GGML_OP_MUL_MAT if kqmm::supports(node) => kqmm::compute(node, threads),
                 // Taken when the schedule was made (a reused graph keeps its schedule even if
                 // sparse attention was turned off since: computed with the defaults then).
                 g::GGML_OP_FLASH_ATTN_EXT => attn::flash_attn(node, threads),

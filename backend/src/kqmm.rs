@@ -1,0 +1,300 @@
+//! Attention's two matrix products over ggml's f16 KV cache without flash attention
+//! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`), for small batches: each cache row is converted
+//! from f16 once and multiplied with every query row of every head that shares it (grouped-query
+//! attention: Gemma 3 270M has 4 query heads on 1 KV head), where ggml's CPU backend converts
+//! and loads it again for each (head, row) pair. At context 1000 these products took a quarter
+//! of a Gemma call's time before its output projection (`perf` on
+//! `tests/examples/hiddentime.rs`); they read the whole cache, so they are bound by memory as
+//! much as by arithmetic: Leap's take 15% less time than ggml's on 2 rows (perf samples), and
+//! the call's median 8.7 ms against 9.5 ms (1 row: 5.8 against 5.9 ms).
+//!
+//! Each output is bit-identical to ggml's `ggml_vec_dot_f16` on an AVX2/F16C build for that
+//! pair alone: the query row is rounded to f16 (ggml converts `src1` to its `vec_dot_type`),
+//! products are accumulated with fused multiply-adds in four 8-lane sums over steps of 32,
+//! reduced as `GGML_F32x8_REDUCE` does, and the leftovers added in `f64`.
+
+use std::arch::x86_64::*;
+
+use crate::ffi as g;
+use crate::par::{parallel, Ptr};
+
+/// Most rows of a batch taken (decoding and verification; prefill stays with ggml). One row
+/// too: its 4 heads share the cache rows.
+const MAX_ROWS: i64 = 64;
+
+/// Whether the device computes `op`: an f16 x f32 `MUL_MAT` with contiguous rows, `src0`
+/// broadcast over `src1`'s third dimension, of 1 to [`MAX_ROWS`] rows, on a CPU with
+/// AVX2/FMA/F16C where the kernels passed [`agrees_with_ggml`].
+pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
+    if op.op != g::GGML_OP_MUL_MAT || op.type_ != g::GGML_TYPE_F32 || !checked() {
+        return false;
+    }
+    let (s0, s1) = (op.src[0], op.src[1]);
+    if s0.is_null() || s1.is_null() {
+        return false;
+    }
+    // SAFETY: ggml's sources of a node are valid tensors.
+    let (s0, s1) = unsafe { (&*s0, &*s1) };
+    s0.type_ == g::GGML_TYPE_F16
+        && s1.type_ == g::GGML_TYPE_F32
+        && s0.ne[0] == s1.ne[0]
+        && s0.ne[3] == 1
+        && s1.ne[3] == 1
+        && s0.ne[2] >= 1
+        && s1.ne[2] % s0.ne[2] == 0
+        && (1..=MAX_ROWS).contains(&s1.ne[1])
+        && s0.nb[0] == 2
+        && s1.nb[0] == 4
+        && op.nb[0] == 4
+}
+
+/// The CPU runs the kernels and they passed [`agrees_with_ggml`] (checked once per process).
+fn checked() -> bool {
+    use std::sync::OnceLock;
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        let ok = agrees_with_ggml();
+        if cpu_ok() && !ok {
+            log::warn!("Leap's f16 attention products do not reproduce ggml's vec_dot_f16 here; not using them");
+        }
+        ok
+    })
+}
+
+fn cpu_ok() -> bool {
+    use std::sync::OnceLock;
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    })
+}
+
+fn wide() -> bool {
+    use std::sync::OnceLock;
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    *WIDE.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    })
+}
+
+/// Compute `node` (which [`supports`] accepted) with `threads` threads.
+///
+/// # Safety
+/// `node` is a valid, allocated MUL_MAT node whose sources hold their data.
+pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
+    let (s0, s1) = (&*node.src[0], &*node.src[1]);
+    let n = s0.ne[0] as usize;
+    let (ne01, ne02) = (s0.ne[1] as usize, s0.ne[2] as usize);
+    let (ne11, ne12) = (s1.ne[1] as usize, s1.ne[2] as usize);
+    let r2 = ne12 / ne02;
+    // Query rows rounded through f16 as ggml's conversion does, one contiguous f32 row each,
+    // ordered (i12, i11): those sharing `src0` matrix i02 are consecutive.
+    let mut q = vec![0f32; ne12 * ne11 * n];
+    for i12 in 0..ne12 {
+        for i11 in 0..ne11 {
+            let src = (s1.data as *const u8)
+                .add(i12 * s1.nb[2] + i11 * s1.nb[1])
+                .cast::<f32>();
+            let dst = &mut q[(i12 * ne11 + i11) * n..][..n];
+            round_f16(std::slice::from_raw_parts(src, n), dst);
+        }
+    }
+    let per = r2 * ne11;
+    // Tasks: blocks of `src0` rows of one matrix.
+    const BLOCK: usize = 16;
+    let blocks = ne01.div_ceil(BLOCK);
+    let tasks = ne02 * blocks;
+    let (dst, dst_nb1, dst_nb2) = (Ptr(node.data.cast()), node.nb[1], node.nb[2]);
+    let wide = wide();
+    let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
+    let work = |task: usize, sums: &mut Vec<f32>| {
+        let (i02, b) = (task / blocks, task % blocks);
+        let qs = &q[i02 * per * n..(i02 + 1) * per * n];
+        sums.resize(per, 0.0);
+        for i01 in b * BLOCK..((b + 1) * BLOCK).min(ne01) {
+            let x = x0.at(i02 * nb02 + i01 * nb01).cast::<u16>();
+            let x = std::slice::from_raw_parts(x, n);
+            if wide {
+                dots_wide(x, qs, n, sums);
+            } else {
+                dots(x, qs, n, sums);
+            }
+            for (k, &s) in sums.iter().enumerate() {
+                let (i12, i11) = (i02 * r2 + k / ne11, k % ne11);
+                // SAFETY: element (i01, i11, i12) of dst; tasks write disjoint elements.
+                *dst.at(i12 * dst_nb2 + i11 * dst_nb1 + i01 * 4)
+                    .cast::<f32>() = s;
+            }
+        }
+    };
+    parallel(threads.min(tasks), &|tid, nth| {
+        let mut sums = Vec::new();
+        let mut t = tid;
+        while t < tasks {
+            work(t, &mut sums);
+            t += nth;
+        }
+    });
+}
+
+/// `out` = `x` rounded to f16 (nearest even, F16C's `vcvtps2ph` as ggml uses) and back.
+unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn go(x: &[f32], out: &mut [f32]) {
+        let n8 = x.len() / 8 * 8;
+        for i in (0..n8).step_by(8) {
+            let h =
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(x.as_ptr().add(i)));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        for i in n8..x.len() {
+            let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x[i]));
+            out[i] = _mm_cvtss_f32(_mm_cvtph_ps(h));
+        }
+    }
+    go(x, out)
+}
+
+/// The kernels' entry point for one set of CPU features.
+macro_rules! entry {
+    ($features:literal, $name:ident, $group:literal) => {
+        /// `sums[k]` = f16 row `x` · query row k of `qs` (rows of `n`), ggml's way.
+        #[target_feature(enable = $features)]
+        unsafe fn $name(x: &[u16], qs: &[f32], n: usize, sums: &mut [f32]) {
+            let m = sums.len();
+            let mut k = 0;
+            while k < m {
+                match m - k {
+                    1 => group::<1>(x, qs, n, k, sums),
+                    2 => group::<2>(x, qs, n, k, sums),
+                    3 if $group >= 4 => group::<3>(x, qs, n, k, sums),
+                    _ => group::<$group>(x, qs, n, k, sums),
+                }
+                k += $group.min(m - k);
+            }
+        }
+    };
+}
+
+entry!("avx2,fma,f16c", dots, 2);
+// With AVX-512VL's 32 registers, four query rows' 16 accumulators fit beside the row.
+entry!("avx2,fma,f16c,avx512f,avx512vl", dots_wide, 4);
+
+/// Query rows `k0..k0 + G` of `qs` against `x` into `sums`.
+#[inline(always)]
+unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums: &mut [f32]) {
+    let np = n / 32 * 32;
+    let xp = x.as_ptr();
+    let ys: [*const f32; G] = std::array::from_fn(|g| qs.as_ptr().add((k0 + g) * n));
+    let mut acc = [[_mm256_setzero_ps(); 4]; G];
+    let mut i = 0;
+    while i < np {
+        let ax: [__m256; 4] =
+            std::array::from_fn(|j| _mm256_cvtph_ps(_mm_loadu_si128(xp.add(i + 8 * j).cast())));
+        for g in 0..G {
+            for j in 0..4 {
+                let ay = _mm256_loadu_ps(ys[g].add(i + 8 * j));
+                acc[g][j] = _mm256_fmadd_ps(ax[j], ay, acc[g][j]);
+            }
+        }
+        i += 32;
+    }
+    for g in 0..G {
+        let [a0, a1, a2, a3] = acc[g];
+        let x0 = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+        let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
+        let t1 = _mm_hadd_ps(t0, t0);
+        let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64;
+        for i in np..n {
+            let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(x[i]))));
+            s += (xv * *ys[g].add(i)) as f64;
+        }
+        sums[k0 + g] = s as f32;
+    }
+}
+
+/// Whether [`compute`]'s arithmetic reproduces ggml's own `vec_dot_f16` (with ggml's f32 to
+/// f16 conversion of the query) bit for bit, on pseudo-random rows of several lengths and
+/// magnitudes, in groups of every size both kernels use.
+pub fn agrees_with_ggml() -> bool {
+    if !cpu_ok() {
+        return false;
+    }
+    // SAFETY: static traits table; idempotent init.
+    let tr = unsafe {
+        g::ggml_cpu_init();
+        &*g::ggml_get_type_traits_cpu(g::GGML_TYPE_F16)
+    };
+    let (Some(vec_dot), Some(from)) = (tr.vec_dot, tr.from_float) else {
+        return false;
+    };
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rnd = |scale: f32| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+    };
+    for n in [256usize, 1000, 1024, 1057] {
+        let x: Vec<u16> = (0..n)
+            .map(|i| crate::f16::from_f32(rnd(1.0 + (i % 7) as f32)))
+            .collect();
+        let raw: Vec<f32> = (0..7 * n)
+            .map(|i| rnd(if i % 5 == 0 { 30.0 } else { 0.3 }))
+            .collect();
+        let mut qs = vec![0f32; raw.len()];
+        // SAFETY: plain slices of equal length.
+        unsafe { round_f16(&raw, &mut qs) };
+        for m in 1..=7 {
+            let (mut a, mut b) = (vec![0f32; m], vec![0f32; m]);
+            // SAFETY: the CPU features were checked (`wide` for the second).
+            unsafe {
+                dots(&x, &qs[..m * n], n, &mut a);
+                if wide() {
+                    dots_wide(&x, &qs[..m * n], n, &mut b);
+                } else {
+                    b.copy_from_slice(&a);
+                }
+            }
+            for k in 0..m {
+                let mut h = vec![0u16; n];
+                let mut want = 0f32;
+                // SAFETY: rows of n elements; nrc = 1 as ggml's mul_mat calls it.
+                unsafe {
+                    from(raw[k * n..].as_ptr(), h.as_mut_ptr().cast(), n as i64);
+                    vec_dot(
+                        n as i32,
+                        &mut want,
+                        0,
+                        x.as_ptr() as *mut _,
+                        0,
+                        h.as_mut_ptr().cast(),
+                        0,
+                        1,
+                    );
+                }
+                if want.to_bits() != a[k].to_bits() || want.to_bits() != b[k].to_bits() {
+                    return false;
+                }
+            }
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    /// Both kernels (256-bit, and 32 registers where the CPU has AVX-512VL) give ggml's
+    /// `vec_dot_f16` bit for bit, in every group size and with leftovers past the last 32.
+    #[test]
+    fn products_match_ggml_vec_dot_f16() {
+        if !super::cpu_ok() {
+            eprintln!("no AVX2/FMA/F16C here");
+            return;
+        }
+        assert!(super::agrees_with_ggml());
+    }
+}

@@ -1,0 +1,52 @@
+//! Diagnostic: the mean time of a Gemma 3 270M call cut before its output projection (what
+//! Leap's on-demand projection leaves to llama.cpp), on 1000 tokens of context.
+//!
+//! `hiddentime ROWS REPS [leap|ggml] [MODEL]`: Leap's ggml device registered (`leap`, the
+//! default) or not (`ggml`). Run it under `perf record` to see where a call's time goes.
+use leap_host::{Batch, Model, ModelParams};
+use leap_tests::{model_path, params};
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    if a.len() < 3 {
+        eprintln!("usage: hiddentime ROWS REPS [leap|ggml] [MODEL]");
+        std::process::exit(2);
+    }
+    let rows: usize = a[1].parse().expect("ROWS: a number");
+    let reps: usize = a[2].parse().expect("REPS: a number");
+    assert!((1..=8).contains(&rows), "ROWS: 1 to 8");
+    let model = a.get(4).cloned().unwrap_or("gemma3-270m".into());
+    if a.get(3).map(|s| s.as_str()) != Some("ggml") {
+        leap_backend::register();
+        leap_backend::set_enabled(true);
+    }
+    let m = Model::load(&model_path(&model), &ModelParams::default()).unwrap();
+    let p = params(2048, 4);
+    let toks = m
+        .tokenize(
+            &std::fs::read_to_string("/work/shared/workloads/dev-longtext.txt").unwrap(),
+            true,
+            false,
+        )
+        .unwrap();
+    let (mut c, od) = leap_host::project::OnDemand::context(&m, &p).unwrap();
+    let od = od.unwrap();
+    leap_spec::plain::prefill(&mut c, &toks[..1000], 256).unwrap();
+    let mut bt = Batch::new(8, 1);
+    let t = std::time::Instant::now();
+    for i in 0..reps {
+        bt.clear();
+        for r in 0..rows {
+            bt.add(toks[1000 + (i % 50) + r], (1000 + r) as i32, &[0], true)
+                .unwrap();
+        }
+        od.arm(true);
+        c.decode(&bt).unwrap();
+        od.disarm();
+        let _ = od.take_hidden().unwrap();
+        c.seq_rm(0, 1000, -1);
+    }
+    println!(
+        "rows {rows}: hidden {:.3} ms",
+        t.elapsed().as_secs_f64() * 1e3 / reps as f64
+    );
+}
