@@ -2,11 +2,19 @@
 //! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`), for small batches: each cache row is converted
 //! from f16 once and multiplied with every query row of every head that shares it (grouped-query
 //! attention: Gemma 3 270M has 4 query heads on 1 KV head), where ggml's CPU backend converts
-//! and loads it again for each (head, row) pair. At context 1000 these products took a quarter
-//! of a Gemma call's time before its output projection (`perf` on
-//! `tests/examples/hiddentime.rs`); they read the whole cache, so they are bound by memory as
-//! much as by arithmetic: Leap's take 15% less time than ggml's on 2 rows (perf samples), and
-//! the call's median 8.7 ms against 9.5 ms (1 row: 5.8 against 5.9 ms).
+//! and loads it again for each (head, row) pair. On a warm cache that is 20% (Gemma) to 2x
+//! (SmolLM2) faster than ggml (`tests/examples/attntime.rs`); in a real call the cache comes
+//! mostly from memory, so the rows are prefetched ahead. Medians of 5 alternated runs of
+//! `tests/examples/hiddentime.rs` (context 1000, the call cut before the output projection):
+//!
+//! | model | rows | Leap's products | ggml's |
+//! |---|---|---|---|
+//! | Gemma 3 270M | 1 | 6.4 ms | 7.0 ms |
+//! | Gemma 3 270M | 2 | 8.5 ms | 9.5 ms |
+//! | Gemma 3 270M | 4 | 12.0 ms | 12.4 ms |
+//! | SmolLM2-135M | 1 | 7.8 ms | 7.8 ms |
+//! | SmolLM2-135M | 2 | 11.8 ms | 11.6 ms |
+//! | SmolLM2-135M | 4 | 16.1 ms | 16.5 ms |
 //!
 //! Each output is bit-identical to ggml's `ggml_vec_dot_f16` on an AVX2/F16C build for that
 //! pair alone: the query row is rounded to f16 (ggml converts `src1` to its `vec_dot_type`),
@@ -103,30 +111,31 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         }
     }
     let per = r2 * ne11;
-    // Tasks: blocks of `src0` rows of one matrix.
-    const BLOCK: usize = 16;
-    let blocks = ne01.div_ceil(BLOCK);
-    let tasks = ne02 * blocks;
+    // Tasks: blocks of `src0` rows, every matrix (KV head) of a block together: the heads of a
+    // cache row share its cache lines.
+    const BLOCK: usize = 64;
+    let tasks = ne01.div_ceil(BLOCK);
     let (dst, dst_nb1, dst_nb2) = (Ptr(node.data.cast()), node.nb[1], node.nb[2]);
     let wide = wide();
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
-    let work = |task: usize, sums: &mut Vec<f32>| {
-        let (i02, b) = (task / blocks, task % blocks);
-        let qs = &q[i02 * per * n..(i02 + 1) * per * n];
-        sums.resize(per, 0.0);
-        for i01 in b * BLOCK..((b + 1) * BLOCK).min(ne01) {
-            let x = x0.at(i02 * nb02 + i01 * nb01).cast::<u16>();
-            let x = std::slice::from_raw_parts(x, n);
+    let work = |b: usize, sums: &mut Vec<f32>| {
+        let (r0, r1) = (b * BLOCK, ((b + 1) * BLOCK).min(ne01));
+        sums.resize((r1 - r0) * per, 0.0);
+        for i02 in 0..ne02 {
+            let qs = &q[i02 * per * n..(i02 + 1) * per * n];
+            let x = x0.at(i02 * nb02 + r0 * nb01);
             if wide {
-                dots_wide(x, qs, n, sums);
+                dots_wide(x, nb01, r1 - r0, qs, n, sums);
             } else {
-                dots(x, qs, n, sums);
+                dots(x, nb01, r1 - r0, qs, n, sums);
             }
-            for (k, &s) in sums.iter().enumerate() {
-                let (i12, i11) = (i02 * r2 + k / ne11, k % ne11);
-                // SAFETY: element (i01, i11, i12) of dst; tasks write disjoint elements.
-                *dst.at(i12 * dst_nb2 + i11 * dst_nb1 + i01 * 4)
-                    .cast::<f32>() = s;
+            for (i01, row) in (r0..r1).zip(sums.chunks_exact(per)) {
+                for (k, &s) in row.iter().enumerate() {
+                    let (i12, i11) = (i02 * r2 + k / ne11, k % ne11);
+                    // SAFETY: element (i01, i11, i12) of dst; tasks write disjoint elements.
+                    *dst.at(i12 * dst_nb2 + i11 * dst_nb1 + i01 * 4)
+                        .cast::<f32>() = s;
+                }
             }
         }
     };
@@ -158,22 +167,48 @@ unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
     go(x, out)
 }
 
+/// How far ahead the kernels prefetch cache rows: the cache is read once per call, mostly from
+/// memory, and at context 1000 SmolLM2's products took 55 us a node without prefetching
+/// against 37-41 us with it (its 128-byte key rows are too short for the hardware's streams).
+const AHEAD_BYTES: usize = 2048;
+
 /// The kernels' entry point for one set of CPU features.
 macro_rules! entry {
     ($features:literal, $name:ident, $group:literal) => {
-        /// `sums[k]` = f16 row `x` · query row k of `qs` (rows of `n`), ggml's way.
+        /// `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row
+        /// k of `qs` (rows of `n`; `m = sums.len() / rows` of them), ggml's way.
+        ///
+        /// # Safety
+        /// The CPU has these features; `rows` rows of `n` f16 values at `x`.
         #[target_feature(enable = $features)]
-        unsafe fn $name(x: &[u16], qs: &[f32], n: usize, sums: &mut [f32]) {
-            let m = sums.len();
-            let mut k = 0;
-            while k < m {
-                match m - k {
-                    1 => group::<1>(x, qs, n, k, sums),
-                    2 => group::<2>(x, qs, n, k, sums),
-                    3 if $group >= 4 => group::<3>(x, qs, n, k, sums),
-                    _ => group::<$group>(x, qs, n, k, sums),
+        unsafe fn $name(
+            x: *const u8,
+            stride: usize,
+            rows: usize,
+            qs: &[f32],
+            n: usize,
+            sums: &mut [f32],
+        ) {
+            let m = sums.len() / rows;
+            let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
+            for (i, out) in sums.chunks_exact_mut(m).enumerate() {
+                if i + ahead < rows {
+                    let next = x.add((i + ahead) * stride);
+                    for l in (0..2 * n).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
+                    }
                 }
-                k += $group.min(m - k);
+                let x = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
+                let mut k = 0;
+                while k < m {
+                    match m - k {
+                        1 => group::<1>(x, qs, n, k, out),
+                        2 => group::<2>(x, qs, n, k, out),
+                        3 if $group >= 4 => group::<3>(x, qs, n, k, out),
+                        _ => group::<$group>(x, qs, n, k, out),
+                    }
+                    k += $group.min(m - k);
+                }
             }
         }
     };
@@ -208,8 +243,8 @@ unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums
         let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
         let t1 = _mm_hadd_ps(t0, t0);
         let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64;
-        for i in np..n {
-            let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(x[i]))));
+        for (i, &h) in x.iter().enumerate().take(n).skip(np) {
+            let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
             s += (xv * *ys[g].add(i)) as f64;
         }
         sums[k0 + g] = s as f32;
@@ -252,9 +287,9 @@ pub fn agrees_with_ggml() -> bool {
             let (mut a, mut b) = (vec![0f32; m], vec![0f32; m]);
             // SAFETY: the CPU features were checked (`wide` for the second).
             unsafe {
-                dots(&x, &qs[..m * n], n, &mut a);
+                dots(x.as_ptr().cast(), 0, 1, &qs[..m * n], n, &mut a);
                 if wide() {
-                    dots_wide(&x, &qs[..m * n], n, &mut b);
+                    dots_wide(x.as_ptr().cast(), 0, 1, &qs[..m * n], n, &mut b);
                 } else {
                     b.copy_from_slice(&a);
                 }
@@ -283,6 +318,55 @@ pub fn agrees_with_ggml() -> bool {
         }
     }
     true
+}
+
+/// Diagnostic (`tests/examples/attntime.rs`): seconds for `reps` passes of Leap's products and of
+/// ggml's `vec_dot_f16` over `rows` f16 rows of `n` (`stride` bytes apart) against `m` query rows.
+#[doc(hidden)]
+pub fn time_products(n: usize, rows: usize, stride: usize, m: usize, reps: usize) -> (f64, f64) {
+    // SAFETY: static traits table; idempotent init.
+    let tr = unsafe {
+        g::ggml_cpu_init();
+        &*g::ggml_get_type_traits_cpu(g::GGML_TYPE_F16)
+    };
+    let vec_dot = tr.vec_dot.expect("f16 vec_dot");
+    let x: Vec<u8> = (0..rows * stride).map(|i| (i % 7) as u8 * 9).collect();
+    let qs: Vec<f32> = (0..m * n).map(|i| (i % 13) as f32 * 0.01).collect();
+    let qh: Vec<u16> = qs.iter().map(|&v| crate::f16::from_f32(v)).collect();
+    let mut sums = vec![0f32; rows * m];
+    let t = std::time::Instant::now();
+    for _ in 0..reps {
+        // SAFETY: rows of n f16 inside x (stride >= 2n).
+        unsafe {
+            if wide() {
+                dots_wide(x.as_ptr(), stride, rows, &qs, n, &mut sums)
+            } else {
+                dots(x.as_ptr(), stride, rows, &qs, n, &mut sums)
+            }
+        }
+    }
+    let leap = t.elapsed().as_secs_f64();
+    let t = std::time::Instant::now();
+    for _ in 0..reps {
+        for r in 0..rows {
+            for k in 0..m {
+                // SAFETY: one row of n f16 each.
+                unsafe {
+                    vec_dot(
+                        n as i32,
+                        &mut sums[r * m + k],
+                        0,
+                        x.as_ptr().add(r * stride) as *mut _,
+                        0,
+                        qh.as_ptr().add(k * n) as *mut _,
+                        0,
+                        1,
+                    )
+                };
+            }
+        }
+    }
+    (leap, t.elapsed().as_secs_f64())
 }
 
 #[cfg(test)]

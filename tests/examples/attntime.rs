@@ -1,0 +1,22 @@
+//! Diagnostic: attention's f16 products on a warm cache, one thread: Leap's kernels
+//! (`leap_backend::kqmm`) against ggml's `vec_dot_f16` pair by pair, for Gemma 3 270M's and
+//! SmolLM2-135M's shapes at 1024 cache cells.
+fn main() {
+    for (name, n, rows, stride, m) in [
+        ("gemma kq 1 row", 256usize, 1024usize, 512usize, 4usize),
+        ("gemma kq 2 rows", 256, 1024, 512, 8),
+        ("gemma kqv 1 row", 1024, 256, 4096, 4),
+        ("gemma kqv 2 rows", 1024, 256, 4096, 8),
+        ("smollm kq 1 row", 64, 1024, 384, 3),
+        ("smollm kq 2 rows", 64, 1024, 384, 6),
+        ("smollm kqv 1 row", 1024, 64, 4096, 3),
+        ("smollm kqv 2 rows", 1024, 64, 4096, 6),
+    ] {
+        let (a, b) = leap_backend::kqmm::time_products(n, rows, stride, m, 200);
+        println!(
+            "{name}: leap {:.1} us, ggml {:.1} us per pass",
+            a * 5e3,
+            b * 5e3
+        );
+    }
+}
