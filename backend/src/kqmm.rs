@@ -113,13 +113,15 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     let per = r2 * ne11;
     // Tasks: blocks of `src0` rows, every matrix (KV head) of a block together: the heads of a
     // cache row share its cache lines.
-    const BLOCK: usize = 64;
-    let tasks = ne01.div_ceil(BLOCK);
+    // At least 4 per thread, so that no thread waits long for the others (SmolLM2's kqv has
+    // 64 rows a head), and at most 64 rows.
+    let block = ne01.div_ceil(4 * threads).clamp(4, 64);
+    let tasks = ne01.div_ceil(block);
     let (dst, dst_nb1, dst_nb2) = (Ptr(node.data.cast()), node.nb[1], node.nb[2]);
     let wide = wide();
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
     let work = |b: usize, sums: &mut Vec<f32>| {
-        let (r0, r1) = (b * BLOCK, ((b + 1) * BLOCK).min(ne01));
+        let (r0, r1) = (b * block, ((b + 1) * block).min(ne01));
         sums.resize((r1 - r0) * per, 0.0);
         for i02 in 0..ne02 {
             let qs = &q[i02 * per * n..(i02 + 1) * per * n];

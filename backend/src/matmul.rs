@@ -108,12 +108,13 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     let row_bytes = s0.nb[1];
     let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
     let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);
-    // Weight rows per task: the tile stays in cache for every chunk of batch rows.
-    const TILE: usize = 64;
-    let tasks = n_w.div_ceil(TILE);
+    // Weight rows per task: at most 64 (the tile stays in cache for every chunk of batch rows), and at least 4 tiles
+    // per thread: with 64, SmolLM2's 192-row K and V products made 3 tasks for 2 threads.
+    let tile = n_w.div_ceil(4 * threads.max(1)).clamp(4, 64);
+    let tasks = n_w.div_ceil(tile);
     let work = |task: usize, tmp: &mut Vec<f32>| {
-        let i0 = task * TILE;
-        let len = TILE.min(n_w - i0);
+        let i0 = task * tile;
+        let len = tile.min(n_w - i0);
         let tile = &weights[i0 * row_bytes..(i0 + len) * row_bytes];
         for (c, acts) in chunks.iter().enumerate() {
             let cm = acts.len();
@@ -129,7 +130,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         }
     };
     parallel(threads.min(tasks), &|tid, nth| {
-        let mut tmp = Vec::with_capacity(TILE * CHUNK);
+        let mut tmp = Vec::with_capacity(tile * CHUNK);
         let mut t = tid;
         while t < tasks {
             work(t, &mut tmp);
