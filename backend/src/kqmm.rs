@@ -143,10 +143,10 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     };
     parallel(threads.min(tasks), &|tid, nth| {
         let mut sums = Vec::new();
-        let mut t = tid;
-        while t < tasks {
+        // A contiguous run of tasks per thread: each streams through its part of the
+        // weights in address order, which the hardware prefetchers follow.
+        for t in tid * tasks / nth..(tid + 1) * tasks / nth {
             work(t, &mut sums);
-            t += nth;
         }
     });
 }

@@ -131,10 +131,10 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     };
     parallel(threads.min(tasks), &|tid, nth| {
         let mut tmp = Vec::with_capacity(tile * CHUNK);
-        let mut t = tid;
-        while t < tasks {
+        // A contiguous run of tasks per thread: each streams through its part of the
+        // weights in address order, which the hardware prefetchers follow.
+        for t in tid * tasks / nth..(tid + 1) * tasks / nth {
             work(t, &mut tmp);
-            t += nth;
         }
     });
 }
