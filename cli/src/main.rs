@@ -93,9 +93,10 @@ struct RuntimeArgs {
     /// to plain decoding (ggml's CPU flash attention rounds a batch otherwise than one row).
     #[arg(long, default_value = "off")]
     flash_attn: FlashAttn,
-    /// Who computes the small-batch quantized matrix products of speculative verification
-    /// and prefill (2 rows or more): `leap` (Leap's ggml device: each weight block unpacked once for all
-    /// rows, results bit-identical to ggml's) or `ggml` (llama.cpp's CPU backend alone).
+    /// Who computes the quantized matrix products (and attention's f16 ones) of decoding,
+    /// speculative verification and prefill: `leap` (Leap's ggml device: each weight block
+    /// unpacked once for all rows, results bit-identical to ggml's) or `ggml` (llama.cpp's CPU
+    /// backend alone).
     /// `leap bench` always runs the plain and llama:* modes on ggml's.
     #[arg(long, default_value = "leap", value_parser = ["leap", "ggml"])]
     kernels: String,
