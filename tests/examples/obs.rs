@@ -11,13 +11,7 @@ fn main() {
         n_threads_batch: threads(),
         ..Default::default()
     };
-    let toks = m
-        .tokenize(
-            &std::fs::read_to_string("/work/shared/workloads/dev-longtext.txt").unwrap(),
-            true,
-            false,
-        )
-        .unwrap();
+    let toks = leap_tests::longtext_tokens(&m);
     let mut a = Context::new(&m, &p).unwrap();
     let mut b = leap_host::project::OnDemand::context(&m, &p).unwrap().0;
     for c in [&mut a, &mut b] {

@@ -6,13 +6,7 @@ use leap_tests::{model_path, params};
 fn main() {
     let m = Model::load(&model_path("gemma3-270m"), &ModelParams::default()).unwrap();
     let p = params(2048, 1);
-    let toks = m
-        .tokenize(
-            &std::fs::read_to_string("/work/shared/workloads/dev-longtext.txt").unwrap(),
-            true,
-            false,
-        )
-        .unwrap();
+    let toks = leap_tests::longtext_tokens(&m);
     let (mut c, od) = leap_host::project::OnDemand::context(&m, &p).unwrap();
     let od = od.unwrap();
     leap_spec::plain::prefill(&mut c, &toks[..1000], 256).unwrap();

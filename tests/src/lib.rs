@@ -11,6 +11,17 @@ pub const GEMMA: &str = "gemma3-270m";
 /// SmolLM2-135M-Instruct Q4_1.
 pub const SMOLLM: &str = "smollm2-135m";
 
+/// `../shared/workloads/dev-longtext.txt` (a long real document) tokenized for `m`, for the
+/// diagnostics in `examples/`.
+pub fn longtext_tokens(m: &Model) -> Vec<leap_host::Token> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/workloads/dev-longtext.txt"
+    );
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    m.tokenize(&text, true, false).expect("tokenize")
+}
+
 /// Path of a fetched model.
 pub fn model_path(name: &str) -> PathBuf {
     leap_cli::models::resolve(name).unwrap_or_else(|e| panic!("{e:#}\n(run `make models` first)"))

@@ -137,12 +137,13 @@ unsafe fn by_groups(
     f: impl Fn(&[*const u8], *const u8, &mut [f32]),
 ) {
     let m = rows.len();
-    let ptrs: Vec<*const u8> = rows.iter().map(|r| r.as_ptr()).collect();
-    for (i, x) in w.chunks_exact(nb * block).enumerate() {
-        for g0 in (0..m).step_by(super::GROUP) {
-            let gl = (m - g0).min(super::GROUP);
+    for g0 in (0..m).step_by(super::GROUP) {
+        let gl = (m - g0).min(super::GROUP);
+        let ptrs: [*const u8; super::GROUP] =
+            std::array::from_fn(|r| rows.get(g0 + r).map_or(std::ptr::null(), |a| a.as_ptr()));
+        for (i, x) in w.chunks_exact(nb * block).enumerate() {
             f(
-                &ptrs[g0..g0 + gl],
+                &ptrs[..gl],
                 x.as_ptr(),
                 &mut out[i * m + g0..i * m + g0 + gl],
             );
