@@ -5,7 +5,8 @@
 //! and loads it again for each (head, row) pair. On a warm cache that is 20% (Gemma) to 2x
 //! (SmolLM2) faster than ggml (`tests/examples/attntime.rs`); in a real call the cache comes
 //! mostly from memory, so the rows are prefetched ahead. Medians of 5 alternated runs of
-//! `tests/examples/hiddentime.rs` (context 1000, the call cut before the output projection):
+//! `tests/examples/hiddentime.rs` at `5124809` (context 1000, the call cut before the output
+//! projection; one-row weight products still on ggml then):
 //!
 //! | model | rows | Leap's products | ggml's |
 //! |---|---|---|---|
@@ -111,9 +112,8 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         }
     }
     let per = r2 * ne11;
-    // Tasks: blocks of `src0` rows, every matrix (KV head) of a block together: the heads of a
-    // cache row share its cache lines.
-    // At least 4 per thread, so that no thread waits long for the others (SmolLM2's kqv has
+    // Tasks: blocks of `src0` rows, every matrix (KV head) of a block together (the heads of a
+    // cache row share its cache lines); at least 4 per thread, so that no thread waits long for the others (SmolLM2's kqv has
     // 64 rows a head), and at most 64 rows.
     let block = ne01.div_ceil(4 * threads).clamp(4, 64);
     let tasks = ne01.div_ceil(block);

@@ -34,6 +34,7 @@ pub mod attn_bench;
 mod est;
 pub mod f16;
 pub mod ffi;
+#[cfg(target_arch = "x86_64")]
 pub mod kqmm;
 mod matmul;
 #[cfg(feature = "opencl")]
@@ -369,13 +370,26 @@ unsafe extern "C" fn dev_supports_op(
     // Read only for attention nodes (the settings are cloned under a lock).
     let on_opencl = || attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
     guard("supports_op", false, || match (kind(dev), op.op) {
-        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm::supports(op),
+        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm_supports(op),
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
         // Attention goes to the device its estimate runs on.
         (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && attn::supports_fa(op),
         (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl() && attn::supports_fa(op),
         _ => false,
     })
+}
+
+/// Attention's f16 products ([`kqmm`], x86-64 only).
+fn kqmm_supports(op: &g::ggml_tensor) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        kqmm::supports(op)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = op;
+        false
+    }
 }
 
 static GUID: [u8; 16] = *b"leap-small-batch";
@@ -403,6 +417,7 @@ unsafe extern "C" fn backend_graph_compute(
                 | g::GGML_OP_PERMUTE
                 | g::GGML_OP_TRANSPOSE => continue,
                 g::GGML_OP_MUL_MAT if matmul::supports(node) => matmul::compute(node, threads),
+                #[cfg(target_arch = "x86_64")]
                 g::GGML_OP_MUL_MAT if kqmm::supports(node) => kqmm::compute(node, threads),
                 // Taken when the schedule was made (a reused graph keeps its schedule even if
                 // sparse attention was turned off since: computed with the defaults then).

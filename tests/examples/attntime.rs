@@ -1,6 +1,12 @@
 //! Diagnostic: attention's f16 products on a warm cache, one thread: Leap's kernels
 //! (`leap_backend::kqmm`) against ggml's `vec_dot_f16` pair by pair, for Gemma 3 270M's and
 //! SmolLM2-135M's shapes at 1024 cache cells.
+#[cfg(not(target_arch = "x86_64"))]
+fn main() {
+    eprintln!("x86-64 only");
+}
+
+#[cfg(target_arch = "x86_64")]
 fn main() {
     for (name, n, rows, stride, m) in [
         ("gemma kq 1 row", 256usize, 1024usize, 512usize, 4usize),
