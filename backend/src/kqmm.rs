@@ -94,6 +94,18 @@ fn wide() -> bool {
 /// # Safety
 /// `node` is a valid, allocated MUL_MAT node whose sources hold their data.
 pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
+    QUERIES.with_borrow_mut(|q| compute_with(node, threads, q));
+}
+
+thread_local! {
+    /// Buffers reused from node to node: the rounded query rows (on the calling thread) and a
+    /// block's sums (on each worker).
+    static QUERIES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`compute`] with `q` for the query rows.
+unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f32>) {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
     let n = s0.ne[0] as usize;
     let (ne01, ne02) = (s0.ne[1] as usize, s0.ne[2] as usize);
@@ -101,7 +113,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     let r2 = ne12 / ne02;
     // Query rows rounded through f16 as ggml's conversion does, one contiguous f32 row each,
     // ordered (i12, i11): those sharing `src0` matrix i02 are consecutive.
-    let mut q = vec![0f32; ne12 * ne11 * n];
+    q.resize(ne12 * ne11 * n, 0.0);
     for i12 in 0..ne12 {
         for i11 in 0..ne11 {
             let src = (s1.data as *const u8)
@@ -111,10 +123,11 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
             round_f16(std::slice::from_raw_parts(src, n), dst);
         }
     }
+    let q = &q[..ne12 * ne11 * n];
     let per = r2 * ne11;
     // Tasks: blocks of `src0` rows, every matrix (KV head) of a block together (the heads of a
-    // cache row share its cache lines); at least 4 per thread, so that no thread waits long for the others (SmolLM2's kqv has
-    // 64 rows a head), and at most 64 rows.
+    // cache row share its cache lines); at least 4 blocks per thread, so that no thread waits
+    // long for the others (SmolLM2's kqv has 64 rows a head), and at most 64 rows a block.
     let block = ne01.div_ceil(4 * threads).clamp(4, 64);
     let tasks = ne01.div_ceil(block);
     let (dst, dst_nb1, dst_nb2) = (Ptr(node.data.cast()), node.nb[1], node.nb[2]);
@@ -123,6 +136,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     let work = |b: usize, sums: &mut Vec<f32>| {
         let (r0, r1) = (b * block, ((b + 1) * block).min(ne01));
         sums.resize((r1 - r0) * per, 0.0);
+        let sums = &mut sums[..(r1 - r0) * per];
         for i02 in 0..ne02 {
             let qs = &q[i02 * per * n..(i02 + 1) * per * n];
             let x = x0.at(i02 * nb02 + r0 * nb01);
@@ -142,12 +156,13 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         }
     };
     parallel(threads.min(tasks), &|tid, nth| {
-        let mut sums = Vec::new();
-        // A contiguous run of tasks per thread: each streams through its part of the
-        // weights in address order, which the hardware prefetchers follow.
-        for t in tid * tasks / nth..(tid + 1) * tasks / nth {
-            work(t, &mut sums);
-        }
+        SUMS.with_borrow_mut(|sums| {
+            // A contiguous run of blocks per thread: each streams through its part of the
+            // cache in address order, which the hardware prefetchers follow.
+            for t in tid * tasks / nth..(tid + 1) * tasks / nth {
+                work(t, sums);
+            }
+        })
     });
 }
 
@@ -245,7 +260,7 @@ unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums
         let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
         let t1 = _mm_hadd_ps(t0, t0);
         let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64;
-        for (i, &h) in x.iter().enumerate().take(n).skip(np) {
+        for (i, &h) in x.iter().enumerate().skip(np) {
             let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
             s += (xv * *ys[g].add(i)) as f64;
         }

@@ -108,8 +108,9 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     let row_bytes = s0.nb[1];
     let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
     let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);
-    // Weight rows per task: at most 64 (the tile stays in cache for every chunk of batch rows), and at least 4 tiles
-    // per thread: with 64, SmolLM2's 192-row K and V products made 3 tasks for 2 threads.
+    // Weight rows per task: at most 64 (the tile stays in cache for every chunk of batch
+    // rows), and at least 4 tiles per thread (with 64, SmolLM2's 192-row K and V products made
+    // 3 tasks for 2 threads).
     let tile = n_w.div_ceil(4 * threads.max(1)).clamp(4, 64);
     let tasks = n_w.div_ceil(tile);
     let work = |task: usize, tmp: &mut Vec<f32>| {

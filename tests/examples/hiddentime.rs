@@ -1,10 +1,9 @@
-//! Diagnostic: the mean time of a Gemma 3 270M call cut before its output projection (what
-//! Leap's on-demand projection leaves to llama.cpp), on 1000 tokens of context.
+//! Diagnostic: the mean time of a call cut before its output projection (what Leap's on-demand
+//! projection leaves to llama.cpp), on 1000 tokens of context; Gemma 3 270M unless MODEL.
 //!
 //! `hiddentime ROWS REPS [leap|ggml] [MODEL]`: Leap's ggml device registered (`leap`, the
 //! default) or not (`ggml`). Run it under `perf record` to see where a call's time goes.
-use leap_host::{Batch, Model, ModelParams};
-use leap_tests::{model_path, params};
+use leap_host::Batch;
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     if a.len() < 3 {
@@ -14,16 +13,18 @@ fn main() {
     let rows: usize = a[1].parse().expect("ROWS: a number");
     let reps: usize = a[2].parse().expect("REPS: a number");
     assert!((1..=8).contains(&rows), "ROWS: 1 to 8");
-    let model = a.get(4).cloned().unwrap_or("gemma3-270m".into());
-    if a.get(3).map(|s| s.as_str()) != Some("ggml") {
-        leap_backend::register();
-        leap_backend::set_enabled(true);
+    let model = a.get(4).map_or(leap_tests::GEMMA, String::as_str);
+    match a.get(3).map_or("leap", String::as_str) {
+        "leap" => {
+            leap_backend::register();
+            leap_backend::set_enabled(true);
+        }
+        "ggml" => {}
+        other => panic!("kernels: leap or ggml, not {other}"),
     }
-    let m = Model::load(&model_path(&model), &ModelParams::default()).unwrap();
-    let p = params(2048, 4);
-    let toks = leap_tests::longtext_tokens(&m);
-    let (mut c, od) = leap_host::project::OnDemand::context(&m, &p).unwrap();
-    let od = od.unwrap();
+    let toks = leap_tests::longtext_tokens(&leap_tests::model(model));
+    let (mut c, od) = leap_tests::leap_context(model, 2048, 4);
+    let od = od.expect("on-demand projection");
     leap_spec::plain::prefill(&mut c, &toks[..1000], 256).unwrap();
     let mut bt = Batch::new(8, 1);
     let t = std::time::Instant::now();

@@ -1,14 +1,11 @@
 //! Diagnostic: Leap's projection pass right after a decode, by rows. Leap's ggml device is
 //! not registered here, so the decodes (the "hidden" and "full call" columns) run on
 //! llama.cpp's own kernels.
-use leap_host::{Batch, Model, ModelParams};
-use leap_tests::{model_path, params};
+use leap_host::Batch;
 fn main() {
-    let m = Model::load(&model_path("gemma3-270m"), &ModelParams::default()).unwrap();
-    let p = params(2048, 1);
-    let toks = leap_tests::longtext_tokens(&m);
-    let (mut c, od) = leap_host::project::OnDemand::context(&m, &p).unwrap();
-    let od = od.unwrap();
+    let toks = leap_tests::longtext_tokens(&leap_tests::model(leap_tests::GEMMA));
+    let (mut c, od) = leap_tests::leap_context(leap_tests::GEMMA, 2048, 1);
+    let od = od.expect("on-demand projection");
     leap_spec::plain::prefill(&mut c, &toks[..1000], 256).unwrap();
     let mut bt = Batch::new(8, 1);
     let mut outs: Vec<Vec<f32>> = vec![Vec::new(); 8];
