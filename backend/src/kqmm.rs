@@ -2,20 +2,11 @@
 //! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`), for small batches: each cache row is converted
 //! from f16 once and multiplied with every query row of every head that shares it (grouped-query
 //! attention: Gemma 3 270M has 4 query heads on 1 KV head), where ggml's CPU backend converts
-//! and loads it again for each (head, row) pair. On a warm cache that is 20% (Gemma) to 2x
-//! (SmolLM2) faster than ggml (`tests/examples/attntime.rs`); in a real call the cache comes
-//! mostly from memory, so the rows are prefetched ahead. Medians of 5 alternated runs of
-//! `tests/examples/hiddentime.rs` at `5124809` (context 1000, the call cut before the output
-//! projection; one-row weight products still on ggml then):
-//!
-//! | model | rows | Leap's products | ggml's |
-//! |---|---|---|---|
-//! | Gemma 3 270M | 1 | 6.4 ms | 7.0 ms |
-//! | Gemma 3 270M | 2 | 8.5 ms | 9.5 ms |
-//! | Gemma 3 270M | 4 | 12.0 ms | 12.4 ms |
-//! | SmolLM2-135M | 1 | 7.8 ms | 7.8 ms |
-//! | SmolLM2-135M | 2 | 11.8 ms | 11.6 ms |
-//! | SmolLM2-135M | 4 | 16.1 ms | 16.5 ms |
+//! and loads it again for each (head, row) pair. On a warm cache that is 12-22% (Gemma) to
+//! 1.4-1.8x (SmolLM2) faster than ggml (`tests/examples/attntime.rs`); in a real call the
+//! cache comes mostly from memory, so the rows are prefetched ahead: without that (`6e523d9`)
+//! SmolLM2's one-row call took 12.1-13.1 ms, with it (`5124809`) 7.4-8.0
+//! (`tests/examples/hiddentime.rs`, context 1000, the call cut before the output projection).
 //!
 //! Each output is bit-identical to ggml's `ggml_vec_dot_f16` on an AVX2/F16C build for that
 //! pair alone: the query row is rounded to f16 (ggml converts `src1` to its `vec_dot_type`),
@@ -185,8 +176,8 @@ unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
 }
 
 /// How far ahead the kernels prefetch cache rows: the cache is read once per call, mostly from
-/// memory, and at context 1000 SmolLM2's products took 55 us a node without prefetching
-/// against 37-41 us with it (its 128-byte key rows are too short for the hardware's streams).
+/// memory, and SmolLM2's 128-byte key rows are too short for the hardware's streams (see the
+/// module's figures).
 const AHEAD_BYTES: usize = 2048;
 
 /// The kernels' entry point for one set of CPU features.
