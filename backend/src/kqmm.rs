@@ -2,8 +2,10 @@
 //! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`), for small batches: each cache row is converted
 //! from f16 once and multiplied with every query row of every head that shares it (grouped-query
 //! attention: Gemma 3 270M has 4 query heads on 1 KV head), where ggml's CPU backend converts
-//! and loads it again for each (head, row) pair. On a warm cache that is 12-22% (Gemma) to
-//! 1.4-1.8x (SmolLM2) faster than ggml (`tests/examples/attntime.rs`); in a real call the
+//! and loads it again for each (head, row) pair. With AVX-512 two cache rows meet four query
+//! rows at a time ([`dots_wide`]); on a warm cache, one thread, that is 2.2-3.4x (Gemma) and
+//! 1.9-3.4x (SmolLM2) faster than ggml at 1 to 8 rows (`tests/examples/attntime.rs`, at the
+//! commit that brought it; a cache row at a time it was 12-22% and 1.4-1.8x). In a real call the
 //! cache comes mostly from memory, so the rows are prefetched ahead: without that (`6e523d9`)
 //! SmolLM2's one-row call took 12.1-13.1 ms, with it (`5124809`) 7.4-8.0
 //! (`tests/examples/hiddentime.rs`, context 1000, the call cut before the output projection).
@@ -136,12 +138,14 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
             } else {
                 dots(x, nb01, r1 - r0, qs, n, sums);
             }
-            for (i01, row) in (r0..r1).zip(sums.chunks_exact(per)) {
-                for (k, &s) in row.iter().enumerate() {
-                    let (i12, i11) = (i02 * r2 + k / ne11, k % ne11);
-                    // SAFETY: element (i01, i11, i12) of dst; tasks write disjoint elements.
-                    *dst.at(i12 * dst_nb2 + i11 * dst_nb1 + i01 * 4)
-                        .cast::<f32>() = s;
+            // Each output row's run r0..r1 in address order (one row after another, the
+            // stores went 4 KB apart on Gemma's 1024 cells and stalled).
+            for k in 0..per {
+                let (i12, i11) = (i02 * r2 + k / ne11, k % ne11);
+                // SAFETY: elements (r0..r1, i11, i12) of dst; tasks write disjoint elements.
+                let out = dst.at(i12 * dst_nb2 + i11 * dst_nb1 + r0 * 4).cast::<f32>();
+                for (j, row) in sums.chunks_exact(per).enumerate() {
+                    *out.add(j) = row[k];
                 }
             }
         }
@@ -180,51 +184,154 @@ unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
 /// module's figures).
 const AHEAD_BYTES: usize = 2048;
 
-/// The kernels' entry point for one set of CPU features.
-macro_rules! entry {
-    ($features:literal, $name:ident, $group:literal) => {
-        /// `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row
-        /// k of `qs` (rows of `n`; `m = sums.len() / rows` of them), ggml's way.
-        ///
-        /// # Safety
-        /// The CPU has these features; `rows` rows of `n` f16 values at `x`.
-        #[target_feature(enable = $features)]
-        unsafe fn $name(
-            x: *const u8,
-            stride: usize,
-            rows: usize,
-            qs: &[f32],
-            n: usize,
-            sums: &mut [f32],
-        ) {
-            let m = sums.len() / rows;
-            let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
-            for (i, out) in sums.chunks_exact_mut(m).enumerate() {
-                if i + ahead < rows {
-                    let next = x.add((i + ahead) * stride);
-                    for l in (0..2 * n).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
-                    }
-                }
-                let x = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
-                let mut k = 0;
-                while k < m {
-                    match m - k {
-                        1 => group::<1>(x, qs, n, k, out),
-                        2 => group::<2>(x, qs, n, k, out),
-                        3 if $group >= 4 => group::<3>(x, qs, n, k, out),
-                        _ => group::<$group>(x, qs, n, k, out),
-                    }
-                    k += $group.min(m - k);
-                }
+/// `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row k of `qs`
+/// (rows of `n`; `m = sums.len() / rows` of them), ggml's way, with AVX2's 16 registers: one
+/// cache row at a time against two query rows.
+///
+/// # Safety
+/// The CPU has AVX2/FMA/F16C; `rows` rows of `n` f16 values at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots(x: *const u8, stride: usize, rows: usize, qs: &[f32], n: usize, sums: &mut [f32]) {
+    let m = sums.len() / rows;
+    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
+    for (i, out) in sums.chunks_exact_mut(m).enumerate() {
+        if i + ahead < rows {
+            let next = x.add((i + ahead) * stride);
+            for l in (0..2 * n).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
             }
         }
-    };
+        let x = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
+        let mut k = 0;
+        while k < m {
+            match m - k {
+                1 => group::<1>(x, qs, n, k, out),
+                _ => group::<2>(x, qs, n, k, out),
+            }
+            k += 2.min(m - k);
+        }
+    }
 }
 
-entry!("avx2,fma,f16c", dots, 2);
-// With AVX-512VL's 32 registers, four query rows' 16 accumulators fit beside the row.
-entry!("avx2,fma,f16c,avx512f,avx512vl", dots_wide, 4);
+/// [`dots`] with AVX-512's 32 registers: two cache rows at a time against four query rows
+/// (16 accumulators), so each query load feeds two fused multiply-adds; and query groups outer,
+/// cache rows inner, so a group's rows (16 KB for Gemma's `kqv`) stay in L1 while the cache
+/// rows of the block come again from L2 for each group. (Cache rows outer, Gemma's 8-row `kqv`
+/// streamed its 128 KB of query rows through L2 for every cache row, slower than ggml.) The
+/// arithmetic is [`group`]'s: a 512-bit lane holds what one of ggml's four 256-bit sums holds.
+///
+/// # Safety
+/// As [`dots`], and the CPU has AVX-512F/VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn dots_wide(
+    x: *const u8,
+    stride: usize,
+    rows: usize,
+    qs: &[f32],
+    n: usize,
+    sums: &mut [f32],
+) {
+    let m = sums.len() / rows;
+    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
+    let row = |i: usize| std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
+    let mut k = 0;
+    while k < m {
+        let g = 4.min(m - k);
+        let mut i = 0;
+        while i < rows {
+            // The first group's pass reads the cache from memory: fetch ahead of it.
+            if k == 0 {
+                for j in [i, i + 1] {
+                    if j + ahead < rows {
+                        let next = x.add((j + ahead) * stride);
+                        for l in (0..2 * n).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
+                        }
+                    }
+                }
+            }
+            if i + 1 < rows {
+                let (a, b) = sums[i * m..(i + 2) * m].split_at_mut(m);
+                match g {
+                    1 => pair::<1>(row(i), row(i + 1), qs, n, k, a, b),
+                    2 => pair::<2>(row(i), row(i + 1), qs, n, k, a, b),
+                    3 => pair::<3>(row(i), row(i + 1), qs, n, k, a, b),
+                    _ => pair::<4>(row(i), row(i + 1), qs, n, k, a, b),
+                }
+                i += 2;
+            } else {
+                let out = &mut sums[i * m..(i + 1) * m];
+                match g {
+                    1 => group::<1>(row(i), qs, n, k, out),
+                    2 => group::<2>(row(i), qs, n, k, out),
+                    3 => group::<3>(row(i), qs, n, k, out),
+                    _ => group::<4>(row(i), qs, n, k, out),
+                }
+                i += 1;
+            }
+        }
+        k += g;
+    }
+}
+
+/// Query rows `k0..k0 + G` of `qs` against cache rows `xa` and `xb` into `sa` and `sb`, in
+/// 512-bit registers: for each of ggml's steps of 32 the low half of `acc[.][.][0]` is ggml's
+/// first 8-lane sum, its high half the second, `acc[.][.][1]` the third and fourth.
+#[inline(always)]
+unsafe fn pair<const G: usize>(
+    xa: &[u16],
+    xb: &[u16],
+    qs: &[f32],
+    n: usize,
+    k0: usize,
+    sa: &mut [f32],
+    sb: &mut [f32],
+) {
+    let np = n / 32 * 32;
+    let (pa, pb) = (xa.as_ptr(), xb.as_ptr());
+    let ys: [*const f32; G] = std::array::from_fn(|g| qs.as_ptr().add((k0 + g) * n));
+    let mut acc = [[[_mm512_setzero_ps(); 2]; G]; 2];
+    let mut i = 0;
+    while i < np {
+        let a0 = _mm512_cvtph_ps(_mm256_loadu_si256(pa.add(i).cast()));
+        let a1 = _mm512_cvtph_ps(_mm256_loadu_si256(pa.add(i + 16).cast()));
+        let b0 = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(i).cast()));
+        let b1 = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(i + 16).cast()));
+        for g in 0..G {
+            let y0 = _mm512_loadu_ps(ys[g].add(i));
+            let y1 = _mm512_loadu_ps(ys[g].add(i + 16));
+            acc[0][g][0] = _mm512_fmadd_ps(a0, y0, acc[0][g][0]);
+            acc[0][g][1] = _mm512_fmadd_ps(a1, y1, acc[0][g][1]);
+            acc[1][g][0] = _mm512_fmadd_ps(b0, y0, acc[1][g][0]);
+            acc[1][g][1] = _mm512_fmadd_ps(b1, y1, acc[1][g][1]);
+        }
+        i += 32;
+    }
+    for (r, (x, out)) in [(xa, &mut *sa), (xb, &mut *sb)].into_iter().enumerate() {
+        for g in 0..G {
+            // (a0 + a2) + (a1 + a3), ggml's first two reduction steps, then as `group`.
+            let s = _mm512_add_ps(acc[r][g][0], acc[r][g][1]);
+            let x0 = _mm256_add_ps(
+                _mm512_castps512_ps256(s),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s))),
+            );
+            out[k0 + g] = finish(x0, x, ys[g], np);
+        }
+    }
+}
+
+/// ggml's last reduction steps of one 8-lane sum `x0`, plus the leftovers past `np` in `f64`.
+#[inline(always)]
+unsafe fn finish(x0: __m256, x: &[u16], y: *const f32, np: usize) -> f32 {
+    let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
+    let t1 = _mm_hadd_ps(t0, t0);
+    let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64;
+    for (i, &h) in x.iter().enumerate().skip(np) {
+        let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
+        s += (xv * *y.add(i)) as f64;
+    }
+    s as f32
+}
 
 /// Query rows `k0..k0 + G` of `qs` against `x` into `sums`.
 #[inline(always)]
@@ -248,14 +355,7 @@ unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums
     for g in 0..G {
         let [a0, a1, a2, a3] = acc[g];
         let x0 = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
-        let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
-        let t1 = _mm_hadd_ps(t0, t0);
-        let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64;
-        for (i, &h) in x.iter().enumerate().skip(np) {
-            let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
-            s += (xv * *ys[g].add(i)) as f64;
-        }
-        sums[k0 + g] = s as f32;
+        sums[k0 + g] = finish(x0, x, ys[g], np);
     }
 }
 
@@ -281,46 +381,52 @@ pub fn agrees_with_ggml() -> bool {
         seed ^= seed << 17;
         ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
     };
-    for n in [256usize, 1000, 1024, 1057] {
-        let x: Vec<u16> = (0..n)
+    // Three cache rows: the wide kernel takes them as a pair and a single.
+    const ROWS: usize = 3;
+    for n in [64usize, 256, 1000, 1024, 1057] {
+        let x: Vec<u16> = (0..ROWS * n)
             .map(|i| crate::f16::from_f32(rnd(1.0 + (i % 7) as f32)))
             .collect();
-        let raw: Vec<f32> = (0..7 * n)
+        let raw: Vec<f32> = (0..9 * n)
             .map(|i| rnd(if i % 5 == 0 { 30.0 } else { 0.3 }))
             .collect();
         let mut qs = vec![0f32; raw.len()];
         // SAFETY: plain slices of equal length.
         unsafe { round_f16(&raw, &mut qs) };
-        for m in 1..=7 {
-            let (mut a, mut b) = (vec![0f32; m], vec![0f32; m]);
+        for m in 1..=9 {
+            let (mut a, mut b) = (vec![0f32; ROWS * m], vec![0f32; ROWS * m]);
             // SAFETY: the CPU features were checked (`wide` for the second).
             unsafe {
-                dots(x.as_ptr().cast(), 0, 1, &qs[..m * n], n, &mut a);
+                dots(x.as_ptr().cast(), 2 * n, ROWS, &qs[..m * n], n, &mut a);
                 if wide() {
-                    dots_wide(x.as_ptr().cast(), 0, 1, &qs[..m * n], n, &mut b);
+                    dots_wide(x.as_ptr().cast(), 2 * n, ROWS, &qs[..m * n], n, &mut b);
                 } else {
                     b.copy_from_slice(&a);
                 }
             }
             for k in 0..m {
                 let mut h = vec![0u16; n];
-                let mut want = 0f32;
-                // SAFETY: rows of n elements; nrc = 1 as ggml's mul_mat calls it.
-                unsafe {
-                    from(raw[k * n..].as_ptr(), h.as_mut_ptr().cast(), n as i64);
-                    vec_dot(
-                        n as i32,
-                        &mut want,
-                        0,
-                        x.as_ptr() as *mut _,
-                        0,
-                        h.as_mut_ptr().cast(),
-                        0,
-                        1,
-                    );
-                }
-                if want.to_bits() != a[k].to_bits() || want.to_bits() != b[k].to_bits() {
-                    return false;
+                // SAFETY: rows of n elements.
+                unsafe { from(raw[k * n..].as_ptr(), h.as_mut_ptr().cast(), n as i64) };
+                for r in 0..ROWS {
+                    let mut want = 0f32;
+                    // SAFETY: rows of n elements; nrc = 1 as ggml's mul_mat calls it.
+                    unsafe {
+                        vec_dot(
+                            n as i32,
+                            &mut want,
+                            0,
+                            x[r * n..].as_ptr() as *mut _,
+                            0,
+                            h.as_mut_ptr().cast(),
+                            0,
+                            1,
+                        );
+                    }
+                    let (ga, gb) = (a[r * m + k], b[r * m + k]);
+                    if want.to_bits() != ga.to_bits() || want.to_bits() != gb.to_bits() {
+                        return false;
+                    }
                 }
             }
         }
