@@ -35,6 +35,8 @@ mod est;
 pub mod f16;
 pub mod ffi;
 #[cfg(target_arch = "x86_64")]
+pub mod glu;
+#[cfg(target_arch = "x86_64")]
 pub mod kqmm;
 mod matmul;
 #[cfg(feature = "opencl")]
@@ -373,6 +375,7 @@ unsafe extern "C" fn dev_supports_op(
     guard("supports_op", false, || match (kind(dev), op.op) {
         (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm_supports(op),
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
+        (Kind::Cpu, g::GGML_OP_GLU) => glu_supports(op),
         // Attention goes to the device its estimate runs on.
         (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && attn::supports_fa(op),
         (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl() && attn::supports_fa(op),
@@ -385,6 +388,19 @@ fn kqmm_supports(op: &g::ggml_tensor) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         kqmm::supports(op)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = op;
+        false
+    }
+}
+
+/// Gemma's GELU-gated unit ([`glu`], x86-64 only).
+fn glu_supports(op: &g::ggml_tensor) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        glu::supports(op)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -420,6 +436,8 @@ unsafe extern "C" fn backend_graph_compute(
                 g::GGML_OP_MUL_MAT if matmul::supports(node) => matmul::compute(node, threads),
                 #[cfg(target_arch = "x86_64")]
                 g::GGML_OP_MUL_MAT if kqmm::supports(node) => kqmm::compute(node, threads),
+                #[cfg(target_arch = "x86_64")]
+                g::GGML_OP_GLU => glu::compute(node, threads),
                 // Taken when the schedule was made (a reused graph keeps its schedule even if
                 // sparse attention was turned off since: computed with the defaults then).
                 g::GGML_OP_FLASH_ATTN_EXT => attn::flash_attn(node, threads),

@@ -195,6 +195,14 @@ impl Context {
         self.raw.as_ptr()
     }
 
+    /// How many decodes reused llama.cpp's previous compute graph (no graph build and no
+    /// scheduling: llama.cpp reuses a graph when the batch's shape and the KV cells it sees
+    /// are unchanged), since the context was created.
+    pub fn graphs_reused(&self) -> u64 {
+        // SAFETY: a live context.
+        unsafe { sys::llama_perf_context(self.raw.as_ptr()).n_reused.max(0) as u64 }
+    }
+
     /// The model.
     pub fn model(&self) -> &Arc<Model> {
         &self.model

@@ -10,9 +10,13 @@ fn main() {
         eprintln!("usage: hiddentime ROWS REPS [leap|ggml] [MODEL]");
         std::process::exit(2);
     }
-    let rows: usize = a[1].parse().expect("ROWS: a number");
+    // ROWS may be a list (`1,2`): calls cycle through it, as a speculative engine's do.
+    let cycle: Vec<usize> = a[1]
+        .split(',')
+        .map(|r| r.parse().expect("ROWS: numbers"))
+        .collect();
     let reps: usize = a[2].parse().expect("REPS: a number");
-    assert!((1..=8).contains(&rows), "ROWS: 1 to 8");
+    assert!(cycle.iter().all(|r| (1..=8).contains(r)), "ROWS: 1 to 8");
     let model = a.get(4).map_or(leap_tests::GEMMA, String::as_str);
     match a.get(3).map_or("leap", String::as_str) {
         "leap" => {
@@ -29,6 +33,7 @@ fn main() {
     let mut bt = Batch::new(8, 1);
     let t = std::time::Instant::now();
     for i in 0..reps {
+        let rows = cycle[i % cycle.len()];
         bt.clear();
         for r in 0..rows {
             bt.add(toks[1000 + (i % 50) + r], (1000 + r) as i32, &[0], true)
@@ -41,7 +46,9 @@ fn main() {
         c.seq_rm(0, 1000, -1);
     }
     println!(
-        "rows {rows}: hidden {:.3} ms",
-        t.elapsed().as_secs_f64() * 1e3 / reps as f64
+        "rows {}: hidden {:.3} ms ({} of {reps} calls reused llama.cpp's graph)",
+        a[1],
+        t.elapsed().as_secs_f64() * 1e3 / reps as f64,
+        c.graphs_reused()
     );
 }

@@ -1,0 +1,261 @@
+//! Gemma's GELU-gated feed-forward unit (`GGML_OP_GLU`, `GEGLU`) on the device, so that a
+//! layer's feed-forward products and the unit between them run as one split instead of three
+//! (each split is a parallel region and a barrier on both backends), and so that a one-row
+//! call's unit is vectorised: ggml's runs a row per thread, one element at a time, so a
+//! one-row call left it to a single thread.
+//!
+//! Bit-identical to ggml's `ggml_vec_geglu_f32` (built with `GGML_GELU_FP16`, as ggml's CPU
+//! backend is): `x <= -10` gives 0, `x >= 10` gives `x * g`, anything else
+//! `f16_to_f32(table[f32_to_f16(x)]) * g`, where the table is ggml's own
+//! `ggml_table_gelu_f16` (filled by `ggml_cpu_init`, looked up in the process at run time,
+//! widened to f32 once) and the conversions are F16C's, as ggml's on x86-64. Checked against
+//! ggml's own op once per process before the device claims the unit ([`agrees_with_ggml`]).
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use crate::ffi as g;
+use crate::par::{parallel, Ptr};
+
+/// Whether the device computes `op`: an f32 `GEGLU` over 2-D rows, the gate and the value in
+/// two tensors or the two halves of one, on a CPU with AVX2/F16C where [`agrees_with_ggml`]
+/// passed.
+pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
+    if op.op != g::GGML_OP_GLU || op.op_params[0] != g::GGML_GLU_OP_GEGLU as i32 {
+        return false;
+    }
+    // SAFETY: ggml's sources of a node are valid tensors (src[1] may be null).
+    let (s0, s1) = unsafe { (op.src[0].as_ref(), op.src[1].as_ref()) };
+    let Some(s0) = s0 else { return false };
+    let flat = |t: &g::ggml_tensor| {
+        t.type_ == g::GGML_TYPE_F32 && t.nb[0] == 4 && t.ne[2] == 1 && t.ne[3] == 1
+    };
+    let nc = if s1.is_some() { s0.ne[0] } else { s0.ne[0] / 2 };
+    flat(op)
+        && flat(s0)
+        && s1.is_none_or(|s1| flat(s1) && s1.ne[0] == nc && s1.ne[1] == s0.ne[1])
+        && op.ne[0] == nc
+        && op.ne[1] == s0.ne[1]
+        && table().is_some()
+        && checked()
+}
+
+/// ggml's GELU table widened to f32 (65536 entries), when the process has ggml's CPU backend
+/// and the CPU has AVX2/F16C.
+fn table() -> Option<&'static [f32]> {
+    static TABLE: OnceLock<Option<Vec<f32>>> = OnceLock::new();
+    TABLE
+        .get_or_init(|| {
+            if !(std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c"))
+            {
+                return None;
+            }
+            // SAFETY: idempotent init, then dlsym on the global namespace; the symbol, when
+            // present, is ggml's `ggml_fp16_t ggml_table_gelu_f16[1 << 16]`, filled by
+            // `ggml_cpu_init` and never written again.
+            unsafe {
+                g::ggml_cpu_init();
+                let p = libc::dlsym(libc::RTLD_DEFAULT, c"ggml_table_gelu_f16".as_ptr());
+                if p.is_null() {
+                    log::debug!("ggml_table_gelu_f16 not found: GELU units stay with ggml");
+                    return None;
+                }
+                let h = std::slice::from_raw_parts(p as *const u16, 1 << 16);
+                Some(widen(h))
+            }
+        })
+        .as_deref()
+}
+
+/// `h` as f32 with F16C's conversion (ggml's `GGML_CPU_FP16_TO_FP32` on x86-64).
+fn widen(h: &[u16]) -> Vec<f32> {
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn go(h: &[u16], out: &mut [f32]) {
+        for (o, c) in out.chunks_exact_mut(8).zip(h.chunks_exact(8)) {
+            let v = _mm256_cvtph_ps(_mm_loadu_si128(c.as_ptr().cast()));
+            _mm256_storeu_ps(o.as_mut_ptr(), v);
+        }
+    }
+    let mut out = vec![0f32; h.len()];
+    // SAFETY: the caller checked AVX2/F16C; both lengths are multiples of 8.
+    unsafe { go(h, &mut out) };
+    out
+}
+
+/// The unit passed [`agrees_with_ggml`] (checked once per process).
+fn checked() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        let ok = agrees_with_ggml();
+        if !ok {
+            log::warn!("Leap's GELU-gated unit does not reproduce ggml's here; not using it");
+        }
+        ok
+    })
+}
+
+/// Elements below which a node runs on the calling thread (a parallel region costs more than
+/// a one-row call's 2048).
+const SERIAL: usize = 16384;
+
+/// Compute `node` (which [`supports`] accepted) with `threads` threads.
+///
+/// # Safety
+/// `node` is a valid, allocated GLU node whose sources hold their data.
+pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
+    let table = table().expect("checked in supports");
+    let s0 = &*node.src[0];
+    let s1 = node.src[1].as_ref();
+    let nc = node.ne[0] as usize;
+    let nr = node.ne[1] as usize;
+    let swapped = node.op_params[1] != 0;
+    // Row r's gate (x) and value (g), as ggml's `ggml_compute_forward_geglu_f32` reads them.
+    let (a, a_nb) = (Ptr(s0.data.cast()), s0.nb[1]);
+    let (b, b_nb) = match s1 {
+        Some(s1) => (Ptr(s1.data.cast()), s1.nb[1]),
+        None => (a, a_nb),
+    };
+    let (off_a, off_b) = match (s1.is_some(), swapped) {
+        (true, _) => (0, 0),
+        (false, false) => (0, nc),
+        (false, true) => (nc, 0),
+    };
+    let (dst, dst_nb) = (Ptr(node.data.cast()), node.nb[1]);
+    if nc == 0 || nr == 0 {
+        return;
+    }
+    // Work in pieces of a row: every element is independent.
+    let pieces = if nc * nr < SERIAL { 1 } else { (4 * threads).max(nr) };
+    let per_row = pieces.div_ceil(nr).max(1);
+    let chunk = nc.div_ceil(per_row).next_multiple_of(8);
+    let work = |p: usize| {
+        let (r, c0) = (p / per_row, (p % per_row) * chunk);
+        if r >= nr || c0 >= nc {
+            return;
+        }
+        let len = chunk.min(nc - c0);
+        // SAFETY: row r of each tensor holds its nc (or 2 nc) floats; pieces write disjoint
+        // elements of dst.
+        unsafe {
+            let x = a.at(r * a_nb).cast::<f32>().add(off_a + c0);
+            let gv = b.at(r * b_nb).cast::<f32>().add(off_b + c0);
+            let y = dst.at(r * dst_nb).cast::<f32>().add(c0);
+            geglu(
+                table,
+                std::slice::from_raw_parts(x, len),
+                std::slice::from_raw_parts(gv, len),
+                std::slice::from_raw_parts_mut(y, len),
+            );
+        }
+    };
+    let total = nr * per_row;
+    if pieces == 1 || threads <= 1 {
+        (0..total).for_each(work);
+    } else {
+        parallel(threads.min(total), &|tid, nth| {
+            for p in tid * total / nth..(tid + 1) * total / nth {
+                work(p);
+            }
+        });
+    }
+}
+
+/// `y = gelu(x) * g` element by element, ggml's way (see the module docs).
+fn geglu(table: &[f32], x: &[f32], g: &[f32], y: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn go(table: &[f32], x: &[f32], g: &[f32], y: &mut [f32]) {
+        let n8 = x.len() / 8 * 8;
+        let (lo, hi) = (_mm256_set1_ps(-10.0), _mm256_set1_ps(10.0));
+        for i in (0..n8).step_by(8) {
+            let xv = _mm256_loadu_ps(x.as_ptr().add(i));
+            let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(xv);
+            let t = _mm256_i32gather_ps::<4>(table.as_ptr(), _mm256_cvtepu16_epi32(h));
+            let mut v = _mm256_mul_ps(t, gv);
+            v = _mm256_blendv_ps(v, _mm256_mul_ps(xv, gv), _mm256_cmp_ps::<_CMP_GE_OQ>(xv, hi));
+            v = _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LE_OQ>(xv, lo));
+            _mm256_storeu_ps(y.as_mut_ptr().add(i), v);
+        }
+        for i in n8..x.len() {
+            y[i] = if x[i] <= -10.0 {
+                0.0
+            } else if x[i] >= 10.0 {
+                x[i] * g[i]
+            } else {
+                let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x[i]));
+                table[_mm_extract_epi16::<0>(h) as u16 as usize] * g[i]
+            };
+        }
+    }
+    // SAFETY: `table` exists only where the CPU has AVX2/F16C (and FMA comes with them on
+    // every such CPU ggml's x86 build targets); slices of equal length.
+    unsafe { go(table, x, g, y) }
+}
+
+/// Whether [`geglu`] reproduces ggml's own `GEGLU` op bit for bit: both forms (split and
+/// fused, swapped or not are the same elements), on values across the table's range and past
+/// both cut-offs, with a length that leaves a tail.
+pub fn agrees_with_ggml() -> bool {
+    let Some(table) = table() else { return false };
+    const NC: usize = 1003;
+    const NR: usize = 3;
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut rnd = |scale: f32| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+    };
+    let x: Vec<f32> = (0..NC * NR)
+        .map(|i| rnd(if i % 3 == 0 { 30.0 } else { 6.0 }))
+        .collect();
+    let gv: Vec<f32> = (0..NC * NR).map(|_| rnd(4.0)).collect();
+    // SAFETY: a private ggml context with room for three tensors, a graph and its work; the
+    // data pointers are that context's, sized as created.
+    let want = unsafe {
+        let params = g::ggml_init_params {
+            mem_size: 16 << 20,
+            mem_buffer: std::ptr::null_mut(),
+            no_alloc: false,
+        };
+        let ctx = g::ggml_init(params);
+        if ctx.is_null() {
+            return false;
+        }
+        let a = g::ggml_new_tensor_2d(ctx, g::GGML_TYPE_F32, NC as i64, NR as i64);
+        let b = g::ggml_new_tensor_2d(ctx, g::GGML_TYPE_F32, NC as i64, NR as i64);
+        std::ptr::copy_nonoverlapping(x.as_ptr(), (*a).data.cast(), NC * NR);
+        std::ptr::copy_nonoverlapping(gv.as_ptr(), (*b).data.cast(), NC * NR);
+        let out = g::ggml_geglu_split(ctx, a, b);
+        let gf = g::ggml_new_graph(ctx);
+        g::ggml_build_forward_expand(gf, out);
+        let st = g::ggml_graph_compute_with_ctx(ctx, gf, 1);
+        let r = (st == g::GGML_STATUS_SUCCESS)
+            .then(|| std::slice::from_raw_parts((*out).data as *const f32, NC * NR).to_vec());
+        g::ggml_free(ctx);
+        match r {
+            Some(r) => r,
+            None => return false,
+        }
+    };
+    let mut got = vec![0f32; NC * NR];
+    geglu(table, &x, &gv, &mut got);
+    want.iter().zip(&got).all(|(w, g)| w.to_bits() == g.to_bits())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The unit gives ggml's `GEGLU` bit for bit (where the CPU and ggml allow it at all).
+    #[test]
+    fn geglu_matches_ggml() {
+        if !(std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("no AVX2/F16C here");
+            return;
+        }
+        assert!(super::table().is_some(), "ggml's GELU table is in the process");
+        assert!(super::agrees_with_ggml());
+    }
+}
