@@ -126,7 +126,11 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         return;
     }
     // Work in pieces of a row: every element is independent.
-    let pieces = if nc * nr < SERIAL { 1 } else { (4 * threads).max(nr) };
+    let pieces = if nc * nr < SERIAL {
+        1
+    } else {
+        (4 * threads).max(nr)
+    };
     let per_row = pieces.div_ceil(nr).max(1);
     let chunk = nc.div_ceil(per_row).next_multiple_of(8);
     let work = |p: usize| {
@@ -173,7 +177,11 @@ fn geglu(table: &[f32], x: &[f32], g: &[f32], y: &mut [f32]) {
             let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(xv);
             let t = _mm256_i32gather_ps::<4>(table.as_ptr(), _mm256_cvtepu16_epi32(h));
             let mut v = _mm256_mul_ps(t, gv);
-            v = _mm256_blendv_ps(v, _mm256_mul_ps(xv, gv), _mm256_cmp_ps::<_CMP_GE_OQ>(xv, hi));
+            v = _mm256_blendv_ps(
+                v,
+                _mm256_mul_ps(xv, gv),
+                _mm256_cmp_ps::<_CMP_GE_OQ>(xv, hi),
+            );
             v = _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LE_OQ>(xv, lo));
             _mm256_storeu_ps(y.as_mut_ptr().add(i), v);
         }
@@ -241,7 +249,9 @@ pub fn agrees_with_ggml() -> bool {
     };
     let mut got = vec![0f32; NC * NR];
     geglu(table, &x, &gv, &mut got);
-    want.iter().zip(&got).all(|(w, g)| w.to_bits() == g.to_bits())
+    want.iter()
+        .zip(&got)
+        .all(|(w, g)| w.to_bits() == g.to_bits())
 }
 
 #[cfg(test)]
@@ -255,7 +265,10 @@ mod tests {
             eprintln!("no AVX2/F16C here");
             return;
         }
-        assert!(super::table().is_some(), "ggml's GELU table is in the process");
+        assert!(
+            super::table().is_some(),
+            "ggml's GELU table is in the process"
+        );
         assert!(super::agrees_with_ggml());
     }
 }
