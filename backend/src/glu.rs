@@ -208,13 +208,7 @@ pub fn agrees_with_ggml() -> bool {
     let Some(table) = table() else { return false };
     const NC: usize = 1003;
     const NR: usize = 3;
-    let mut seed = 0x2545_F491_4F6C_DD1Du64;
-    let mut rnd = |scale: f32| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-    };
+    let mut rnd = crate::check_values(0x2545_F491_4F6C_DD1Du64);
     let x: Vec<f32> = (0..NC * NR)
         .map(|i| rnd(if i % 3 == 0 { 30.0 } else { 6.0 }))
         .collect();

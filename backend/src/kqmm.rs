@@ -374,13 +374,7 @@ pub fn agrees_with_ggml() -> bool {
     let (Some(vec_dot), Some(from)) = (tr.vec_dot, tr.from_float) else {
         return false;
     };
-    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-    let mut rnd = |scale: f32| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-    };
+    let mut rnd = crate::check_values(0x9E37_79B9_7F4A_7C15u64);
     // Three cache rows: the wide kernel takes them as a pair and a single.
     const ROWS: usize = 3;
     for n in [64usize, 256, 1000, 1024, 1057] {

@@ -373,9 +373,14 @@ unsafe extern "C" fn dev_supports_op(
     // Read only for attention nodes (the settings are cloned under a lock).
     let on_opencl = || attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
     guard("supports_op", false, || match (kind(dev), op.op) {
-        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm_supports(op),
+        #[cfg(target_arch = "x86_64")]
+        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm::supports(op),
+        #[cfg(not(target_arch = "x86_64"))]
+        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op),
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
-        (Kind::Cpu, g::GGML_OP_GLU) => glu_supports(op),
+        // Attention's f16 products and Gemma's GELU unit have x86-64 kernels only.
+        #[cfg(target_arch = "x86_64")]
+        (Kind::Cpu, g::GGML_OP_GLU) => glu::supports(op),
         // Attention goes to the device its estimate runs on.
         (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && attn::supports_fa(op),
         (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl() && attn::supports_fa(op),
@@ -383,29 +388,15 @@ unsafe extern "C" fn dev_supports_op(
     })
 }
 
-/// Attention's f16 products ([`kqmm`], x86-64 only).
-fn kqmm_supports(op: &g::ggml_tensor) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        kqmm::supports(op)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = op;
-        false
-    }
-}
-
-/// Gemma's GELU-gated unit ([`glu`], x86-64 only).
-fn glu_supports(op: &g::ggml_tensor) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        glu::supports(op)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = op;
-        false
+/// Pseudo-random values for the kernels' checks against ggml (xorshift from `seed`): each
+/// call gives a value in `[-scale / 2, scale / 2)`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn check_values(mut seed: u64) -> impl FnMut(f32) -> f32 {
+    move |scale| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
     }
 }
 
