@@ -34,12 +34,11 @@ fn main() {
         .allowlist_function("ggml_graph_node")
         .allowlist_function("ggml_type_name")
         .allowlist_type("ggml_glu_op")
-        // For checking Leap's GELU-gated units against ggml's own op (`glu::agrees_with_ggml`).
+        // For checking Leap's GELU-gated unit against ggml's own op (`glu::agrees_with_ggml`).
         .allowlist_function("ggml_init")
         .allowlist_function("ggml_free")
         .allowlist_function("ggml_new_tensor_2d")
         .allowlist_function("ggml_geglu_split")
-        .allowlist_function("ggml_geglu")
         .allowlist_function("ggml_new_graph")
         .allowlist_function("ggml_build_forward_expand")
         .allowlist_function("ggml_graph_compute_with_ctx")

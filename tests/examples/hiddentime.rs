@@ -2,7 +2,9 @@
 //! projection leaves to llama.cpp), on 1000 tokens of context; Gemma 3 270M unless MODEL.
 //!
 //! `hiddentime ROWS REPS [leap|ggml] [MODEL]`: Leap's ggml device registered (`leap`, the
-//! default) or not (`ggml`). Run it under `perf record` to see where a call's time goes.
+//! default) or not (`ggml`). ROWS is a row count or a list the calls cycle through (`1,2`:
+//! llama.cpp then rebuilds its graph every call; the line printed says how many calls reused
+//! it). Run it under `perf record` to see where a call's time goes.
 use leap_host::Batch;
 fn main() {
     let a: Vec<String> = std::env::args().collect();
