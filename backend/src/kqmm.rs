@@ -186,7 +186,8 @@ const AHEAD_BYTES: usize = 2048;
 
 /// `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row k of `qs`
 /// (rows of `n`; `m = sums.len() / rows` of them), ggml's way, with AVX2's 16 registers: one
-/// cache row at a time against two query rows.
+/// cache row at a time against two query rows, query pairs outer (as [`dots_wide`], so a
+/// pair's rows stay in L1 while the block's cache rows come again from L2).
 ///
 /// # Safety
 /// The CPU has AVX2/FMA/F16C; `rows` rows of `n` f16 values at `x`.
@@ -194,22 +195,24 @@ const AHEAD_BYTES: usize = 2048;
 unsafe fn dots(x: *const u8, stride: usize, rows: usize, qs: &[f32], n: usize, sums: &mut [f32]) {
     let m = sums.len() / rows;
     let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
-    for (i, out) in sums.chunks_exact_mut(m).enumerate() {
-        if i + ahead < rows {
-            let next = x.add((i + ahead) * stride);
-            for l in (0..2 * n).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
+    let mut k = 0;
+    while k < m {
+        let g = 2.min(m - k);
+        for (i, out) in sums.chunks_exact_mut(m).enumerate() {
+            // The first pair's pass reads the cache from memory: fetch ahead of it.
+            if k == 0 && i + ahead < rows {
+                let next = x.add((i + ahead) * stride);
+                for l in (0..2 * n).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
+                }
             }
-        }
-        let x = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
-        let mut k = 0;
-        while k < m {
-            match m - k {
+            let x = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
+            match g {
                 1 => group::<1>(x, qs, n, k, out),
                 _ => group::<2>(x, qs, n, k, out),
             }
-            k += 2.min(m - k);
         }
+        k += g;
     }
 }
 
@@ -429,9 +432,17 @@ pub fn agrees_with_ggml() -> bool {
 }
 
 /// Diagnostic (`tests/examples/attntime.rs`): seconds for `reps` passes of Leap's products and of
-/// ggml's `vec_dot_f16` over `rows` f16 rows of `n` (`stride` bytes apart) against `m` query rows.
+/// ggml's `vec_dot_f16` over `rows` f16 rows of `n` (`stride` bytes apart) against `m` query rows;
+/// `narrow`: Leap's 256-bit kernel even where the 512-bit one runs.
 #[doc(hidden)]
-pub fn time_products(n: usize, rows: usize, stride: usize, m: usize, reps: usize) -> (f64, f64) {
+pub fn time_products(
+    n: usize,
+    rows: usize,
+    stride: usize,
+    m: usize,
+    reps: usize,
+    narrow: bool,
+) -> (f64, f64) {
     // SAFETY: static traits table; idempotent init.
     let tr = unsafe {
         g::ggml_cpu_init();
@@ -446,7 +457,7 @@ pub fn time_products(n: usize, rows: usize, stride: usize, m: usize, reps: usize
     for _ in 0..reps {
         // SAFETY: rows of n f16 inside x (stride >= 2n).
         unsafe {
-            if wide() {
+            if wide() && !narrow {
                 dots_wide(x.as_ptr(), stride, rows, &qs, n, &mut sums)
             } else {
                 dots(x.as_ptr(), stride, rows, &qs, n, &mut sums)

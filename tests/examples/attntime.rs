@@ -1,6 +1,7 @@
 //! Diagnostic: attention's f16 products on a warm cache, one thread: Leap's kernels
-//! (`leap_backend::kqmm`) against ggml's `vec_dot_f16` pair by pair, for Gemma 3 270M's and
-//! SmolLM2-135M's shapes at 1024 cache cells.
+//! (`leap_backend::kqmm`; the 512-bit one where the CPU has it, and the 256-bit one) against
+//! ggml's `vec_dot_f16` pair by pair, for Gemma 3 270M's and SmolLM2-135M's shapes at 1024
+//! cache cells.
 #[cfg(not(target_arch = "x86_64"))]
 fn main() {
     eprintln!("x86-64 only");
@@ -22,10 +23,12 @@ fn main() {
         ("smollm kqv 2 rows", 1024, 64, 4096, 6),
         ("smollm kqv 8 rows", 1024, 64, 4096, 24),
     ] {
-        let (a, b) = leap_backend::kqmm::time_products(n, rows, stride, m, 200);
+        let (a, b) = leap_backend::kqmm::time_products(n, rows, stride, m, 200, false);
+        let (c, _) = leap_backend::kqmm::time_products(n, rows, stride, m, 200, true);
         println!(
-            "{name}: leap {:.1} us, ggml {:.1} us per pass",
+            "{name}: leap {:.1} us (256-bit kernel {:.1}), ggml {:.1} us per pass",
             a * 5e3,
+            c * 5e3,
             b * 5e3
         );
     }
