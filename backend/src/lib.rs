@@ -7,9 +7,10 @@
 //! rows instead of once per row, and every row's result is bit-identical to what ggml's CPU
 //! backend computes for that row alone, so speculative output stays token-identical to plain
 //! decoding. It also claims attention's two f16 products over the KV cache (without flash
-//! attention) for calls of up to 64 rows ([`kqmm`]): each cache row converted once for every
-//! head and row that reads it, with ggml's `vec_dot_f16` arithmetic. Everything else (other
-//! types and ops) stays on ggml's CPU backend.
+//! attention) in calls of up to 4096 rows ([`kqmm`]): each cache row converted once for every
+//! head and row that reads it, with ggml's `vec_dot_f16` arithmetic, and Gemma's GELU-gated
+//! feed-forward unit ([`glu`]). Everything else (other types and ops) stays on ggml's CPU
+//! backend.
 //!
 //! How it plugs in, with an unmodified llama.cpp: [`register`] adds the device to ggml's
 //! registry; every llama.cpp context created afterwards initialises an `ACCEL` backend for it
