@@ -1,9 +1,9 @@
 //! Attention's two matrix products over ggml's f16 KV cache without flash attention
-//! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`), for small batches: each cache row is converted
-//! from f16 once and multiplied with every query row of every head that shares it (grouped-query
-//! attention: Gemma 3 270M has 4 query heads on 1 KV head), where ggml's CPU backend converts
-//! and loads it again for each (head, row) pair. With AVX-512 two cache rows meet four query
-//! rows at a time ([`dots_wide`]); on a warm cache, one thread, that is 2.3-3.2x (Gemma) and
+//! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`), in batches of up to 4096 rows: each cache row
+//! is converted from f16 once and multiplied with every query row of every head that shares it
+//! (grouped-query attention: Gemma 3 270M has 4 query heads on 1 KV head), where ggml's CPU
+//! backend converts and loads it again for each (head, row) pair. With AVX-512 two cache rows
+//! meet four query rows at a time ([`dots_wide`]); on a warm cache, one thread, that is 2.3-3.2x (Gemma) and
 //! 2.2-3.4x (SmolLM2) faster than ggml at 1 to 8 rows (`tests/examples/attntime.rs` at
 //! `1bc4334`; a cache row at a time it was 12-22% and 1.4-1.8x). In a real call the
 //! cache comes mostly from memory, so the rows are prefetched ahead: without that (`6e523d9`)
