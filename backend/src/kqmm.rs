@@ -3,12 +3,13 @@
 //! is converted from f16 once and multiplied with every query row of every head that shares it
 //! (grouped-query attention: Gemma 3 270M has 4 query heads on 1 KV head), where ggml's CPU
 //! backend converts and loads it again for each (head, row) pair. With AVX-512 two cache rows
-//! meet four query rows at a time ([`dots_wide`]); on a warm cache, one thread, that is 2.3-3.2x (Gemma) and
-//! 2.2-3.4x (SmolLM2) faster than ggml at 1 to 8 rows (`tests/examples/attntime.rs` at
-//! `1bc4334`; a cache row at a time it was 12-22% and 1.4-1.8x). In a real call the
-//! cache comes mostly from memory, so the rows are prefetched ahead: without that (`6e523d9`)
-//! SmolLM2's one-row call took 12.1-13.1 ms, with it (`5124809`) 7.4-8.0
-//! (`tests/examples/hiddentime.rs`, context 1000, the call cut before the output projection).
+//! meet four query rows at a time ([`dots_wide`]); on a warm cache, one thread, that is
+//! 2.3-3.2x (Gemma) and 2.2-3.4x (SmolLM2) faster than ggml at 1 to 8 rows
+//! (`tests/examples/attntime.rs` at `1bc4334`; a cache row at a time it was 12-22% and
+//! 1.4-1.8x). In a real call the cache comes mostly from memory, so the rows are prefetched
+//! ahead: without that (`6e523d9`) SmolLM2's one-row call took 12.1-13.1 ms, with it
+//! (`5124809`) 7.4-8.0 (`tests/examples/hiddentime.rs`, context 1000, the call cut before the
+//! output projection).
 //!
 //! Each output is bit-identical to ggml's `ggml_vec_dot_f16` on an AVX2/F16C build for that
 //! pair alone: the query row is rounded to f16 (ggml converts `src1` to its `vec_dot_type`),
