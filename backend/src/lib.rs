@@ -374,12 +374,12 @@ unsafe extern "C" fn dev_supports_op(
     // Read only for attention nodes (the settings are cloned under a lock).
     let on_opencl = || attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
     guard("supports_op", false, || match (kind(dev), op.op) {
+        // Attention's f16 products and Gemma's GELU unit have x86-64 kernels only.
         #[cfg(target_arch = "x86_64")]
         (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm::supports(op),
         #[cfg(not(target_arch = "x86_64"))]
         (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op),
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
-        // Attention's f16 products and Gemma's GELU unit have x86-64 kernels only.
         #[cfg(target_arch = "x86_64")]
         (Kind::Cpu, g::GGML_OP_GLU) => glu::supports(op),
         // Attention goes to the device its estimate runs on.

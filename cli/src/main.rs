@@ -93,8 +93,8 @@ struct RuntimeArgs {
     /// to plain decoding (ggml's CPU flash attention rounds a batch otherwise than one row).
     #[arg(long, default_value = "off")]
     flash_attn: FlashAttn,
-    /// Who computes the quantized matrix products (and attention's f16 ones) of decoding,
-    /// speculative verification and prefill: `leap` (Leap's ggml device: each weight block
+    /// Who computes the quantized matrix products (and attention's f16 ones, and Gemma's GELU
+    /// unit) of decoding, speculative verification and prefill: `leap` (Leap's ggml device: each weight block
     /// unpacked once for all rows, results bit-identical to ggml's) or `ggml` (llama.cpp's CPU
     /// backend alone).
     /// `leap bench` always runs the plain and llama:* modes on ggml's.

@@ -23,13 +23,12 @@ fn main() {
         ("smollm kqv 2 rows", 1024, 64, 4096, 6),
         ("smollm kqv 8 rows", 1024, 64, 4096, 24),
     ] {
-        let (a, b) = leap_backend::kqmm::time_products(n, rows, stride, m, 200, false);
-        let (c, _) = leap_backend::kqmm::time_products(n, rows, stride, m, 200, true);
+        let [a, narrow, ggml] = leap_backend::kqmm::time_products(n, rows, stride, m, 200);
         println!(
             "{name}: leap {:.1} us (256-bit kernel {:.1}), ggml {:.1} us per pass",
             a * 5e3,
-            c * 5e3,
-            b * 5e3
+            narrow * 5e3,
+            ggml * 5e3
         );
     }
 }
