@@ -18,7 +18,7 @@ use leap_host::eval::{EvalObserver, TensorView};
 use leap_host::project::OnDemand;
 use leap_host::sidecar::Sidecar;
 use leap_host::{Batch, ContextParams, Model, ModelParams};
-use leap_spec::exit::{self, ModelShape};
+use leap_spec::exit;
 use leap_spec::head::{self, Head, Sample, TrainConfig, Vocab};
 
 use crate::{models, progress};
@@ -328,46 +328,4 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
     })
 }
 
-/// The early-exit head for `model` from the sidecar at `sidecar` (default: next to the
-/// model): `Ok(None)` without a sidecar or without a head in it, `Err` saying why when there
-/// is one Leap cannot use (trained on another model, a corrupt file).
-pub fn head_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Head>, String> {
-    let path = sidecar
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| leap_host::sidecar::path_for(model.path()));
-    let side = match Sidecar::load(&path) {
-        Ok(Some(s)) => s,
-        Ok(None) if sidecar.is_some() => return Err(format!("no sidecar at {}", path.display())),
-        Ok(None) => return Ok(None),
-        Err(e) => return Err(format!("ignoring the sidecar {}: {e}", path.display())),
-    };
-    let fingerprint = match leap_host::project::fingerprint(model) {
-        Ok(Some(f)) => f,
-        Ok(None) => return Err("the model has no output weights to score with".into()),
-        Err(e) => return Err(e.to_string()),
-    };
-    let shape = ModelShape {
-        fingerprint,
-        n_embd: model.n_embd() as usize,
-        n_layer: model.n_layer() as u32,
-        n_vocab: model.n_vocab() as usize,
-    };
-    exit::load(&side, &shape)
-        .map_err(|why| format!("ignoring the early-exit head in {}: {why}", path.display()))
-}
-
-/// [`head_for`], with a warning when the head is refused (Leap then runs without early
-/// exit).
-pub fn load_head(model: &Model, sidecar: Option<&Path>) -> Option<Head> {
-    match head_for(model, sidecar) {
-        Ok(Some(h)) => {
-            log::info!("early-exit head at layer {}", h.layer);
-            Some(h)
-        }
-        Ok(None) => None,
-        Err(why) => {
-            log::warn!("{why}; running without early exit");
-            None
-        }
-    }
-}
+pub use leap_spec::session::{head_for, load_head};

@@ -11,9 +11,8 @@ use clap::{Args, Parser, Subcommand};
 use leap_cli::{bench, models};
 use leap_host::model::ChatMessage;
 use leap_host::sampler::SamplingParams;
-use leap_host::{Context, ContextParams, FlashAttn, GgufInfo, Model, ModelParams};
-use leap_spec::engine::{Engine, EngineConfig};
-use leap_spec::plain;
+use leap_host::{ContextParams, FlashAttn, GgufInfo, Model, ModelParams};
+use leap_spec::session::{Mode, Options, Request, Runtime};
 
 #[derive(Parser)]
 #[command(name = "leap", version, about = "Fast language-model inference on phones and small machines, on llama.cpp", long_about = None)]
@@ -29,6 +28,9 @@ struct Cli {
 enum Cmd {
     /// Generate text from a prompt, streaming it to stdout (speed on stderr).
     Generate(GenerateArgs),
+    /// Serve a model over llama-server's OpenAI-compatible HTTP API (completions, chat,
+    /// streaming, tokenize, metrics), decoding with Leap's engine.
+    Serve(ServeArgs),
     /// Measure decoding modes against llama.cpp in one run (see BENCH.md).
     Bench(BenchArgs),
     /// List the models Leap can fetch, or fetch them.
@@ -235,6 +237,15 @@ struct GenerateArgs {
     runtime: RuntimeArgs,
     #[command(flatten)]
     sampling: SamplingArgs,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// A model name (`leap models`) or a path to a GGUF file.
+    #[arg(short, long, default_value = models::DEFAULT_MODEL)]
+    model: String,
+    #[command(flatten)]
+    serve: leap_server::ServeArgs,
 }
 
 #[derive(Args)]
@@ -458,6 +469,7 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 fn run(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Generate(a) => generate(a),
+        Cmd::Serve(a) => leap_server::run(&models::resolve(&a.model)?, &a.serve),
         Cmd::Bench(a) => run_bench(a),
         Cmd::Models { cmd } => run_models(cmd),
         Cmd::Profile(a) => profile(a),
@@ -520,7 +532,26 @@ fn generate(a: GenerateArgs) -> Result<()> {
             .with_context(|| format!("reading prompt file {}", f.display()))?,
         (None, None) => bail!("give a prompt: --prompt TEXT or --file PATH"),
     };
-    let model = Model::load(&path, &ModelParams::default())?;
+    let mode: Mode = a.mode.parse()?;
+    a.runtime.setup_for(Some(&path))?;
+    let flash_budget = match &a.flash_budget {
+        Some(b) => Some(parse_budget(b, leap_flash::LayerMap::open(&path)?.per_call_bytes())?),
+        None => None,
+    };
+    let rt = Runtime::open(
+        &path,
+        &Options {
+            threads: a.runtime.threads,
+            n_ctx: a.runtime.ctx,
+            mode,
+            leap_kernels: a.runtime.kernels == "leap",
+            sidecar: a.runtime.sidecar.clone(),
+            flash_budget,
+            flash_attn: a.runtime.flash_attn(),
+            ..Options::default()
+        },
+    )?;
+    let model = rt.model().clone();
     if a.chat {
         text = model.apply_chat_template(
             &[ChatMessage {
@@ -531,90 +562,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
         )?;
     }
     let prompt = model.tokenize(&text, true, a.chat)?;
-    a.runtime.setup_for(Some(&path))?;
-    let n_ctx = a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32);
-    let params = ContextParams {
-        n_ctx,
-        n_threads: a.runtime.threads,
-        n_threads_batch: a.runtime.threads,
-        flash_attn: a.runtime.flash_attn(),
-        ..Default::default()
-    };
-    let streamer = match &a.flash_budget {
-        Some(b) => {
-            let map = leap_flash::LayerMap::open(&path)?;
-            let budget = parse_budget(b, map.per_call_bytes())?;
-            let chunk = map.largest_block().max(1);
-            // Greedy `leap` drafts over a resident vocabulary: its rows come out of the budget.
-            let reserve = leap_cli::bench::vocab_reserve(
-                &map,
-                budget,
-                model.n_vocab(),
-                EngineConfig::default().vocab.filter(|_| a.mode == "leap"),
-                a.sampling.params().temp <= 0.0,
-            );
-            let p = leap_flash::plan(
-                &map,
-                budget.saturating_sub(reserve),
-                chunk,
-                1,
-                leap_flash::Strategy::default(),
-            );
-            eprintln!(
-                "leap: flash budget {:.1} MB: {:.1} MB pinned, {:.1} MB of draft vocabulary, {:.1} MB read from storage every target call",
-                budget as f64 / 1e6,
-                p.pinned_bytes as f64 / 1e6,
-                reserve as f64 / 1e6,
-                p.streamed_bytes as f64 / 1e6
-            );
-            Some(leap_flash::Streamer::new(&path, map, p, 1)?)
-        }
-        None => None,
-    };
-    let mut config = EngineConfig::default();
-    let mut params = params;
-    if streamer.is_some() {
-        config = config.streamed();
-        config.max_branches = config.max_branches.max(4);
-        params.n_seq_max = config.max_branches as u32;
+    let mut session = rt.session_with_ctx(a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32))?;
+    if let Some(b) = flash_budget {
+        eprintln!("leap: flash budget {:.1} MB (-v for the plan)", b as f64 / 1e6);
     }
-    // The early-exit head (not under flash streaming, where a call's cost is its reads).
-    let head = (a.mode == "leap" && streamer.is_none())
-        .then(|| leap_cli::heads::load_head(&model, a.runtime.sidecar.as_deref()))
-        .flatten();
-    let exit = head.map(|h| {
-        let (exit, obs) = leap_host::exit::Exit::new(h.layer);
-        let pruner = leap_spec::exit::Pruner {
-            head: std::sync::Arc::new(h),
-            n_layer: model.n_layer() as u32,
-        };
-        ((exit, pruner), obs)
-    });
-    let (exit, exit_obs) = match exit {
-        Some((e, o)) => (Some(e), Some(o)),
-        None => (None, None),
-    };
-    let (mut ctx, od) = if a.mode == "leap" || streamer.is_some() {
-        let observers: Vec<_> = streamer
-            .as_ref()
-            .map(|s| s.observer())
-            .into_iter()
-            .chain(exit_obs)
-            .collect();
-        let first: Option<Box<dyn leap_host::EvalObserver>> = match observers.len() {
-            0 => None,
-            1 => observers.into_iter().next(),
-            _ => Some(Box::new(leap_host::Chain::new(observers))),
-        };
-        leap_host::project::OnDemand::context_with(&model, &params, first)?
-    } else {
-        (Context::new(&model, &params)?, None)
-    };
-    // Leap's projection reads streamed output weights a chunk at a time, within the budget.
-    let od = od.map(|o| match &streamer {
-        Some(s) => s.stream_projection(o),
-        None => o,
-    });
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut pending: Vec<u8> = Vec::new();
@@ -640,29 +591,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
         }
         true
     };
-    let g = if a.mode == "leap" {
-        Engine::new(config)
-            .with_on_demand(od)
-            .with_exit(exit)
-            .generate_with(
-                &mut ctx,
-                &prompt,
-                a.max_tokens,
-                512,
-                &a.sampling.params(),
-                &mut on_token,
-            )?
-    } else {
-        plain::plain_with(
-            &mut ctx,
-            od.as_ref().filter(|o| o.streamed()),
-            &prompt,
-            a.max_tokens,
-            &a.sampling.params(),
-            512,
-            &mut on_token,
-        )?
-    };
+    let g = session.generate(
+        &prompt,
+        &Request {
+            max_tokens: a.max_tokens,
+            sampling: a.sampling.params(),
+        },
+        &mut on_token,
+    )?;
     if let Some(e) = io_err {
         return Err(e.into());
     }
@@ -682,7 +618,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         g.prefill_seconds,
         model.desc()
     );
-    if let Some(st) = &streamer {
+    if let Some(st) = session.streamer() {
         st.flush();
         let calls = st.calls();
         let n = (g.target_calls as usize).min(calls.len());

@@ -17,6 +17,7 @@
 //! | [`tree`] | token trees, the rows of their one-call verification (leaf sequence ids), KV rollback plans |
 //! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
 //! | [`vocab`] | on a streamed output projection (flash): the target drafting for itself over a resident vocabulary |
+//! | [`session`] | the API every front end uses: [`session::Runtime`] (an open model), [`session::Session`] (a context and its engine) |
 //! | [`plain`] | plain decoding (the baseline), [`plain::Generation`]: what a generation produced and cost |
 //!
 //! The crate is safe Rust on `leap-host`.
@@ -35,5 +36,6 @@ pub mod lever;
 pub mod model_draft;
 pub mod plain;
 pub mod sam;
+pub mod session;
 pub mod tree;
 pub mod vocab;

@@ -310,29 +310,7 @@ fn file_name(p: &std::path::Path) -> String {
     )
 }
 
-/// Bytes of the resident vocabulary `vc` (greedy `leap` on a streamed target drafts over it,
-/// see [`leap_spec::vocab`]): they come out of the DRAM budget before the plan. None for
-/// sampled decoding (trees), nor when `budget` holds the whole model (nothing streams, and
-/// the rows are drafted from the resident weights' own budget-free copy).
-pub fn vocab_reserve(
-    map: &leap_flash::LayerMap,
-    budget: u64,
-    n_vocab: i32,
-    vc: Option<leap_spec::vocab::VocabConfig>,
-    greedy: bool,
-) -> u64 {
-    if !greedy || budget >= map.per_call_bytes() {
-        return 0;
-    }
-    vc.map_or(0, |v| {
-        let out = if map.tied_output {
-            leap_flash::Section::Embed
-        } else {
-            leap_flash::Section::Output
-        };
-        v.resident_rows() as u64 * (map.bytes(out) / n_vocab.max(1) as u64)
-    })
-}
+pub use leap_spec::session::vocab_reserve;
 
 /// Run the benchmark and return the report (the caller writes it).
 ///

@@ -1,0 +1,238 @@
+//! `leap serve`: llama-server's OpenAI-compatible HTTP API over Leap's engine, so an app that
+//! talks to llama-server (or to OpenAI) gets Leap's speculative decoding by changing nothing
+//! but the URL.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`routes`] | the endpoints: health, models, completions, chat, tokenize, metrics; API key |
+//! | [`oai`] | the requests' JSON, parsed and checked field by field |
+//! | [`slots`] | `--parallel` threads, each with its own session, taking requests from one queue; text with stop strings |
+//! | [`metrics`] | the counters behind `GET /metrics` |
+//! | [`error`] | OpenAI-style error objects |
+//!
+//! HTTP is axum on tokio; decoding runs on the slots' own threads (it is CPU work that would
+//! stall tokio's), and each slot streams its tokens back through a channel. A client that
+//! hangs up closes that channel, which stops its generation at the next token.
+
+pub mod error;
+pub mod metrics;
+pub mod oai;
+pub mod routes;
+pub mod slots;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use anyhow::{Context as _, Result};
+use leap_spec::session::{Mode, Options, Runtime};
+
+use crate::metrics::Metrics;
+use crate::slots::Pool;
+
+/// `leap serve`'s options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on. Anything but loopback exposes the model to the network: use
+    /// --api-key there.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Requests decoded at once, each in its own context (slot) of --ctx tokens; more wait
+    /// in a queue. A request's output does not depend on the others running.
+    #[arg(long, default_value_t = 1)]
+    pub parallel: usize,
+    /// Context length of each slot, in tokens (prompt and output together).
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: u32,
+    /// Threads for each slot's decoding and prefill.
+    #[arg(short, long, default_value_t = default_threads())]
+    pub threads: i32,
+    /// Decoding: `leap` (Leap's speculative engine: the tokens of plain greedy decoding, or
+    /// with a temperature the same distribution as plain sampling, in fewer target calls) or
+    /// `plain` (llama.cpp alone, one target call per token).
+    #[arg(long, default_value = "leap", value_parser = ["leap", "plain"])]
+    pub mode: String,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health.
+    #[arg(long, env = "LEAP_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// The model's name in /v1/models and in responses (default: the file's name).
+    #[arg(long)]
+    pub alias: Option<String>,
+    /// Largest request body in bytes; a larger one gets a 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_body: usize,
+    /// Leave out GET /metrics.
+    #[arg(long)]
+    pub no_metrics: bool,
+    /// Who computes the quantized matrix products: `leap` (Leap's ggml device) or `ggml`.
+    #[arg(long, default_value = "leap", value_parser = ["leap", "ggml"])]
+    pub kernels: String,
+    /// The model's sidecar (default: MODEL.leap.gguf next to the model) with an early-exit
+    /// head for pruning verification rows.
+    #[arg(long)]
+    pub sidecar: Option<PathBuf>,
+}
+
+fn default_threads() -> i32 {
+    std::thread::available_parallelism().map_or(4, |n| n.get() as i32)
+}
+
+/// What the handlers share.
+pub struct AppState {
+    /// Set once the model is loaded and every slot has its session.
+    ready: OnceLock<Ready>,
+    metrics: Arc<Metrics>,
+    alias: String,
+    api_key: Option<String>,
+    max_body: usize,
+    n_ctx: u32,
+    created: u64,
+}
+
+struct Ready {
+    rt: Arc<Runtime>,
+    pool: Pool,
+}
+
+/// Serve `model` until SIGTERM or Ctrl-C, then finish the requests in flight and return.
+///
+/// # Errors
+/// The address cannot be bound, the model cannot be loaded, a slot's context cannot be made.
+pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
+    anyhow::ensure!(
+        (1..=64).contains(&args.parallel),
+        "--parallel {}: from 1 to 64",
+        args.parallel
+    );
+    let opts = Options {
+        threads: args.threads,
+        n_ctx: args.ctx,
+        mode: args.mode.parse::<Mode>()?,
+        leap_kernels: args.kernels == "leap",
+        sidecar: args.sidecar.clone(),
+        ..Options::default()
+    };
+    let alias = args.alias.clone().unwrap_or_else(|| {
+        model
+            .file_name()
+            .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let state = Arc::new(AppState {
+        ready: OnceLock::new(),
+        metrics: Arc::new(Metrics::default()),
+        alias,
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        max_body: args.max_body,
+        n_ctx: args.ctx,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    });
+    let tokio = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("leap-http")
+        .build()?;
+    tokio.block_on(serve(model, args, opts, state))
+}
+
+async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppState>) -> Result<()> {
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("listening on {addr}"))?;
+    let local: SocketAddr = listener.local_addr()?;
+    eprintln!("leap serve: listening on http://{local} (loading {})", model.display());
+    let app = routes::router(Arc::clone(&state), !args.no_metrics);
+
+    // Load in the background: /health answers 503 meanwhile.
+    let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<Result<()>>();
+    {
+        let state = Arc::clone(&state);
+        let model = model.to_path_buf();
+        let parallel = args.parallel;
+        std::thread::Builder::new()
+            .name("leap-load".into())
+            .spawn(move || {
+                let r = (|| -> Result<()> {
+                    let t0 = std::time::Instant::now();
+                    let rt = Arc::new(Runtime::open(&model, &opts)?);
+                    let pool = Pool::start(Arc::clone(&rt), parallel, Arc::clone(&state.metrics))?;
+                    eprintln!(
+                        "leap serve: ready in {:.1} s: {}, {} slot{} of {} tokens, {} decoding{}",
+                        t0.elapsed().as_secs_f64(),
+                        rt.model().desc(),
+                        parallel,
+                        if parallel == 1 { "" } else { "s" },
+                        opts.n_ctx,
+                        if opts.mode == Mode::Leap { "leap" } else { "plain" },
+                        if rt.has_exit_head() { " with an early-exit head" } else { "" }
+                    );
+                    let _ = state.ready.set(Ready { rt, pool });
+                    Ok(())
+                })();
+                let _ = loaded_tx.send(r);
+            })?;
+    }
+    let failed = Arc::new(tokio::sync::Notify::new());
+    let load_error: Arc<std::sync::Mutex<Option<anyhow::Error>>> = Default::default();
+    {
+        let (failed, load_error) = (Arc::clone(&failed), Arc::clone(&load_error));
+        tokio::spawn(async move {
+            let r = loaded_rx
+                .await
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("the loading thread died")));
+            if let Err(e) = r {
+                if let Ok(mut le) = load_error.lock() {
+                    *le = Some(e);
+                }
+                failed.notify_one();
+            }
+        });
+    }
+    let shutdown = {
+        let failed = Arc::clone(&failed);
+        async move {
+            tokio::select! {
+                () = signal() => eprintln!("leap serve: stopping: finishing the requests in flight"),
+                () = failed.notified() => {}
+            }
+        }
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving")?;
+    if let Some(e) = load_error.lock().ok().and_then(|mut e| e.take()) {
+        return Err(e.context("loading the model"));
+    }
+    // The slots finish and join when the state goes (no request holds it any more).
+    drop(state);
+    eprintln!("leap serve: stopped");
+    Ok(())
+}
+
+/// SIGTERM or Ctrl-C.
+async fn signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}

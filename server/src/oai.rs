@@ -1,0 +1,306 @@
+//! The requests apps send to OpenAI's and llama-server's completion endpoints, parsed and
+//! checked: every field a client may get wrong becomes a 400 naming the field.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// `prompt` of `/v1/completions`: a string, a one-string array, or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<i64>),
+}
+
+/// `stop`: one string or up to four.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields completions and chat completions share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    pub max_tokens: Option<i64>,
+    /// OpenAI's newer name for `max_tokens` (chat).
+    pub max_completion_tokens: Option<i64>,
+    /// llama-server's name (-1: to the end of the context).
+    pub n_predict: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<i64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// A chat message's `content`: a string or OpenAI's array of parts (text parts only).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    pub role: String,
+    /// `null` is allowed for an assistant turn that only called tools; it counts as empty.
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// Parse a JSON body into `T`, naming the field at fault in a 400.
+///
+/// # Errors
+/// Malformed JSON, a missing field, a field of the wrong type.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    if !v.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object", None));
+    }
+    serde_json::from_value(v).map_err(|e| {
+        let msg = e.to_string();
+        // serde names a missing field between backquotes: "missing field `prompt`".
+        let param = msg
+            .strip_prefix("missing field `")
+            .and_then(|r| r.split('`').next())
+            .map(str::to_owned);
+        ApiError {
+            param,
+            ..ApiError::invalid(format!("invalid request: {msg}"), None)
+        }
+    })
+}
+
+/// What to generate, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Params {
+    /// `None`: up to the end of the context.
+    pub max_tokens: Option<usize>,
+    pub sampling: leap_host::sampler::SamplingParams,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl Common {
+    /// Check ranges and fill defaults (llama-server's: temperature 0.8, top_k 40, top_p
+    /// 0.95, min_p 0.05, a random seed).
+    ///
+    /// # Errors
+    /// A field out of range, `n` other than 1, more than 4 stop strings.
+    pub fn params(&self) -> Result<Params, ApiError> {
+        let bad = |p: &str, why: String| Err(ApiError::invalid(why, Some(p)));
+        if let Some(n) = self.n {
+            if n != 1 {
+                return bad("n", format!("n = {n}: this server returns one choice (n = 1)"));
+            }
+        }
+        let max = [
+            ("max_tokens", self.max_tokens),
+            ("max_completion_tokens", self.max_completion_tokens),
+            ("n_predict", self.n_predict),
+        ]
+        .into_iter()
+        .find_map(|(name, v)| v.map(|v| (name, v)));
+        let max_tokens = match max {
+            Some(("n_predict", -1)) | None => None,
+            Some((name, v)) if v < 1 => {
+                return bad(name, format!("{name} = {v}: at least 1"));
+            }
+            Some((_, v)) => Some(v as usize),
+        };
+        let temp = self.temperature.unwrap_or(0.8);
+        if !(0.0..=2.0).contains(&temp) {
+            return bad("temperature", format!("temperature {temp}: from 0 to 2"));
+        }
+        let top_p = self.top_p.unwrap_or(0.95);
+        if !(0.0..=1.0).contains(&top_p) {
+            return bad("top_p", format!("top_p {top_p}: from 0 to 1"));
+        }
+        let min_p = self.min_p.unwrap_or(0.05);
+        if !(0.0..=1.0).contains(&min_p) {
+            return bad("min_p", format!("min_p {min_p}: from 0 to 1"));
+        }
+        let top_k = self.top_k.unwrap_or(40);
+        if top_k < 0 {
+            return bad("top_k", format!("top_k {top_k}: 0 (off) or more"));
+        }
+        let seed = match self.seed {
+            Some(s) => s as u32,
+            None => random_seed(),
+        };
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.len() > 4 {
+            return bad("stop", format!("{} stop strings: at most 4", stop.len()));
+        }
+        if stop.iter().any(String::is_empty) {
+            return bad("stop", "an empty stop string".into());
+        }
+        Ok(Params {
+            max_tokens,
+            sampling: leap_host::sampler::SamplingParams {
+                temp,
+                top_k,
+                top_p,
+                min_p,
+                seed,
+            },
+            stop,
+            stream: self.stream,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+        })
+    }
+}
+
+/// A seed for a request that gave none.
+fn random_seed() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    );
+    h.finish() as u32
+}
+
+impl Message {
+    /// The message's text (parts joined; non-text parts refused).
+    ///
+    /// # Errors
+    /// An unknown role, a part that is not text.
+    pub fn to_chat(&self, i: usize) -> Result<leap_host::model::ChatMessage, ApiError> {
+        let param = format!("messages[{i}]");
+        let role = match self.role.as_str() {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            r => {
+                return Err(ApiError::invalid(
+                    format!("{param}: role {r:?}: system, user or assistant"),
+                    Some(&param),
+                ))
+            }
+        };
+        let content = match &self.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    match (&*p.kind, &p.text) {
+                        ("text", Some(t)) => s.push_str(t),
+                        (k, _) => {
+                            return Err(ApiError::invalid(
+                                format!("{param}: a content part of type {k:?}: only text parts"),
+                                Some(&param),
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+        };
+        Ok(leap_host::model::ChatMessage {
+            role: role.into(),
+            content,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_at_fault_are_named() {
+        let e = parse::<CompletionRequest>(br#"{"max_tokens": 3}"#).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        let e = parse::<CompletionRequest>(br#"{"prompt": "x", "max_tokens": "3"}"#).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("invalid type"), "{}", e.message);
+        let e = parse::<CompletionRequest>(b"{\"prompt\": ").unwrap_err();
+        assert!(e.message.contains("not valid JSON"), "{}", e.message);
+        let e = parse::<CompletionRequest>(b"[1]").unwrap_err();
+        assert!(e.message.contains("object"), "{}", e.message);
+    }
+
+    #[test]
+    fn ranges_are_checked_and_defaults_filled() {
+        let p = |j: &str| parse::<CompletionRequest>(j.as_bytes()).unwrap().common.params();
+        let d = p(r#"{"prompt": "x"}"#).unwrap();
+        assert_eq!(d.max_tokens, None);
+        assert!((d.sampling.temp - 0.8).abs() < 1e-6);
+        assert_eq!(p(r#"{"prompt": "x", "max_tokens": 0}"#).unwrap_err().param.as_deref(), Some("max_tokens"));
+        assert_eq!(p(r#"{"prompt": "x", "temperature": 3}"#).unwrap_err().param.as_deref(), Some("temperature"));
+        assert_eq!(p(r#"{"prompt": "x", "top_p": -1}"#).unwrap_err().param.as_deref(), Some("top_p"));
+        assert_eq!(p(r#"{"prompt": "x", "n": 2}"#).unwrap_err().param.as_deref(), Some("n"));
+        assert_eq!(
+            p(r#"{"prompt": "x", "stop": ["a","b","c","d","e"]}"#).unwrap_err().param.as_deref(),
+            Some("stop")
+        );
+        let s = p(r#"{"prompt": "x", "stop": "\n", "n_predict": -1, "seed": 7, "temperature": 0}"#).unwrap();
+        assert_eq!(s.stop, vec!["\n".to_string()]);
+        assert_eq!(s.sampling.seed, 7);
+        assert_eq!(s.max_tokens, None);
+    }
+
+    #[test]
+    fn chat_messages_take_text_parts_only() {
+        let r: ChatRequest = parse(
+            br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.messages[0].to_chat(0).unwrap().content, "hi");
+        let r: ChatRequest =
+            parse(br#"{"messages": [{"role": "wizard", "content": "x"}]}"#).unwrap();
+        assert_eq!(r.messages[0].to_chat(0).unwrap_err().param.as_deref(), Some("messages[0]"));
+    }
+}

@@ -1,0 +1,404 @@
+//! Slots: `--parallel N` threads, each with its own [`Session`] (a llama.cpp context and the
+//! engine decoding in it), taking requests from one queue in arrival order. A request never
+//! shares a batch with another, so its tokens do not depend on what else is running. A slot's
+//! engine is kept across requests: earlier requests and answers feed its drafter.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use leap_host::Token;
+use leap_spec::session::{Request, Runtime, Session};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What a finished request reports.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub finish: Finish,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    pub target_calls: u64,
+}
+
+impl Outcome {
+    /// OpenAI's `usage`.
+    pub fn usage(&self) -> serde_json::Value {
+        serde_json::json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        })
+    }
+
+    /// llama-server's `timings`, with Leap's target calls.
+    pub fn timings(&self) -> serde_json::Value {
+        let per_s = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        serde_json::json!({
+            "prompt_n": self.prompt_tokens,
+            "prompt_ms": self.prefill_seconds * 1e3,
+            "prompt_per_second": per_s(self.prompt_tokens, self.prefill_seconds),
+            "predicted_n": self.completion_tokens,
+            "predicted_ms": self.decode_seconds * 1e3,
+            "predicted_per_second": per_s(self.completion_tokens, self.decode_seconds),
+            "target_calls": self.target_calls,
+            "accepted_per_call": if self.target_calls > 0 {
+                self.completion_tokens as f64 / self.target_calls as f64
+            } else {
+                0.0
+            },
+        })
+    }
+}
+
+/// What a slot sends back while it works on a request.
+#[derive(Debug)]
+pub enum Event {
+    /// More text (complete UTF-8, never part of a stop string).
+    Text(String),
+    Done(Outcome),
+    Error(ApiError),
+}
+
+/// A request for a slot.
+pub struct Job {
+    pub prompt: Vec<Token>,
+    /// `None`: to the end of the context.
+    pub max_tokens: Option<usize>,
+    pub sampling: leap_host::sampler::SamplingParams,
+    pub stop: Vec<String>,
+    pub events: UnboundedSender<Event>,
+}
+
+/// The slots and their queue. Dropping it lets each slot finish its request, then joins them.
+pub struct Pool {
+    queue: Option<mpsc::Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Pool {
+    /// Start `n` slots on `rt`, each creating its session on its own thread. Returns when
+    /// every slot is ready.
+    ///
+    /// # Errors
+    /// A session that could not be created (memory for the context).
+    pub fn start(rt: Arc<Runtime>, n: usize, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut threads = Vec::new();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        for i in 0..n {
+            let (rt, rx, metrics, ready) = (
+                Arc::clone(&rt),
+                Arc::clone(&rx),
+                Arc::clone(&metrics),
+                ready_tx.clone(),
+            );
+            let t = std::thread::Builder::new()
+                .name(format!("leap-slot-{i}"))
+                .spawn(move || {
+                    let mut session = match rt.session() {
+                        Ok(s) => {
+                            let _ = ready.send(Ok(()));
+                            s
+                        }
+                        Err(e) => {
+                            let _ = ready.send(Err(e));
+                            return;
+                        }
+                    };
+                    drop(ready);
+                    loop {
+                        // The lock is held only while waiting: one idle slot takes the next job.
+                        let job = match rx.lock() {
+                            Ok(q) => q.recv(),
+                            Err(_) => return,
+                        };
+                        let Ok(job) = job else { return };
+                        metrics.dequeued();
+                        if job.events.is_closed() {
+                            metrics.cancelled();
+                            continue;
+                        }
+                        serve(&rt, &mut session, job, &metrics, i);
+                    }
+                })?;
+            threads.push(t);
+        }
+        drop(ready_tx);
+        for r in ready_rx.iter().take(n) {
+            r?;
+        }
+        Ok(Self {
+            queue: Some(tx),
+            threads,
+        })
+    }
+
+    /// Queue a job; a free slot takes it.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        match &self.queue {
+            Some(q) => q
+                .send(job)
+                .map_err(|_| ApiError::unavailable("the server is shutting down")),
+            None => Err(ApiError::unavailable("the server is shutting down")),
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.queue = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Run one job on a slot's session, streaming its text as [`Event`]s.
+fn serve(rt: &Runtime, session: &mut Session, job: Job, metrics: &Metrics, slot: usize) {
+    let model = rt.model();
+    let n_ctx = session.n_ctx() as usize;
+    let max_tokens = job
+        .max_tokens
+        .unwrap_or_else(|| n_ctx.saturating_sub(job.prompt.len()));
+    let req = Request {
+        max_tokens,
+        sampling: job.sampling,
+    };
+    metrics.started();
+    let t0 = Instant::now();
+    let mut text = TextOut::new(job.stop.clone());
+    let mut gone = false;
+    let mut on_token = |t: Token| {
+        let piece = model.token_to_piece(t, false).unwrap_or_default();
+        let (out, stop) = text.push(&piece);
+        if !out.is_empty() && job.events.send(Event::Text(out)).is_err() {
+            gone = true;
+            return false;
+        }
+        if job.events.is_closed() {
+            gone = true;
+            return false;
+        }
+        !stop
+    };
+    let r = session.generate(&job.prompt, &req, &mut on_token);
+    metrics.finished();
+    let g = match r {
+        Ok(g) => g,
+        Err(e) => {
+            log::warn!("slot {slot}: request failed: {e}");
+            metrics.failed();
+            let _ = job.events.send(Event::Error(e.into()));
+            return;
+        }
+    };
+    if gone {
+        log::info!(
+            "slot {slot}: the client hung up after {} tokens; slot freed",
+            g.tokens.len()
+        );
+        metrics.cancelled();
+        return;
+    }
+    let rest = text.finish();
+    if !rest.is_empty() {
+        let _ = job.events.send(Event::Text(rest));
+    }
+    let eog = g.tokens.last().is_some_and(|&t| model.is_eog(t));
+    let finish = if eog || text.stopped {
+        Finish::Stop
+    } else {
+        Finish::Length
+    };
+    let o = Outcome {
+        finish,
+        prompt_tokens: job.prompt.len(),
+        completion_tokens: g.tokens.len(),
+        prefill_seconds: g.prefill_seconds,
+        decode_seconds: g.decode_seconds,
+        target_calls: g.target_calls,
+    };
+    metrics.record(&o);
+    log::info!(
+        "slot {slot}: {} prompt tokens, {} tokens in {:.2} s ({:.1} tok/s, {:.2} per target call), {:.2} s in all",
+        o.prompt_tokens,
+        o.completion_tokens,
+        o.decode_seconds,
+        if o.decode_seconds > 0.0 { o.completion_tokens as f64 / o.decode_seconds } else { 0.0 },
+        if o.target_calls > 0 { o.completion_tokens as f64 / o.target_calls as f64 } else { 0.0 },
+        t0.elapsed().as_secs_f64()
+    );
+    let _ = job.events.send(Event::Done(o));
+}
+
+/// A generation's text as it may be sent: complete UTF-8 only, and never text that could be
+/// the start of a stop string (held back until it is known not to be one). At a stop string
+/// the text before it is the output and the rest is dropped.
+#[derive(Debug, Default)]
+pub struct TextOut {
+    bytes: Vec<u8>,
+    sent: usize,
+    stops: Vec<String>,
+    /// A stop string was found.
+    pub stopped: bool,
+}
+
+impl TextOut {
+    pub fn new(stops: Vec<String>) -> Self {
+        Self {
+            stops,
+            ..Default::default()
+        }
+    }
+
+    /// Add a token's bytes; returns the text that may go out now, and whether a stop string
+    /// ended the output.
+    pub fn push(&mut self, piece: &[u8]) -> (String, bool) {
+        if self.stopped {
+            return (String::new(), true);
+        }
+        self.bytes.extend_from_slice(piece);
+        let valid = match std::str::from_utf8(&self.bytes) {
+            Ok(s) => s.len(),
+            // An incomplete character at the end waits for the next token; invalid bytes
+            // inside are sent as U+FFFD.
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            Err(_) => self.bytes.len(),
+        };
+        let mut valid = valid;
+        if std::str::from_utf8(&self.bytes[..valid]).is_err() {
+            // What was sent is valid UTF-8, so the replacement shifts nothing before `sent`.
+            let tail = self.bytes.split_off(valid);
+            let fixed = String::from_utf8_lossy(&self.bytes).into_owned();
+            valid = fixed.len();
+            self.bytes = fixed.into_bytes();
+            self.bytes.extend_from_slice(&tail);
+        }
+        let text = std::str::from_utf8(&self.bytes[..valid]).unwrap_or_default();
+        let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
+        // A stop string can only end in the new text: search from where one could start.
+        let mut from = self.sent.saturating_sub(longest);
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i))
+            .min();
+        if let Some(at) = hit {
+            self.stopped = true;
+            let out = text.get(self.sent..at).unwrap_or("").to_string();
+            self.sent = at.max(self.sent);
+            return (out, true);
+        }
+        // Hold back the longest tail that begins some stop string.
+        let hold = self
+            .stops
+            .iter()
+            .flat_map(|s| {
+                (1..s.len())
+                    .rev()
+                    .filter(|&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
+                    .take(1)
+            })
+            .max()
+            .unwrap_or(0);
+        let upto = text.len() - hold;
+        if upto <= self.sent {
+            return (String::new(), false);
+        }
+        let out = text[self.sent..upto].to_string();
+        self.sent = upto;
+        (out, false)
+    }
+
+    /// The end of the generation: whatever was held back (an incomplete character as U+FFFD).
+    pub fn finish(&mut self) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let rest = String::from_utf8_lossy(self.bytes.get(self.sent..).unwrap_or(&[])).into_owned();
+        self.sent = self.bytes.len();
+        rest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TextOut;
+
+    fn run(stops: &[&str], pieces: &[&[u8]]) -> (Vec<String>, String, bool) {
+        let mut t = TextOut::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut outs = Vec::new();
+        for p in pieces {
+            let (o, stop) = t.push(p);
+            outs.push(o);
+            if stop {
+                break;
+            }
+        }
+        let rest = t.finish();
+        let all = outs.concat() + &rest;
+        (outs, all, t.stopped)
+    }
+
+    #[test]
+    fn split_characters_wait_for_their_last_byte() {
+        let e = "é".as_bytes();
+        let (outs, all, _) = run(&[], &[b"caf", &e[..1], &e[1..], b"!"]);
+        assert_eq!(outs, vec!["caf", "", "é", "!"]);
+        assert_eq!(all, "café!");
+    }
+
+    #[test]
+    fn stop_strings_cut_the_output_even_across_tokens() {
+        let (outs, all, stopped) = run(&["\n\n"], &[b"one", b"\n", b"\ntwo"]);
+        assert!(stopped);
+        assert_eq!(all, "one");
+        // The first newline was held back: it could have started the stop string.
+        assert_eq!(outs, vec!["one", "", ""]);
+        let (_, all, stopped) = run(&["END"], &[b"abc E", b"N", b"D more"]);
+        assert!(stopped);
+        assert_eq!(all, "abc ");
+    }
+
+    #[test]
+    fn a_held_back_prefix_that_is_not_a_stop_goes_out() {
+        let (outs, all, stopped) = run(&["STOP"], &[b"ST", b"ART", b"S"]);
+        assert!(!stopped);
+        assert_eq!(outs, vec!["", "START", ""]);
+        assert_eq!(all, "STARTS");
+    }
+
+    #[test]
+    fn the_earliest_stop_wins() {
+        let (_, all, _) = run(&["b", "a"], &[b"xxab"]);
+        assert_eq!(all, "xx");
+    }
+}

@@ -1,0 +1,554 @@
+//! The engine API every front end uses: `leap generate`, `leap serve` (`server/`) and the C API
+//! (`capi/`, `include/leap.h`). A [`Runtime`] is an open model with its options (kernels, the
+//! sidecar's early-exit head, a flash budget); a [`Session`] is one llama.cpp context on it with
+//! the engine that decodes there, kept across requests so that the conversation's earlier
+//! requests and answers feed the drafter (sd.npu's history) and the controller keeps what it
+//! measured.
+//!
+//! ```no_run
+//! use leap_spec::session::{Options, Request, Runtime};
+//! let rt = Runtime::open("gemma-3-270m-it-Q4_K_M.gguf".as_ref(), &Options::default())?;
+//! let mut s = rt.session()?;
+//! let prompt = rt.model().tokenize("The capital of France is", true, false)?;
+//! let out = s.generate(&prompt, &Request { max_tokens: 16, ..Default::default() }, &mut |_| true)?;
+//! println!("{} tokens in {} target calls", out.tokens.len(), out.target_calls);
+//! # Ok::<(), leap_spec::session::Error>(())
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use leap_host::exit::Exit;
+use leap_host::project::OnDemand;
+use leap_host::sampler::SamplingParams;
+use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams, Token};
+
+use crate::engine::{Engine, EngineConfig};
+use crate::exit::{ModelShape, Pruner};
+use crate::head::Head;
+use crate::plain::{self, Generation};
+
+/// How a session decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Leap's speculative engine: the tokens plain greedy decoding gives (or, sampled, the
+    /// same distribution) in fewer target calls.
+    #[default]
+    Leap,
+    /// llama.cpp alone: one target call per token.
+    Plain,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "leap" => Ok(Self::Leap),
+            "plain" => Ok(Self::Plain),
+            _ => Err(Error::InvalidArgument(format!(
+                "mode {s:?}: `leap` or `plain`"
+            ))),
+        }
+    }
+}
+
+/// What a [`Runtime`] is opened with.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Threads for decoding and prefill (each session's).
+    pub threads: i32,
+    /// Context length of each session, in tokens (prompt and output together).
+    pub n_ctx: u32,
+    /// Prefill batch.
+    pub n_batch: usize,
+    /// Leap's engine or plain decoding.
+    pub mode: Mode,
+    /// Leap's ggml device computes the quantized matrix products (else ggml's CPU backend
+    /// alone). Process-wide: the first runtime opened decides for the others.
+    pub leap_kernels: bool,
+    /// The model's sidecar (default: `MODEL.leap.gguf` next to the model): its early-exit
+    /// head lets the engine prune verification rows. A head it cannot use is ignored with a
+    /// warning.
+    pub sidecar: Option<PathBuf>,
+    /// Flash streaming: bytes of the model's weights kept in DRAM, the rest read from storage
+    /// by every target call (`None`: all resident).
+    pub flash_budget: Option<u64>,
+    /// llama.cpp's flash attention (off keeps speculative output identical to plain).
+    pub flash_attn: FlashAttn,
+    /// The engine's drafting and tree limits.
+    pub engine: EngineConfig,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            threads: std::thread::available_parallelism().map_or(4, |n| n.get()) as i32,
+            n_ctx: 4096,
+            n_batch: 512,
+            mode: Mode::Leap,
+            leap_kernels: true,
+            sidecar: None,
+            flash_budget: None,
+            flash_attn: FlashAttn::Off,
+            engine: EngineConfig::default(),
+        }
+    }
+}
+
+/// What went wrong, with a kind a caller can branch on ([`Error::code`]).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A parameter out of range or of the wrong form.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The prompt and the tokens asked for do not fit the session's context.
+    #[error(
+        "the prompt ({prompt} tokens) and max_tokens ({max_tokens}) exceed the context of \
+         {n_ctx} tokens; shorten the prompt, lower max_tokens or raise the context length"
+    )]
+    ContextFull {
+        prompt: usize,
+        max_tokens: usize,
+        n_ctx: u32,
+    },
+    /// llama.cpp or Leap's host layer failed (loading, decoding, tokenizing).
+    #[error(transparent)]
+    Host(#[from] leap_host::Error),
+    /// Flash streaming could not map or read the model file.
+    #[error(transparent)]
+    Flash(#[from] leap_flash::Error),
+}
+
+impl Error {
+    /// A stable number per kind (the C API's `leap_status`): 1 invalid argument, 2 does not
+    /// fit the context, 3 model file missing or unreadable, 4 anything else llama.cpp failed.
+    pub fn code(&self) -> i32 {
+        use leap_host::Error as H;
+        match self {
+            Error::InvalidArgument(_) => 1,
+            Error::ContextFull { .. } | Error::Host(H::KvCacheFull { .. }) => 2,
+            Error::Host(
+                H::ModelNotFound { .. }
+                | H::InvalidGguf { .. }
+                | H::TruncatedGguf { .. }
+                | H::ModelLoad { .. },
+            ) => 3,
+            Error::Host(H::Tokenize { .. } | H::InvalidToken { .. } | H::NulByte { .. }) => 1,
+            Error::Host(_) | Error::Flash(_) => 4,
+        }
+    }
+}
+
+/// This module's result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// One generation's parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Request {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling (`temp <= 0`: greedy).
+    pub sampling: SamplingParams,
+}
+
+impl Default for Request {
+    fn default() -> Self {
+        Self {
+            max_tokens: 128,
+            sampling: SamplingParams::default(),
+        }
+    }
+}
+
+/// An open model and how its sessions decode. Shareable between threads (`Arc`).
+pub struct Runtime {
+    model: Arc<Model>,
+    opts: Options,
+    head: Option<Arc<Head>>,
+    flash: Option<Flash>,
+}
+
+/// A flash plan for the model (each session streams with its own [`leap_flash::Streamer`]).
+struct Flash {
+    budget: u64,
+    reserve: u64,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("model", &self.model.desc())
+            .field("opts", &self.opts)
+            .field("head", &self.head.as_ref().map(|h| h.layer))
+            .finish()
+    }
+}
+
+impl Runtime {
+    /// Load the model at `path` with `opts`: registers Leap's ggml device first when
+    /// `opts.leap_kernels`, and reads the sidecar's early-exit head in [`Mode::Leap`].
+    ///
+    /// # Errors
+    /// Options out of range, a model file that is missing or that llama.cpp cannot load.
+    pub fn open(path: &Path, opts: &Options) -> Result<Self> {
+        if opts.threads < 1 {
+            return Err(Error::InvalidArgument(format!(
+                "threads {}: at least 1",
+                opts.threads
+            )));
+        }
+        if opts.n_ctx < 16 {
+            return Err(Error::InvalidArgument(format!(
+                "context {}: at least 16 tokens",
+                opts.n_ctx
+            )));
+        }
+        if opts.n_batch == 0 {
+            return Err(Error::InvalidArgument("n_batch: at least 1".into()));
+        }
+        if opts.leap_kernels {
+            leap_backend::register();
+        }
+        leap_backend::set_enabled(opts.leap_kernels);
+        let model = Model::load(path, &ModelParams::default())?;
+        let flash = match opts.flash_budget {
+            Some(budget) => {
+                let map = leap_flash::LayerMap::open(path)?;
+                let reserve = vocab_reserve(
+                    &map,
+                    budget,
+                    model.n_vocab(),
+                    opts.engine.vocab.filter(|_| opts.mode == Mode::Leap),
+                    true,
+                );
+                Some(Flash { budget, reserve })
+            }
+            None => None,
+        };
+        // The early-exit head (not under flash streaming, where a call's cost is its reads).
+        let head = (opts.mode == Mode::Leap && flash.is_none())
+            .then(|| load_head(&model, opts.sidecar.as_deref()))
+            .flatten()
+            .map(Arc::new);
+        Ok(Self {
+            model,
+            opts: opts.clone(),
+            head,
+            flash,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// The options it was opened with.
+    pub fn options(&self) -> &Options {
+        &self.opts
+    }
+
+    /// Whether the sidecar's early-exit head is in use.
+    pub fn has_exit_head(&self) -> bool {
+        self.head.is_some()
+    }
+
+    /// A new session: its own context (KV cache) and engine.
+    ///
+    /// # Errors
+    /// Context creation (memory), a streamed model file that cannot be opened.
+    pub fn session(&self) -> Result<Session> {
+        self.session_with_ctx(self.opts.n_ctx)
+    }
+
+    /// [`Runtime::session`] with a context of `n_ctx` tokens instead of the options'.
+    ///
+    /// # Errors
+    /// As [`Runtime::session`].
+    pub fn session_with_ctx(&self, n_ctx: u32) -> Result<Session> {
+        let o = &self.opts;
+        let mut params = ContextParams {
+            n_ctx,
+            n_threads: o.threads,
+            n_threads_batch: o.threads,
+            flash_attn: o.flash_attn,
+            ..Default::default()
+        };
+        let mut config = o.engine.clone();
+        let streamer = match &self.flash {
+            Some(f) => {
+                let map = leap_flash::LayerMap::open(self.model.path())?;
+                let chunk = map.largest_block().max(1);
+                let p = leap_flash::plan(
+                    &map,
+                    f.budget.saturating_sub(f.reserve),
+                    chunk,
+                    1,
+                    leap_flash::Strategy::default(),
+                );
+                log::info!(
+                    "flash budget {:.1} MB: {:.1} MB pinned, {:.1} MB of draft vocabulary, \
+                     {:.1} MB read from storage every target call",
+                    f.budget as f64 / 1e6,
+                    p.pinned_bytes as f64 / 1e6,
+                    f.reserve as f64 / 1e6,
+                    p.streamed_bytes as f64 / 1e6
+                );
+                config = config.streamed();
+                config.max_branches = config.max_branches.max(4);
+                Some(leap_flash::Streamer::new(self.model.path(), map, p, 1)?)
+            }
+            None => None,
+        };
+        params.n_seq_max = config.max_branches.max(1) as u32;
+        let exit = self.head.as_ref().map(|h| {
+            let (exit, obs) = Exit::new(h.layer);
+            let pruner = Pruner {
+                head: Arc::clone(h),
+                n_layer: self.model.n_layer() as u32,
+            };
+            ((exit, pruner), obs)
+        });
+        let (exit, exit_obs) = match exit {
+            Some((e, o)) => (Some(e), Some(o)),
+            None => (None, None),
+        };
+        let (ctx, od) = if o.mode == Mode::Leap || streamer.is_some() {
+            let observers: Vec<_> = streamer
+                .as_ref()
+                .map(leap_flash::Streamer::observer)
+                .into_iter()
+                .chain(exit_obs)
+                .collect();
+            let first: Option<Box<dyn leap_host::EvalObserver>> = match observers.len() {
+                0 => None,
+                1 => observers.into_iter().next(),
+                _ => Some(Box::new(leap_host::Chain::new(observers))),
+            };
+            OnDemand::context_with(&self.model, &params, first)?
+        } else {
+            (Context::new(&self.model, &params)?, None)
+        };
+        // Leap's projection reads streamed output weights a chunk at a time, within the budget.
+        let od = od.map(|o| match &streamer {
+            Some(s) => s.stream_projection(o),
+            None => o,
+        });
+        let (engine, plain_od) = match o.mode {
+            Mode::Leap => (
+                Some(Engine::new(config).with_on_demand(od).with_exit(exit)),
+                None,
+            ),
+            Mode::Plain => (None, od.filter(OnDemand::streamed)),
+        };
+        Ok(Session {
+            ctx,
+            engine,
+            plain_od,
+            streamer,
+            n_batch: o.n_batch,
+            totals: Totals::default(),
+        })
+    }
+}
+
+/// What a session has done so far, summed over its generations.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Totals {
+    /// Generations run.
+    pub requests: u64,
+    /// Prompt tokens prefilled.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub tokens: u64,
+    /// Target calls during decoding.
+    pub target_calls: u64,
+    /// Seconds of decoding (after each prompt's prefill).
+    pub decode_seconds: f64,
+    /// Seconds of prefill.
+    pub prefill_seconds: f64,
+}
+
+impl Totals {
+    /// Tokens per target call (1.0 for plain decoding).
+    pub fn accepted_per_call(&self) -> f64 {
+        if self.target_calls == 0 {
+            0.0
+        } else {
+            self.tokens as f64 / self.target_calls as f64
+        }
+    }
+}
+
+/// One context and the engine decoding in it. Not shared between threads: give each thread
+/// (a server's slot) its own.
+pub struct Session {
+    ctx: Context,
+    engine: Option<Engine>,
+    /// Plain decoding's streamed projection (flash).
+    plain_od: Option<OnDemand>,
+    streamer: Option<leap_flash::Streamer>,
+    n_batch: usize,
+    totals: Totals,
+}
+
+impl Session {
+    /// Context length in tokens.
+    pub fn n_ctx(&self) -> u32 {
+        self.ctx.n_ctx()
+    }
+
+    /// Everything this session generated so far.
+    pub fn totals(&self) -> Totals {
+        self.totals
+    }
+
+    /// The flash streamer, when the runtime streams weights.
+    pub fn streamer(&self) -> Option<&leap_flash::Streamer> {
+        self.streamer.as_ref()
+    }
+
+    /// Whether `prompt_len` tokens and `max_tokens` more fit this session's context.
+    ///
+    /// # Errors
+    /// [`Error::ContextFull`], or an empty prompt.
+    pub fn check_fits(&self, prompt_len: usize, max_tokens: usize) -> Result<()> {
+        if prompt_len == 0 {
+            return Err(Error::InvalidArgument("the prompt is empty".into()));
+        }
+        let n_ctx = self.n_ctx();
+        if prompt_len + max_tokens > n_ctx as usize {
+            return Err(Error::ContextFull {
+                prompt: prompt_len,
+                max_tokens,
+                n_ctx,
+            });
+        }
+        Ok(())
+    }
+
+    /// Generate from `prompt` (token ids, BOS included when the model wants one): up to
+    /// `req.max_tokens` tokens or an end-of-generation token (kept, and not passed to
+    /// `on_token`), calling `on_token` with each token as it is accepted; `on_token` returning
+    /// false stops the generation there (the tokens so far are returned). Greedy output is
+    /// token for token plain decoding's; sampled output keeps its distribution.
+    ///
+    /// # Errors
+    /// [`Error::ContextFull`] before any work when the request does not fit; decode failures.
+    pub fn generate(
+        &mut self,
+        prompt: &[Token],
+        req: &Request,
+        on_token: &mut dyn FnMut(Token) -> bool,
+    ) -> Result<Generation> {
+        self.check_fits(prompt.len(), req.max_tokens)?;
+        if !(req.sampling.temp.is_finite()
+            && (0.0..=1.0).contains(&req.sampling.top_p)
+            && (0.0..=1.0).contains(&req.sampling.min_p))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "sampling parameters out of range: temperature {}, top_p {} and min_p {} \
+                 (top_p and min_p from 0 to 1)",
+                req.sampling.temp, req.sampling.top_p, req.sampling.min_p
+            )));
+        }
+        let g = match self.engine.as_mut() {
+            Some(e) => e.generate_with(
+                &mut self.ctx,
+                prompt,
+                req.max_tokens,
+                self.n_batch,
+                &req.sampling,
+                on_token,
+            )?,
+            None => plain::plain_with(
+                &mut self.ctx,
+                self.plain_od.as_ref(),
+                prompt,
+                req.max_tokens,
+                &req.sampling,
+                self.n_batch,
+                on_token,
+            )?,
+        };
+        let t = &mut self.totals;
+        t.requests += 1;
+        t.prompt_tokens += prompt.len() as u64;
+        t.tokens += g.tokens.len() as u64;
+        t.target_calls += g.target_calls;
+        t.decode_seconds += g.decode_seconds;
+        t.prefill_seconds += g.prefill_seconds;
+        Ok(g)
+    }
+}
+
+/// Bytes of the draft vocabulary's rows that greedy self-drafting keeps resident under a
+/// flash budget ([`crate::vocab`]): they come out of the DRAM budget before the plan. None
+/// for sampled decoding (trees), nor when `budget` holds the whole model (nothing streams, and
+/// the rows are drafted from the resident weights' own budget-free copy).
+pub fn vocab_reserve(
+    map: &leap_flash::LayerMap,
+    budget: u64,
+    n_vocab: i32,
+    vc: Option<crate::vocab::VocabConfig>,
+    greedy: bool,
+) -> u64 {
+    if !greedy || budget >= map.per_call_bytes() {
+        return 0;
+    }
+    vc.map_or(0, |v| {
+        let out = if map.tied_output {
+            leap_flash::Section::Embed
+        } else {
+            leap_flash::Section::Output
+        };
+        v.resident_rows() as u64 * (map.bytes(out) / n_vocab.max(1) as u64)
+    })
+}
+
+/// The early-exit head for `model` from the sidecar at `sidecar` (default: next to the
+/// model): `Ok(None)` without a sidecar or without a head in it, `Err` saying why when there
+/// is one Leap cannot use (trained on another model, a corrupt file).
+///
+/// # Errors
+/// As said: the reason a sidecar's head cannot be used.
+pub fn head_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Head>, String> {
+    let path = sidecar
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| leap_host::sidecar::path_for(model.path()));
+    let side = match leap_host::sidecar::Sidecar::load(&path) {
+        Ok(Some(s)) => s,
+        Ok(None) if sidecar.is_some() => return Err(format!("no sidecar at {}", path.display())),
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(format!("ignoring the sidecar {}: {e}", path.display())),
+    };
+    let fingerprint = match leap_host::project::fingerprint(model) {
+        Ok(Some(f)) => f,
+        Ok(None) => return Err("the model has no output weights to score with".into()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let shape = ModelShape {
+        fingerprint,
+        n_embd: model.n_embd() as usize,
+        n_layer: model.n_layer() as u32,
+        n_vocab: model.n_vocab() as usize,
+    };
+    crate::exit::load(&side, &shape)
+        .map_err(|why| format!("ignoring the early-exit head in {}: {why}", path.display()))
+}
+
+/// [`head_for`], with a warning when the head is refused (Leap then runs without early
+/// exit).
+pub fn load_head(model: &Model, sidecar: Option<&Path>) -> Option<Head> {
+    match head_for(model, sidecar) {
+        Ok(Some(h)) => {
+            log::info!("early-exit head at layer {}", h.layer);
+            Some(h)
+        }
+        Ok(None) => None,
+        Err(why) => {
+            log::warn!("{why}; running without early exit");
+            None
+        }
+    }
+}
