@@ -367,20 +367,26 @@ impl Model {
     }
 
     /// Render `messages` with the model's chat template; `add_assistant` appends the prefix
-    /// that starts the assistant's turn.
+    /// that starts the assistant's turn. A model without a template gets ChatML, as
+    /// llama-server gives it (with a warning, once).
     ///
     /// # Errors
-    /// [`Error::ChatTemplate`] when the model has none or llama.cpp cannot apply it.
+    /// [`Error::ChatTemplate`] when llama.cpp cannot apply the template.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_assistant: bool,
     ) -> Result<String> {
-        let tmpl = self
-            .chat_template(None)
-            .ok_or_else(|| Error::ChatTemplate {
-                reason: format!("{} has no chat template", self.path.display()),
-            })?;
+        let tmpl = self.chat_template(None).unwrap_or_else(|| {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                log::warn!(
+                    "{} has no chat template; using ChatML, as llama-server does",
+                    self.path.display()
+                );
+            });
+            "chatml".to_string()
+        });
         let ctmpl = CString::new(tmpl).map_err(|_| Error::NulByte {
             what: "chat template",
         })?;

@@ -69,6 +69,24 @@ pub fn prefill(
     n_batch: usize,
     check: bool,
 ) -> Result<Prefilled> {
+    prefill_from(ctx, od, prompt, 0, n_batch, check)
+}
+
+/// [`prefill`] when sequence 0 already holds `prompt[..start]` at positions `0..start` (a
+/// prefix kept from an earlier request; `start < prompt.len()`) and nothing after: only the
+/// rest goes through the target, and the kept positions have no calibrated prediction (-1).
+///
+/// # Errors
+/// As [`prefill`].
+pub fn prefill_from(
+    ctx: &mut Context,
+    od: &OnDemand,
+    prompt: &[Token],
+    start: usize,
+    n_batch: usize,
+    check: bool,
+) -> Result<Prefilled> {
+    let start = start.min(prompt.len().saturating_sub(1));
     let mut vocab: Vec<Token> = prompt.to_vec();
     vocab.sort_unstable();
     vocab.dedup();
@@ -97,11 +115,12 @@ pub fn prefill(
         }
         seconds += t0.elapsed().as_secs_f64();
     };
+    pred.resize(start, -1);
     let (body, last) = prompt.split_at(prompt.len().saturating_sub(1));
-    for (c, chunk) in body.chunks(n_batch).enumerate() {
+    for (c, chunk) in body[start.min(body.len())..].chunks(n_batch).enumerate() {
         batch.clear();
         for (k, &t) in chunk.iter().enumerate() {
-            batch.add(t, (c * n_batch + k) as i32, &[0], true)?;
+            batch.add(t, (start + c * n_batch + k) as i32, &[0], true)?;
         }
         od.arm(true);
         let r = ctx.decode(&batch);

@@ -21,7 +21,7 @@ use crate::dist::Truncation;
 use crate::draft::{ContextDrafter, Drafter, HistoryDrafter, Proposal, ReuseDrafter};
 use crate::exit::Pruner;
 use crate::lever;
-use crate::plain::{argmax, prefill, Generation};
+use crate::plain::{argmax, Generation};
 use crate::tree::{KvOp, NodeId, TokenTree};
 use crate::vocab::Resident;
 
@@ -383,6 +383,28 @@ impl Engine {
         sampling: &SamplingParams,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
+        self.generate_from(ctx, prompt, 0, max_tokens, n_batch, sampling, on_token)
+    }
+
+    /// [`Engine::generate_with`] when sequence 0 of `ctx` already holds `prompt[..cached]`
+    /// at positions `0..cached` (kept from an earlier request on this context, as
+    /// [`crate::session::Session`] tracks): only the rest is prefilled. The output is the
+    /// same as with `cached` 0: a row's results do not depend on its batch.
+    ///
+    /// # Errors
+    /// As [`Engine::generate`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_from(
+        &mut self,
+        ctx: &mut Context,
+        prompt: &[Token],
+        cached: usize,
+        max_tokens: usize,
+        n_batch: usize,
+        sampling: &SamplingParams,
+        on_token: &mut dyn FnMut(Token) -> bool,
+    ) -> Result<Generation> {
+        let cached = cached.min(prompt.len().saturating_sub(1));
         let sampled = sampling.temp > 0.0;
         let trunc = Truncation::from(sampling);
         let mut rng = SplitMix64(u64::from(sampling.seed) ^ 0x1EA9_5EED_0000_0000);
@@ -392,15 +414,17 @@ impl Engine {
                 reason: "empty prompt".into(),
             });
         }
-        if let Some(g) = self.self_draft(ctx, prompt, max_tokens, n_batch, sampled, on_token)? {
-            return Ok(g);
+        if cached == 0 {
+            if let Some(g) = self.self_draft(ctx, prompt, max_tokens, n_batch, sampled, on_token)? {
+                return Ok(g);
+            }
         }
-        ctx.clear(false);
+        crate::plain::keep_prefix(ctx, cached);
         let t0 = Instant::now();
         let mut calib_seconds = 0.0;
         match &mut self.on_demand {
             Some((od, checked)) if self.cfg.calibrate && *checked != Some(false) => {
-                let p = calib::prefill(ctx, od, prompt, n_batch, checked.is_none())?;
+                let p = calib::prefill_from(ctx, od, prompt, cached, n_batch, checked.is_none())?;
                 if let Some(exact) = p.exact {
                     if !exact {
                         log::warn!(
@@ -414,7 +438,7 @@ impl Engine {
                 calib_seconds = p.calib.seconds;
             }
             _ => {
-                prefill(ctx, prompt, n_batch)?;
+                crate::plain::prefill_from(ctx, prompt, cached, n_batch)?;
                 self.calibrated.set(&Calibration::default());
             }
         }

@@ -52,14 +52,43 @@ pub struct Generation {
 /// # Errors
 /// Decode failures.
 pub fn prefill(ctx: &mut Context, prompt: &[Token], n_batch: usize) -> Result<()> {
+    prefill_from(ctx, prompt, 0, n_batch)
+}
+
+/// [`prefill`] when sequence 0 already holds `prompt[..start]` at positions `0..start`
+/// (`start < prompt.len()`): only the rest goes through the target.
+///
+/// # Errors
+/// Decode failures.
+pub fn prefill_from(
+    ctx: &mut Context,
+    prompt: &[Token],
+    start: usize,
+    n_batch: usize,
+) -> Result<()> {
+    let start = start.min(prompt.len().saturating_sub(1));
+    let rest = &prompt[start..];
     let mut batch = Batch::new(n_batch, 1);
-    for (c, chunk) in prompt.chunks(n_batch).enumerate() {
+    for (c, chunk) in rest.chunks(n_batch).enumerate() {
         batch.clear();
-        let last_chunk = (c + 1) * n_batch >= prompt.len();
-        batch.add_sequence(chunk, (c * n_batch) as i32, 0, last_chunk)?;
+        let last_chunk = (c + 1) * n_batch >= rest.len();
+        batch.add_sequence(chunk, (start + c * n_batch) as i32, 0, last_chunk)?;
         ctx.decode(&batch)?;
     }
     Ok(())
+}
+
+/// Empty the context's memory but for sequence 0's first `keep` positions (a prompt prefix
+/// the next request reuses; 0 clears everything).
+pub fn keep_prefix(ctx: &mut Context, keep: usize) {
+    if keep == 0 {
+        ctx.clear(false);
+        return;
+    }
+    for s in 1..ctx.n_seq_max() as i32 {
+        ctx.seq_rm(s, -1, -1);
+    }
+    ctx.seq_rm(0, keep as i32, -1);
 }
 
 /// Index of the largest logit (the first on ties, as llama.cpp's greedy sampler).
@@ -108,12 +137,32 @@ pub fn plain_with(
     n_batch: usize,
     on_token: &mut dyn FnMut(Token) -> bool,
 ) -> Result<Generation> {
+    plain_from(ctx, od, prompt, 0, max_tokens, sampling, n_batch, on_token)
+}
+
+/// [`plain_with`] when sequence 0 already holds `prompt[..cached]` (from an earlier request):
+/// only the rest is prefilled.
+///
+/// # Errors
+/// Decode failures.
+#[allow(clippy::too_many_arguments)]
+pub fn plain_from(
+    ctx: &mut Context,
+    od: Option<&OnDemand>,
+    prompt: &[Token],
+    cached: usize,
+    max_tokens: usize,
+    sampling: &SamplingParams,
+    n_batch: usize,
+    on_token: &mut dyn FnMut(Token) -> bool,
+) -> Result<Generation> {
     let mut od = od.filter(|_| sampling.temp <= 0.0);
     // Checked against llama.cpp's logits on the first step.
     let mut checked = false;
-    ctx.clear(false);
+    let cached = cached.min(prompt.len().saturating_sub(1));
+    keep_prefix(ctx, cached);
     let t0 = Instant::now();
-    prefill(ctx, prompt, n_batch)?;
+    prefill_from(ctx, prompt, cached, n_batch)?;
     let prefill_seconds = t0.elapsed().as_secs_f64();
 
     let model = ctx.model().clone();

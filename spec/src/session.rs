@@ -345,8 +345,13 @@ impl Runtime {
             ctx,
             engine,
             plain_od,
+            // Under flash streaming greedy decoding drafts with the target itself, which
+            // prefills the whole prompt.
+            reuse: self.flash.is_none(),
             streamer,
             n_batch: o.n_batch,
+            kv: Vec::new(),
+            cached_tokens: 0,
             totals: Totals::default(),
         })
     }
@@ -381,7 +386,8 @@ impl Totals {
 }
 
 /// One context and the engine decoding in it. Not shared between threads: give each thread
-/// (a server's slot) its own.
+/// (a server's slot) its own. It keeps the KV cache of its last prompt and output, so a
+/// request that extends them (a conversation's next turn) prefills only what is new.
 pub struct Session {
     ctx: Context,
     engine: Option<Engine>,
@@ -389,6 +395,12 @@ pub struct Session {
     plain_od: Option<OnDemand>,
     streamer: Option<leap_flash::Streamer>,
     n_batch: usize,
+    /// Keep the KV cache of a prompt prefix the next request extends.
+    reuse: bool,
+    /// The tokens sequence 0 holds at positions `0..kv.len()` after the last generation.
+    kv: Vec<Token>,
+    /// Prompt tokens the last generation found in the cache.
+    cached_tokens: usize,
     totals: Totals,
 }
 
@@ -396,6 +408,17 @@ impl Session {
     /// Context length in tokens.
     pub fn n_ctx(&self) -> u32 {
         self.ctx.n_ctx()
+    }
+
+    /// Prompt tokens of the last generation whose KV cache was kept from the one before (a
+    /// conversation's earlier turns), so not prefilled again.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens
+    }
+
+    /// Forget the kept KV cache: the next generation prefills its whole prompt.
+    pub fn forget_prefix(&mut self) {
+        self.kv.clear();
     }
 
     /// Everything this session generated so far.
@@ -452,25 +475,41 @@ impl Session {
                 req.sampling.temp, req.sampling.top_p, req.sampling.min_p
             )));
         }
+        let cached = if self.reuse {
+            common_prefix(&self.kv, prompt).min(prompt.len() - 1)
+        } else {
+            0
+        };
+        // Until this generation ends well, nothing in the cache is known.
+        self.kv.clear();
         let g = match self.engine.as_mut() {
-            Some(e) => e.generate_with(
+            Some(e) => e.generate_from(
                 &mut self.ctx,
                 prompt,
+                cached,
                 req.max_tokens,
                 self.n_batch,
                 &req.sampling,
                 on_token,
             )?,
-            None => plain::plain_with(
+            None => plain::plain_from(
                 &mut self.ctx,
                 self.plain_od.as_ref(),
                 prompt,
+                cached,
                 req.max_tokens,
                 &req.sampling,
                 self.n_batch,
                 on_token,
             )?,
         };
+        if self.reuse {
+            // Every token but the last went through the target after the prompt.
+            self.kv.extend_from_slice(prompt);
+            self.kv
+                .extend_from_slice(&g.tokens[..g.tokens.len().saturating_sub(1)]);
+        }
+        self.cached_tokens = cached;
         let t = &mut self.totals;
         t.requests += 1;
         t.prompt_tokens += prompt.len() as u64;
@@ -480,6 +519,11 @@ impl Session {
         t.prefill_seconds += g.prefill_seconds;
         Ok(g)
     }
+}
+
+/// How many tokens `a` and `b` begin with alike.
+fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// Bytes of the draft vocabulary's rows that greedy self-drafting keeps resident under a
