@@ -1,10 +1,13 @@
 //! Slots: `--parallel N` threads, each with its own [`Session`] (a llama.cpp context and the
-//! engine decoding in it), taking requests from one queue in arrival order. A request never
-//! shares a batch with another, so its tokens do not depend on what else is running. A slot's
-//! engine is kept across requests: earlier requests and answers feed its drafter.
+//! engine decoding in it), taking requests from one queue. A request never shares a batch with
+//! another, so its tokens do not depend on what else is running. A slot's session is kept
+//! across requests: earlier requests and answers feed its drafter, and it keeps the KV cache of
+//! its last prompt and output. A queued request goes to the idle slot whose cache shares the
+//! longest prefix with its prompt, so a conversation's next turn finds its earlier turns.
 
+use std::collections::VecDeque;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -93,9 +96,42 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
 }
 
+/// The queue and what each slot holds, under one lock.
+#[derive(Default)]
+struct Sched {
+    queue: VecDeque<Job>,
+    /// Per slot: idle, and the tokens its KV cache holds (its last prompt and output).
+    idle: Vec<bool>,
+    held: Vec<Vec<Token>>,
+    closed: bool,
+}
+
+impl Sched {
+    /// The idle slot a job goes to: the one whose cache shares the longest prefix with its
+    /// prompt (a conversation's next turn finds its earlier turns there), the lowest on ties.
+    fn best_slot(&self, prompt: &[Token]) -> Option<usize> {
+        (0..self.idle.len())
+            .filter(|&i| self.idle[i])
+            .max_by_key(|&i| (common_prefix(&self.held[i], prompt), std::cmp::Reverse(i)))
+    }
+
+    /// The first queued job `slot` should take, if any.
+    fn take_for(&mut self, slot: usize) -> Option<Job> {
+        let k = self
+            .queue
+            .iter()
+            .position(|j| self.best_slot(&j.prompt) == Some(slot))?;
+        self.queue.remove(k)
+    }
+}
+
+fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// The slots and their queue. Dropping it lets each slot finish its request, then joins them.
 pub struct Pool {
-    queue: Option<mpsc::Sender<Job>>,
+    sched: Arc<(Mutex<Sched>, Condvar)>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -106,14 +142,20 @@ impl Pool {
     /// # Errors
     /// A session that could not be created (memory for the context).
     pub fn start(rt: Arc<Runtime>, n: usize, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
+        let sched = Arc::new((
+            Mutex::new(Sched {
+                idle: vec![true; n],
+                held: vec![Vec::new(); n],
+                ..Default::default()
+            }),
+            Condvar::new(),
+        ));
         let mut threads = Vec::new();
         let (ready_tx, ready_rx) = mpsc::channel();
         for i in 0..n {
-            let (rt, rx, metrics, ready) = (
+            let (rt, sched, metrics, ready) = (
                 Arc::clone(&rt),
-                Arc::clone(&rx),
+                Arc::clone(&sched),
                 Arc::clone(&metrics),
                 ready_tx.clone(),
             );
@@ -131,47 +173,72 @@ impl Pool {
                         }
                     };
                     drop(ready);
+                    let (lock, cv) = &*sched;
                     loop {
-                        // The lock is held only while waiting: one idle slot takes the next job.
-                        let job = match rx.lock() {
-                            Ok(q) => q.recv(),
-                            Err(_) => return,
+                        let job = {
+                            let Ok(mut s) = lock.lock() else { return };
+                            loop {
+                                if let Some(j) = s.take_for(i) {
+                                    s.idle[i] = false;
+                                    break j;
+                                }
+                                if s.closed && s.queue.is_empty() {
+                                    return;
+                                }
+                                s = match cv.wait(s) {
+                                    Ok(s) => s,
+                                    Err(_) => return,
+                                };
+                            }
                         };
-                        let Ok(job) = job else { return };
                         metrics.dequeued();
                         if job.events.is_closed() {
                             metrics.cancelled();
-                            continue;
+                        } else {
+                            serve(&rt, &mut session, job, &metrics, i);
                         }
-                        serve(&rt, &mut session, job, &metrics, i);
+                        let Ok(mut s) = lock.lock() else { return };
+                        s.idle[i] = true;
+                        s.held[i] = session.held().to_vec();
+                        drop(s);
+                        // Another slot may have left a job for this one.
+                        cv.notify_all();
                     }
                 })?;
             threads.push(t);
         }
         drop(ready_tx);
+        let pool = Self { sched, threads };
         for r in ready_rx.iter().take(n) {
             r?;
         }
-        Ok(Self {
-            queue: Some(tx),
-            threads,
-        })
+        Ok(pool)
     }
 
-    /// Queue a job; a free slot takes it.
+    /// Queue a job; the idle slot that holds most of its prompt takes it (or the next to
+    /// become idle).
     pub fn submit(&self, job: Job) -> Result<(), ApiError> {
-        match &self.queue {
-            Some(q) => q
-                .send(job)
-                .map_err(|_| ApiError::unavailable("the server is shutting down")),
-            None => Err(ApiError::unavailable("the server is shutting down")),
+        let (lock, cv) = &*self.sched;
+        let mut s = lock
+            .lock()
+            .map_err(|_| ApiError::internal("a slot panicked"))?;
+        if s.closed {
+            return Err(ApiError::unavailable("the server is shutting down"));
         }
+        s.queue.push_back(job);
+        drop(s);
+        cv.notify_all();
+        Ok(())
     }
 }
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        self.queue = None;
+        let (lock, cv) = &*self.sched;
+        if let Ok(mut s) = lock.lock() {
+            s.closed = true;
+        }
+        cv.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -351,7 +418,24 @@ impl TextOut {
 
 #[cfg(test)]
 mod tests {
-    use super::TextOut;
+    use super::{Sched, TextOut};
+
+    #[test]
+    fn a_job_goes_to_the_idle_slot_holding_most_of_its_prompt() {
+        let s = Sched {
+            idle: vec![true, false, true, true],
+            held: vec![vec![1, 2], vec![1, 2, 3, 4, 5], vec![1, 2, 3, 9], vec![]],
+            ..Default::default()
+        };
+        assert_eq!(s.best_slot(&[1, 2, 3, 4, 5, 6]), Some(2), "slot 1 is busy");
+        assert_eq!(s.best_slot(&[7]), Some(0), "the lowest on ties");
+        let none = Sched {
+            idle: vec![false],
+            held: vec![vec![]],
+            ..Default::default()
+        };
+        assert_eq!(none.best_slot(&[1]), None);
+    }
 
     fn run(stops: &[&str], pieces: &[&[u8]]) -> (Vec<String>, String, bool) {
         let mut t = TextOut::new(stops.iter().map(|s| s.to_string()).collect());

@@ -416,6 +416,12 @@ impl Session {
         self.cached_tokens
     }
 
+    /// The tokens whose KV cache this session keeps: its last prompt and output (all but the
+    /// last token, which never went through the target).
+    pub fn held(&self) -> &[Token] {
+        &self.kv
+    }
+
     /// Forget the kept KV cache: the next generation prefills its whole prompt.
     pub fn forget_prefix(&mut self) {
         self.kv.clear();
