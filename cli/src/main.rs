@@ -535,7 +535,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mode: Mode = a.mode.parse()?;
     a.runtime.setup_for(Some(&path))?;
     let flash_budget = match &a.flash_budget {
-        Some(b) => Some(parse_budget(b, leap_flash::LayerMap::open(&path)?.per_call_bytes())?),
+        Some(b) => Some(parse_budget(
+            b,
+            leap_flash::LayerMap::open(&path)?.per_call_bytes(),
+        )?),
         None => None,
     };
     let rt = Runtime::open(
@@ -562,9 +565,13 @@ fn generate(a: GenerateArgs) -> Result<()> {
         )?;
     }
     let prompt = model.tokenize(&text, true, a.chat)?;
-    let mut session = rt.session_with_ctx(a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32))?;
+    let mut session =
+        rt.session_with_ctx(a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32))?;
     if let Some(b) = flash_budget {
-        eprintln!("leap: flash budget {:.1} MB (-v for the plan)", b as f64 / 1e6);
+        eprintln!(
+            "leap: flash budget {:.1} MB (-v for the plan)",
+            b as f64 / 1e6
+        );
     }
     let stdout = std::io::stdout();
     let mut out = stdout.lock();

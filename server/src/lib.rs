@@ -145,7 +145,10 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
         .await
         .with_context(|| format!("listening on {addr}"))?;
     let local: SocketAddr = listener.local_addr()?;
-    eprintln!("leap serve: listening on http://{local} (loading {})", model.display());
+    eprintln!(
+        "leap serve: listening on http://{local} (loading {})",
+        model.display()
+    );
     let app = routes::router(Arc::clone(&state), !args.no_metrics);
 
     // Load in the background: /health answers 503 meanwhile.
@@ -157,11 +160,13 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
         std::thread::Builder::new()
             .name("leap-load".into())
             .spawn(move || {
-                let r = (|| -> Result<()> {
-                    let t0 = std::time::Instant::now();
-                    let rt = Arc::new(Runtime::open(&model, &opts)?);
-                    let pool = Pool::start(Arc::clone(&rt), parallel, Arc::clone(&state.metrics))?;
-                    eprintln!(
+                let r =
+                    (|| -> Result<()> {
+                        let t0 = std::time::Instant::now();
+                        let rt = Arc::new(Runtime::open(&model, &opts)?);
+                        let pool =
+                            Pool::start(Arc::clone(&rt), parallel, Arc::clone(&state.metrics))?;
+                        eprintln!(
                         "leap serve: ready in {:.1} s: {}, {} slot{} of {} tokens, {} decoding{}",
                         t0.elapsed().as_secs_f64(),
                         rt.model().desc(),
@@ -171,9 +176,9 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
                         if opts.mode == Mode::Leap { "leap" } else { "plain" },
                         if rt.has_exit_head() { " with an early-exit head" } else { "" }
                     );
-                    let _ = state.ready.set(Ready { rt, pool });
-                    Ok(())
-                })();
+                        let _ = state.ready.set(Ready { rt, pool });
+                        Ok(())
+                    })();
                 let _ = loaded_tx.send(r);
             })?;
     }

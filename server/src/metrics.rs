@@ -78,18 +78,78 @@ impl Metrics {
         };
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
         let rows: [(&str, &str, &str, f64); 12] = [
-            ("requests_total", "counter", "Requests completed.", c.requests as f64),
-            ("requests_failed_total", "counter", "Requests the engine failed on.", c.failed as f64),
-            ("requests_cancelled_total", "counter", "Requests whose client hung up first.", c.cancelled as f64),
-            ("requests_processing", "gauge", "Requests being decoded now.", c.processing as f64),
-            ("requests_deferred", "gauge", "Requests waiting for a free slot.", c.deferred as f64),
-            ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", c.prompt_tokens as f64),
-            ("prompt_seconds_total", "counter", "Seconds of prefill.", c.prompt_seconds),
-            ("tokens_predicted_total", "counter", "Tokens generated.", c.tokens as f64),
-            ("tokens_predicted_seconds_total", "counter", "Seconds of decoding (after each prompt's prefill).", c.decode_seconds),
-            ("predicted_tokens_seconds", "gauge", "Decode tokens per second over all requests.", ratio(c.tokens as f64, c.decode_seconds)),
-            ("target_calls_total", "counter", "Target-model calls during decoding.", c.target_calls as f64),
-            ("accepted_tokens_per_call", "gauge", "Tokens generated per target call (1 for plain decoding).", ratio(c.tokens as f64, c.target_calls as f64)),
+            (
+                "requests_total",
+                "counter",
+                "Requests completed.",
+                c.requests as f64,
+            ),
+            (
+                "requests_failed_total",
+                "counter",
+                "Requests the engine failed on.",
+                c.failed as f64,
+            ),
+            (
+                "requests_cancelled_total",
+                "counter",
+                "Requests whose client hung up first.",
+                c.cancelled as f64,
+            ),
+            (
+                "requests_processing",
+                "gauge",
+                "Requests being decoded now.",
+                c.processing as f64,
+            ),
+            (
+                "requests_deferred",
+                "gauge",
+                "Requests waiting for a free slot.",
+                c.deferred as f64,
+            ),
+            (
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens prefilled.",
+                c.prompt_tokens as f64,
+            ),
+            (
+                "prompt_seconds_total",
+                "counter",
+                "Seconds of prefill.",
+                c.prompt_seconds,
+            ),
+            (
+                "tokens_predicted_total",
+                "counter",
+                "Tokens generated.",
+                c.tokens as f64,
+            ),
+            (
+                "tokens_predicted_seconds_total",
+                "counter",
+                "Seconds of decoding (after each prompt's prefill).",
+                c.decode_seconds,
+            ),
+            (
+                "predicted_tokens_seconds",
+                "gauge",
+                "Decode tokens per second over all requests.",
+                ratio(c.tokens as f64, c.decode_seconds),
+            ),
+            (
+                "target_calls_total",
+                "counter",
+                "Target-model calls during decoding.",
+                c.target_calls as f64,
+            ),
+            (
+                "accepted_tokens_per_call",
+                "gauge",
+                "Tokens generated per target call (1 for plain decoding).",
+                ratio(c.tokens as f64, c.target_calls as f64),
+            ),
         ];
         let mut s = String::new();
         for (name, kind, help, v) in rows {
@@ -122,6 +182,9 @@ mod tests {
         assert!(t.contains("leap:tokens_predicted_total 30\n"), "{t}");
         assert!(t.contains("leap:predicted_tokens_seconds 15\n"), "{t}");
         assert!(t.contains("leap:accepted_tokens_per_call 2.5\n"), "{t}");
-        assert!(t.contains("# TYPE leap:target_calls_total counter\n"), "{t}");
+        assert!(
+            t.contains("# TYPE leap:target_calls_total counter\n"),
+            "{t}"
+        );
     }
 }

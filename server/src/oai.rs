@@ -131,7 +131,10 @@ impl Common {
         let bad = |p: &str, why: String| Err(ApiError::invalid(why, Some(p)));
         if let Some(n) = self.n {
             if n != 1 {
-                return bad("n", format!("n = {n}: this server returns one choice (n = 1)"));
+                return bad(
+                    "n",
+                    format!("n = {n}: this server returns one choice (n = 1)"),
+                );
             }
         }
         let max = [
@@ -274,19 +277,52 @@ mod tests {
 
     #[test]
     fn ranges_are_checked_and_defaults_filled() {
-        let p = |j: &str| parse::<CompletionRequest>(j.as_bytes()).unwrap().common.params();
+        let p = |j: &str| {
+            parse::<CompletionRequest>(j.as_bytes())
+                .unwrap()
+                .common
+                .params()
+        };
         let d = p(r#"{"prompt": "x"}"#).unwrap();
         assert_eq!(d.max_tokens, None);
         assert!((d.sampling.temp - 0.8).abs() < 1e-6);
-        assert_eq!(p(r#"{"prompt": "x", "max_tokens": 0}"#).unwrap_err().param.as_deref(), Some("max_tokens"));
-        assert_eq!(p(r#"{"prompt": "x", "temperature": 3}"#).unwrap_err().param.as_deref(), Some("temperature"));
-        assert_eq!(p(r#"{"prompt": "x", "top_p": -1}"#).unwrap_err().param.as_deref(), Some("top_p"));
-        assert_eq!(p(r#"{"prompt": "x", "n": 2}"#).unwrap_err().param.as_deref(), Some("n"));
         assert_eq!(
-            p(r#"{"prompt": "x", "stop": ["a","b","c","d","e"]}"#).unwrap_err().param.as_deref(),
+            p(r#"{"prompt": "x", "max_tokens": 0}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(
+            p(r#"{"prompt": "x", "temperature": 3}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(
+            p(r#"{"prompt": "x", "top_p": -1}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("top_p")
+        );
+        assert_eq!(
+            p(r#"{"prompt": "x", "n": 2}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("n")
+        );
+        assert_eq!(
+            p(r#"{"prompt": "x", "stop": ["a","b","c","d","e"]}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
             Some("stop")
         );
-        let s = p(r#"{"prompt": "x", "stop": "\n", "n_predict": -1, "seed": 7, "temperature": 0}"#).unwrap();
+        let s = p(r#"{"prompt": "x", "stop": "\n", "n_predict": -1, "seed": 7, "temperature": 0}"#)
+            .unwrap();
         assert_eq!(s.stop, vec!["\n".to_string()]);
         assert_eq!(s.sampling.seed, 7);
         assert_eq!(s.max_tokens, None);
@@ -301,6 +337,9 @@ mod tests {
         assert_eq!(r.messages[0].to_chat(0).unwrap().content, "hi");
         let r: ChatRequest =
             parse(br#"{"messages": [{"role": "wizard", "content": "x"}]}"#).unwrap();
-        assert_eq!(r.messages[0].to_chat(0).unwrap_err().param.as_deref(), Some("messages[0]"));
+        assert_eq!(
+            r.messages[0].to_chat(0).unwrap_err().param.as_deref(),
+            Some("messages[0]")
+        );
     }
 }

@@ -174,7 +174,10 @@ fn to_tokens(ids: &[i64], n_vocab: i32, param: &str) -> Result<Vec<leap_host::To
                 Ok(t as leap_host::Token)
             } else {
                 Err(ApiError::invalid(
-                    format!("token id {t} is not in the vocabulary (0 to {})", n_vocab - 1),
+                    format!(
+                        "token id {t} is not in the vocabulary (0 to {})",
+                        n_vocab - 1
+                    ),
                     Some(param),
                 ))
             }
@@ -268,7 +271,11 @@ async fn generate(
     }
     let id = format!(
         "{}-{}",
-        if kind == Kind::Chat { "chatcmpl" } else { "cmpl" },
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
         NEXT_ID.fetch_add(1, Ordering::Relaxed)
     );
     let head = Head {
@@ -329,7 +336,9 @@ impl Head {
     /// A streamed chunk's one choice.
     fn chunk(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
         let choice = match self.kind {
-            Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
+            Kind::Text => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            }
             Kind::Chat => {
                 let delta = if finish.is_some() {
                     json!({})
@@ -357,7 +366,9 @@ async fn collect(head: Head, mut rx: UnboundedReceiver<Event>) -> Result<Respons
         }
     };
     let choice = match head.kind {
-        Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": o.finish.as_str()}),
+        Kind::Text => {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": o.finish.as_str()})
+        }
         Kind::Chat => json!({
             "index": 0,
             "message": {"role": "assistant", "content": text},

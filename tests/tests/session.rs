@@ -36,10 +36,15 @@ fn turns_reuse_the_cache_and_stay_exact(name: &str) {
     let model = leap.model().clone();
     let mut s = leap.session().expect("session");
     let mut conversation: Vec<Token> = model.tokenize(PROMPTS[2], true, false).unwrap();
-    let follow_ups = ["\nQuestion: And of Spain?\nAnswer:", "\nQuestion: And of Peru?\nAnswer:"];
+    let follow_ups = [
+        "\nQuestion: And of Spain?\nAnswer:",
+        "\nQuestion: And of Peru?\nAnswer:",
+    ];
     let mut prev_len = 0;
     for turn in 0..3 {
-        let g = s.generate(&conversation, &greedy(20), &mut |_| true).unwrap();
+        let g = s
+            .generate(&conversation, &greedy(20), &mut |_| true)
+            .unwrap();
         assert!(
             s.cached_tokens() >= prev_len,
             "{name} turn {turn}: only {} prompt tokens came from the cache, the last prompt had {prev_len}",
@@ -48,8 +53,13 @@ fn turns_reuse_the_cache_and_stay_exact(name: &str) {
         prev_len = conversation.len();
         // A fresh plain session each time: nothing cached.
         let mut p = plain.session().unwrap();
-        let want = p.generate(&conversation, &greedy(20), &mut |_| true).unwrap();
-        assert_eq!(g.tokens, want.tokens, "{name} turn {turn}: Leap with a kept prefix differs from plain");
+        let want = p
+            .generate(&conversation, &greedy(20), &mut |_| true)
+            .unwrap();
+        assert_eq!(
+            g.tokens, want.tokens,
+            "{name} turn {turn}: Leap with a kept prefix differs from plain"
+        );
         conversation.extend(g.tokens.iter().filter(|&&t| !model.is_eog(t)));
         if let Some(f) = follow_ups.get(turn) {
             conversation.extend(model.tokenize(f, false, false).unwrap());
@@ -57,13 +67,25 @@ fn turns_reuse_the_cache_and_stay_exact(name: &str) {
     }
     // A plain session reuses its cache too, with the same tokens as a fresh one.
     let mut p = plain.session().unwrap();
-    let first = p.generate(&conversation, &greedy(8), &mut |_| true).unwrap();
+    let first = p
+        .generate(&conversation, &greedy(8), &mut |_| true)
+        .unwrap();
     let mut longer = conversation.clone();
     longer.extend(first.tokens.iter().filter(|&&t| !model.is_eog(t)));
     let again = p.generate(&longer, &greedy(8), &mut |_| true).unwrap();
-    assert!(p.cached_tokens() >= conversation.len(), "plain session kept its prefix");
-    let fresh = plain.session().unwrap().generate(&longer, &greedy(8), &mut |_| true).unwrap();
-    assert_eq!(again.tokens, fresh.tokens, "{name}: plain with a kept prefix differs");
+    assert!(
+        p.cached_tokens() >= conversation.len(),
+        "plain session kept its prefix"
+    );
+    let fresh = plain
+        .session()
+        .unwrap()
+        .generate(&longer, &greedy(8), &mut |_| true)
+        .unwrap();
+    assert_eq!(
+        again.tokens, fresh.tokens,
+        "{name}: plain with a kept prefix differs"
+    );
 }
 
 #[test]
@@ -91,7 +113,9 @@ fn a_request_that_does_not_fit_is_refused_before_any_work() {
     assert!(matches!(e, Error::ContextFull { n_ctx: 1024, .. }), "{e}");
     assert_eq!(e.code(), 2);
     assert!(!called);
-    let e = s.generate(&[], &greedy(4), &mut |_| true).expect_err("empty");
+    let e = s
+        .generate(&[], &greedy(4), &mut |_| true)
+        .expect_err("empty");
     assert_eq!(e.code(), 1);
     // Still usable.
     let g = s.generate(&prompt, &greedy(4), &mut |_| true).unwrap();

@@ -1,0 +1,200 @@
+/* leap.h: Leap's C API (libleap.so).
+ *
+ * Leap decodes a GGUF model with llama.cpp and its own speculative engine: greedy output is
+ * token for token what plain llama.cpp decoding gives, in fewer model calls. This header is
+ * the whole API an app needs; it is C99 and usable from C++.
+ *
+ *   leap_model   an open model (load it once; share it between threads)
+ *   leap_session a context on the model, kept across requests: the conversation's earlier
+ *                prompts and answers feed Leap's drafter. One thread at a time.
+ *
+ * A minimal program (tests/c/leap_example.c is a complete one):
+ *
+ *   leap_model *model;
+ *   leap_session *session;
+ *   if (leap_model_open("model.gguf", NULL, &model) != LEAP_OK) {
+ *       fprintf(stderr, "%s\n", leap_last_error());
+ *       return 1;
+ *   }
+ *   leap_session_new(model, &session);
+ *   leap_generate(session, "The capital of France is", NULL, on_token, NULL, NULL);
+ *   leap_session_free(session);
+ *   leap_model_free(model);
+ *
+ * Conventions:
+ * - Every function that can fail returns a leap_status; on failure leap_last_error() says
+ *   why, and output pointers are set to NULL.
+ * - Strings passed in are NUL-terminated UTF-8 (paths included); invalid UTF-8 is
+ *   LEAP_ERR_INVALID_ARGUMENT.
+ * - A NULL where an object is required is LEAP_ERR_INVALID_ARGUMENT, never a crash. The
+ *   *_free functions accept NULL.
+ * - Logging: Leap's own warnings go to stderr, llama.cpp's log is silent. Set the
+ *   environment variable LEAP_LOG=1 to see Leap's and llama.cpp's log down to debug level,
+ *   LEAP_LOG=0 for nothing, or LEAP_LOG=error|warn|info|debug|trace for that level. Read
+ *   once, at the first leap_model_open.
+ *
+ * Link with -lleap; libleap.so needs llama.cpp's shared libraries (libllama.so, libggml*.so),
+ * which the build puts next to it.
+ */
+#ifndef LEAP_H
+#define LEAP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Status ---------------------------------------------------------------------------- */
+
+typedef enum {
+    LEAP_OK = 0,
+    /* A NULL pointer, invalid UTF-8, a parameter out of range, a session already generating. */
+    LEAP_ERR_INVALID_ARGUMENT = 1,
+    /* The prompt and max_tokens do not fit the session's context (leap_model_params.n_ctx). */
+    LEAP_ERR_CONTEXT_FULL = 2,
+    /* The model file is missing, not a GGUF file, truncated, or llama.cpp cannot load it. */
+    LEAP_ERR_MODEL = 3,
+    /* llama.cpp failed otherwise: creating a context, decoding, applying the chat template. */
+    LEAP_ERR_DECODE = 4,
+    /* A bug in Leap, caught before it reached the caller (the message says where). A session
+     * that reported it cannot be used again: free it and make a new one. */
+    LEAP_ERR_INTERNAL = 5
+} leap_status;
+
+/* The message of the last call that failed on the calling thread ("" if none). The string
+ * belongs to Leap and stays valid until the next call into Leap on that thread. */
+const char *leap_last_error(void);
+
+/* A short description of a status ("ok", "invalid argument", ...). Static; never NULL. */
+const char *leap_status_string(leap_status status);
+
+/* Leap's version, "MAJOR.MINOR.PATCH". Static. */
+const char *leap_version(void);
+
+/* ---- Model ----------------------------------------------------------------------------- */
+
+typedef struct leap_model leap_model;
+
+#define LEAP_MODE_LEAP 0  /* Leap's speculative engine (the default) */
+#define LEAP_MODE_PLAIN 1 /* llama.cpp alone: one model call per token */
+
+typedef struct {
+    /* Threads for prompt processing and decoding, per session (default: the CPU count). */
+    int32_t threads;
+    /* Context length of each session, in tokens: prompt and output together (default 4096;
+     * llama.cpp rounds it up to a multiple of 256). */
+    uint32_t n_ctx;
+    /* LEAP_MODE_LEAP or LEAP_MODE_PLAIN. */
+    int32_t mode;
+    /* Leap's ggml device computes the quantized matrix products (default true). Process-wide:
+     * the last model opened decides for all. */
+    bool leap_kernels;
+    /* The model's sidecar file (its early-exit head speeds up Leap's verification), or NULL
+     * for MODEL.leap.gguf next to the model, if there is one. */
+    const char *sidecar;
+} leap_model_params;
+
+/* The defaults. Start from these and change what you need, so that fields added in later
+ * versions get their default values. */
+leap_model_params leap_model_default_params(void);
+
+/* Load the GGUF model at `path` with `params` (NULL: the defaults) into `*out`.
+ * Returns LEAP_ERR_MODEL for a missing or unreadable file, LEAP_ERR_INVALID_ARGUMENT for
+ * parameters out of range. */
+leap_status leap_model_open(const char *path, const leap_model_params *params, leap_model **out);
+
+/* Free a model. Free its sessions first; a session keeps the model loaded until it is freed
+ * itself, so the other order is safe too. NULL is a no-op. */
+void leap_model_free(leap_model *model);
+
+/* ---- Session --------------------------------------------------------------------------- */
+
+typedef struct leap_session leap_session;
+
+/* A new session on `model` (its own llama.cpp context, n_ctx tokens of KV cache) into `*out`.
+ * Sessions on one model may run on different threads at once. */
+leap_status leap_session_new(leap_model *model, leap_session **out);
+
+/* Free a session. NULL is a no-op. Not while a leap_generate on it is running. */
+void leap_session_free(leap_session *session);
+
+/* ---- Generation ------------------------------------------------------------------------ */
+
+typedef struct {
+    /* Most tokens to generate (at least 1; default 128). */
+    int32_t max_tokens;
+    /* Sampling temperature; 0 (the default) is greedy decoding. */
+    float temperature;
+    /* Sampled decoding keeps the top_k most likely tokens (0: all; default 40), */
+    int32_t top_k;
+    /* the smallest set of them with probability top_p (0 to 1, 1: off; default 0.95), */
+    float top_p;
+    /* and those at least min_p times as likely as the best (0 to 1, 0: off; default 0.05). */
+    float min_p;
+    /* Seed of sampled decoding. */
+    uint32_t seed;
+    /* Wrap the prompt as one user message in the model's chat template (default false). */
+    bool chat;
+} leap_generate_params;
+
+/* The defaults (greedy, 128 tokens, no chat template). */
+leap_generate_params leap_generate_default_params(void);
+
+/* Called for every generated token, in order, as soon as it is accepted.
+ * `piece` is the token's text as complete UTF-8: `len` bytes, followed by a NUL for
+ * convenience (`len` is authoritative). A character split across tokens arrives whole with
+ * the token that completes it, so `len` may be 0. The end-of-generation token is not passed.
+ * After the last token, one more call with `token` -1 may carry the bytes of a character the
+ * generation stopped inside of (as U+FFFD); its return value is ignored.
+ * Return true to go on, false to stop: the generation ends with the tokens so far, status
+ * LEAP_OK and finish LEAP_FINISH_CANCELLED.
+ * Do not call leap_generate, leap_session_totals or leap_session_free on the same session
+ * from inside the callback (the first two return LEAP_ERR_INVALID_ARGUMENT). */
+typedef bool (*leap_token_callback)(const char *piece, size_t len, int32_t token,
+                                    void *user_data);
+
+#define LEAP_FINISH_LENGTH 0    /* max_tokens reached */
+#define LEAP_FINISH_EOG 1       /* the model ended its answer (end-of-generation token) */
+#define LEAP_FINISH_CANCELLED 2 /* the callback returned false */
+
+typedef struct {
+    /* Tokens in the prompt (BOS and the chat template's included). */
+    uint64_t prompt_tokens;
+    /* Tokens generated (an end-of-generation token included). */
+    uint64_t tokens;
+    /* Model calls after the prompt: one a token for plain decoding, fewer with Leap. */
+    uint64_t target_calls;
+    /* tokens / target_calls. */
+    double accepted_per_call;
+    /* Seconds processing the prompt. */
+    double prefill_seconds;
+    /* Seconds decoding, after the prompt. */
+    double decode_seconds;
+    /* LEAP_FINISH_*: why the generation ended (in totals: the last generation's). */
+    int32_t finish;
+} leap_stats;
+
+/* Generate from `prompt` on `session` with `params` (NULL: the defaults), calling `callback`
+ * (may be NULL) with `user_data` for each token, and write what the generation did to
+ * `*stats` (may be NULL). The model sees only `prompt`: to continue a conversation, pass all
+ * of it. The session keeps the KV cache of its last prompt and output, so a prompt that
+ * extends them (the next turn) is processed only for what is new, and earlier generations
+ * give Leap's drafter more to draft from.
+ * Returns LEAP_ERR_CONTEXT_FULL, before any work, when the prompt and max_tokens do not fit
+ * the session's context. Greedy output is token for token plain decoding's; sampled output
+ * follows the same distribution. */
+leap_status leap_generate(leap_session *session, const char *prompt,
+                          const leap_generate_params *params, leap_token_callback callback,
+                          void *user_data, leap_stats *stats);
+
+/* Everything `session` generated so far, summed over its generations. */
+leap_status leap_session_totals(const leap_session *session, leap_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LEAP_H */

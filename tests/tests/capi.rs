@@ -1,0 +1,344 @@
+//! Leap's C API as an app uses it: `tests/c/leap_example.c`, compiled here against
+//! `include/leap.h` and `libleap.so` (`cargo build --release -p leap-capi`), generates on
+//! SmolLM2 in both modes: Leap's greedy text is plain decoding's in no more target calls, a
+//! callback that says stop ends the generation there, and a missing model is an error with a
+//! message.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use leap_tests::{model_path, SMOLLM};
+
+/// target/release (or debug), where cargo puts the workspace's cdylibs.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps")
+        .to_path_buf()
+}
+
+fn include_dir() -> &'static str {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../include")
+}
+
+fn libleap() -> PathBuf {
+    let p = profile_dir().join("libleap.so");
+    assert!(
+        p.exists(),
+        "{} is missing: build it with `cargo build --release -p leap-capi` (`make test` does)",
+        p.display()
+    );
+    p
+}
+
+/// Compile the example against the header and libleap.so.
+fn example(dir: &Path) -> PathBuf {
+    libleap();
+    let lib = profile_dir();
+    let lib = lib.display();
+    let llama = env!("LEAP_LLAMA_LIBDIR");
+    let out = dir.join("leap_example");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args([
+            "-std=c99",
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-Wpedantic",
+            "-Werror",
+        ])
+        .arg("-o")
+        .arg(&out)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/c/leap_example.c"))
+        .arg(format!("-I{}", include_dir()))
+        .arg(format!("-L{lib}"))
+        .arg("-lleap")
+        // libleap.so's own DT_RPATH finds llama.cpp's libraries; the program's finds libleap.
+        .arg(format!(
+            "-Wl,--disable-new-dtags,-rpath,{lib},-rpath,{llama}"
+        ))
+        .status()
+        .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+    assert!(status.success(), "compiling leap_example.c failed");
+    out
+}
+
+struct Run {
+    text: String,
+    stderr: String,
+}
+
+impl Run {
+    /// The value of the stderr line `name VALUE`.
+    fn stat(&self, name: &str) -> String {
+        let prefix = format!("{name} ");
+        self.stderr
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no `{name}` line in:\n{}", self.stderr))
+            .trim()
+            .to_string()
+    }
+
+    fn number(&self, name: &str) -> u64 {
+        self.stat(name).parse().expect("a number")
+    }
+}
+
+fn run(exe: &Path, mode: &str, max_tokens: u32, cancel_after: Option<u32>) -> Run {
+    let mut cmd = Command::new(exe);
+    cmd.arg(model_path(SMOLLM))
+        .arg(mode)
+        .arg(max_tokens.to_string())
+        .env_remove("LEAP_LOG")
+        .env_remove("GGML_BACKEND_PATH");
+    if let Some(n) = cancel_after {
+        cmd.arg(n.to_string());
+    }
+    let out = cmd.output().expect("run leap_example");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "leap_example {mode} exited with {}:\n{stderr}",
+        out.status
+    );
+    let stdout = String::from_utf8(out.stdout).expect("the callback gets UTF-8 only");
+    Run {
+        text: stdout
+            .strip_suffix('\n')
+            .expect("a newline after the text")
+            .to_string(),
+        stderr,
+    }
+}
+
+#[test]
+fn the_c_example_generates_through_libleap() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = example(dir.path());
+
+    let leap = run(&exe, "leap", 48, None);
+    let plain = run(&exe, "plain", 48, None);
+    eprintln!("leap:\n{}\n{}", leap.text, leap.stderr);
+    eprintln!("plain: {}", plain.stderr);
+    assert!(!leap.text.trim().is_empty(), "some text was generated");
+    assert_eq!(
+        leap.text, plain.text,
+        "greedy Leap is plain decoding token for token"
+    );
+    assert_eq!(leap.number("tokens"), plain.number("tokens"));
+    assert!(leap.number("tokens") <= 48);
+    assert_eq!(
+        leap.number("callbacks"),
+        leap.number("tokens") - u64::from(leap.stat("finish") == "eog")
+    );
+    assert!(
+        leap.number("target_calls") <= plain.number("target_calls"),
+        "leap {} target calls, plain {}",
+        leap.number("target_calls"),
+        plain.number("target_calls")
+    );
+    // Two generations on one session, summed in its totals.
+    let second: u64 = leap
+        .stat("second:")
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .expect("second: tokens N");
+    assert!(second > 0);
+    assert!(leap
+        .stat("totals:")
+        .starts_with(&format!("tokens {} ", leap.number("tokens") + second)));
+    // The error paths: a missing model, a prompt that is not UTF-8.
+    let missing = leap.stat("missing model:");
+    assert!(missing.starts_with("status 3 "), "{missing}");
+    assert!(missing.contains("/nonexistent/model.gguf"), "{missing}");
+    assert!(leap
+        .stat("invalid prompt:")
+        .starts_with("status 1: prompt is not valid UTF-8"));
+
+    // A callback that returns false on the 5th token ends the generation there.
+    let cancelled = run(&exe, "leap", 48, Some(5));
+    assert_eq!(cancelled.stat("finish"), "cancelled");
+    assert_eq!(cancelled.number("tokens"), 5);
+    assert_eq!(cancelled.number("callbacks"), 5);
+    assert!(
+        leap.text.starts_with(&cancelled.text) && cancelled.text.len() < leap.text.len(),
+        "{:?} is the start of {:?}",
+        cancelled.text,
+        leap.text
+    );
+}
+
+#[test]
+fn libleap_finds_llama_cpp() {
+    let so = libleap();
+    let Ok(out) = Command::new("ldd").arg(&so).output() else {
+        eprintln!("skipped: no ldd here");
+        return;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("libllama"), "{text}");
+    assert!(!text.contains("not found"), "{text}");
+}
+
+#[test]
+fn the_header_is_cpp_too() {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let status = Command::new(&cxx)
+        .args(["-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-x", "c++"])
+        .arg(format!("-I{}", include_dir()))
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../include/leap.h"))
+        .status()
+        .unwrap_or_else(|e| panic!("running {cxx}: {e}"));
+    assert!(status.success(), "include/leap.h does not compile as C++");
+}
+
+/// What a token callback that re-enters its own session saw.
+struct Reentry {
+    session: *mut leap::leap_session,
+    generate: leap::leap_status,
+    totals: leap::leap_status,
+}
+
+unsafe extern "C" fn reenter(
+    _piece: *const std::ffi::c_char,
+    _len: usize,
+    _token: i32,
+    user_data: *mut std::ffi::c_void,
+) -> bool {
+    // SAFETY: `user_data` is the test's `Reentry`, alive across the generation.
+    let r = unsafe { &mut *user_data.cast::<Reentry>() };
+    let mut stats = leap::leap_stats::default();
+    // SAFETY: a live session and valid pointers: the calls must refuse, not alias.
+    unsafe {
+        r.generate = leap::leap_generate(
+            r.session,
+            c"again".as_ptr(),
+            std::ptr::null(),
+            None,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        r.totals = leap::leap_session_totals(r.session, &mut stats);
+    }
+    false
+}
+
+fn last_error() -> String {
+    // SAFETY: leap_last_error returns a NUL-terminated string valid until the next call.
+    unsafe { std::ffi::CStr::from_ptr(leap::leap_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The API called from Rust as C would call it: what an app can get wrong is an error with a
+/// message, never undefined behaviour.
+#[test]
+fn misuse_is_an_error_not_undefined_behaviour() {
+    use leap::*;
+
+    let path = std::ffi::CString::new(model_path(SMOLLM).to_str().unwrap()).unwrap();
+    let params = leap_model_params {
+        n_ctx: 64,
+        threads: leap_tests::threads(),
+        ..leap_model_default_params()
+    };
+    let mut model = std::ptr::null_mut();
+    let mut session = std::ptr::null_mut();
+    // SAFETY: valid pointers throughout; every object is freed once, at the end.
+    unsafe {
+        assert_eq!(leap_model_open(path.as_ptr(), &params, &mut model), LEAP_OK);
+        assert_eq!(leap_session_new(model, &mut session), LEAP_OK);
+        // Freed first: the session keeps the model loaded.
+        leap_model_free(model);
+
+        // A request that does not fit the context (64 tokens, which llama.cpp may round up)
+        // fails before any work.
+        let long = leap_generate_params {
+            max_tokens: 1000,
+            ..leap_generate_default_params()
+        };
+        let mut stats = leap_stats::default();
+        let st = leap_generate(
+            session,
+            c"Hello".as_ptr(),
+            &long,
+            None,
+            std::ptr::null_mut(),
+            &mut stats,
+        );
+        assert_eq!(st, LEAP_ERR_CONTEXT_FULL, "{}", last_error());
+        assert!(
+            last_error().contains("exceed the context of"),
+            "{}",
+            last_error()
+        );
+
+        // Sampling parameters out of range.
+        let bad = leap_generate_params {
+            temperature: 0.8,
+            top_p: 2.0,
+            ..leap_generate_default_params()
+        };
+        let st = leap_generate(
+            session,
+            c"Hello".as_ptr(),
+            &bad,
+            None,
+            std::ptr::null_mut(),
+            &mut stats,
+        );
+        assert_eq!(st, LEAP_ERR_INVALID_ARGUMENT);
+        assert!(last_error().contains("top_p 2"), "{}", last_error());
+
+        // A callback that calls back into its own session is refused, and its false stops.
+        let mut r = Reentry {
+            session,
+            generate: LEAP_OK,
+            totals: LEAP_OK,
+        };
+        let short = leap_generate_params {
+            max_tokens: 8,
+            chat: true,
+            ..leap_generate_default_params()
+        };
+        let st = leap_generate(
+            session,
+            c"Hello".as_ptr(),
+            &short,
+            Some(reenter),
+            (&raw mut r).cast(),
+            &mut stats,
+        );
+        assert_eq!(st, LEAP_OK, "{}", last_error());
+        assert_eq!(r.generate, LEAP_ERR_INVALID_ARGUMENT);
+        assert_eq!(r.totals, LEAP_ERR_INVALID_ARGUMENT);
+        assert_eq!((stats.tokens, stats.finish), (1, LEAP_FINISH_CANCELLED));
+
+        // Sampled decoding on the same session, then its totals.
+        let sampled = leap_generate_params {
+            max_tokens: 8,
+            temperature: 0.8,
+            seed: 7,
+            ..leap_generate_default_params()
+        };
+        let st = leap_generate(
+            session,
+            c"Once upon a time".as_ptr(),
+            &sampled,
+            None,
+            std::ptr::null_mut(),
+            &mut stats,
+        );
+        assert_eq!(st, LEAP_OK, "{}", last_error());
+        assert!(stats.tokens >= 1 && stats.tokens <= 8);
+        let mut totals = leap_stats::default();
+        assert_eq!(leap_session_totals(session, &mut totals), LEAP_OK);
+        assert_eq!(totals.tokens, 1 + stats.tokens);
+        assert_eq!(totals.finish, stats.finish);
+        leap_session_free(session);
+    }
+}
