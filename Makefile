@@ -26,6 +26,7 @@ run: models
 
 test: models build
 	$(CARGO) test --release --workspace
+	LEAP=$(abspath $(LEAP)) python3 -m pytest -q tests/server
 
 # The ablation: plain decoding, llama.cpp's n-gram modes and Leap's engine one technique at a
 # time, on the dev workload (about 20 minutes on 2 cores).

@@ -1,0 +1,170 @@
+"""Fixtures for `leap serve`'s end-to-end tests: the binary, the models, and servers started as
+subprocesses on a free port of 127.0.0.1 (the only address these tests contact)."""
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+LISTENING = re.compile(r"leap serve: listening on http://127\.0\.0\.1:(\d+) ")
+# Every HTTP call has a timeout; a generation here is 16-32 tokens (a few seconds at most).
+HTTP_TIMEOUT = 60
+READY_TIMEOUT = 120
+STOP_TIMEOUT = 60
+
+
+def leap_path():
+    return Path(os.environ.get("LEAP", REPO / "target" / "release" / "leap"))
+
+
+@pytest.fixture(scope="session")
+def leap():
+    p = leap_path()
+    if not os.access(p, os.X_OK):
+        pytest.exit(f"no leap binary at {p} (set LEAP=/path/to/leap or `make build`)", returncode=1)
+    return str(p)
+
+
+def model_path(leap, name):
+    r = subprocess.run([leap, "models", "path", name], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0 or not r.stdout.strip():
+        pytest.exit(
+            f"`leap models path {name}` failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}"
+            " (`make models` fetches the models)",
+            returncode=1,
+        )
+    return r.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def smollm(leap):
+    return model_path(leap, "smollm2-135m")
+
+
+class Server:
+    """`leap serve` as a subprocess: its port (parsed from the line it prints on stderr) and
+    its stderr, kept for diagnostics."""
+
+    def __init__(self, leap, model, *args, ctx=1024, parallel=1, threads=1):
+        self.cmd = [
+            leap, "serve", "-m", model, "--host", HOST, "--port", "0",
+            "--parallel", str(parallel), "--ctx", str(ctx), "--threads", str(threads), *args,
+        ]
+        self.model = model
+        self.port = None
+        self.lines = []
+        self._port_seen = threading.Event()
+        env = {k: v for k, v in os.environ.items() if k != "LEAP_API_KEY"}
+        self.proc = subprocess.Popen(
+            self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, errors="replace",
+        )
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+
+    def _read_stderr(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            m = LISTENING.search(line)
+            if m and self.port is None:
+                self.port = int(m.group(1))
+                self._port_seen.set()
+        self._port_seen.set()
+
+    def stderr(self):
+        return "\n".join(self.lines[-60:])
+
+    def wait_line(self, needle, timeout):
+        """Wait until stderr has a line containing `needle`."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if any(needle in l for l in self.lines):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _wait_ready(self):
+        t0 = time.monotonic()
+        self._port_seen.wait(READY_TIMEOUT)
+        assert self.port, f"{' '.join(self.cmd)}: no `listening on` line\n{self.stderr()}"
+        seen = []
+        while time.monotonic() - t0 < READY_TIMEOUT:
+            assert self.proc.poll() is None, f"the server exited ({self.proc.returncode}):\n{self.stderr()}"
+            try:
+                status, _, body = request(self.port, "GET", "/health", timeout=5)
+            except OSError:
+                status, body = None, b""
+            if status is not None:
+                seen.append(status)
+                assert status in (200, 503), f"/health answered {status}: {body!r}"
+                if status == 200:
+                    return
+            time.sleep(0.1)
+        raise AssertionError(f"not ready in {READY_TIMEOUT} s (health: {seen[-5:]}):\n{self.stderr()}")
+
+    def terminate(self, timeout=STOP_TIMEOUT):
+        """SIGTERM, then the exit code (None if it did not exit in time)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(5)
+        return rc
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop_and_check(self):
+        rc = self.terminate()
+        if rc is None:
+            self.kill()
+        assert rc == 0, f"`leap serve` exited with {rc} on SIGTERM:\n{self.stderr()}"
+
+
+def request(port, method, path, body=None, headers=None, timeout=HTTP_TIMEOUT):
+    """One HTTP request to 127.0.0.1:port: (status, headers, body bytes)."""
+    c = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+        h = {"Content-Type": "application/json"} if body is not None else {}
+        h.update(headers or {})
+        c.request(method, path, body=body, headers=h)
+        r = c.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="session")
+def server(leap, smollm):
+    """The server most tests share: SmolLM2, 4 slots of 1024 tokens, a thread each."""
+    s = Server(leap, smollm, ctx=1024, parallel=4, threads=1)
+    yield s
+    s.stop_and_check()
+
+
+@pytest.fixture(scope="module")
+def server1(leap, smollm):
+    """One slot: a request that is not cancelled blocks the next."""
+    s = Server(leap, smollm, ctx=1024, parallel=1, threads=1)
+    yield s
+    s.stop_and_check()

@@ -1,0 +1,476 @@
+"""`leap serve` end to end: llama-server's OpenAI-compatible API as clients see it, through the
+real `openai` package and through raw HTTP (for exact statuses and bodies).
+
+Greedy outputs are compared with `leap generate --mode plain` and with each other (streamed or
+not, alone or beside other requests), so a request's tokens must not depend on how it is
+served. Generations are short (16-32 tokens) to keep the suite quick on a shared machine."""
+
+import http.client
+import json
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from conftest import HOST, HTTP_TIMEOUT, Server, request
+
+PROMPT = "The capital of France is"
+PROMPTS = [
+    PROMPT,
+    "def fibonacci(n):",
+    "Here is a list of fruits:",
+    "The quick brown fox",
+]
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def post(port, path, body, headers=None, timeout=HTTP_TIMEOUT):
+    """POST JSON; (status, parsed JSON body)."""
+    status, _, raw = request(port, "POST", path, body, headers, timeout)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        raise AssertionError(f"POST {path}: {status} with a body that is not JSON: {raw[:300]!r}")
+
+
+def read_sse(resp):
+    """The data events of a server-sent-event response: parsed JSON objects, then "[DONE]"."""
+    events = []
+    for line in iter(resp.readline, b""):
+        line = line.rstrip(b"\r\n")
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].lstrip(b" ")
+        if data == b"[DONE]":
+            events.append("[DONE]")
+            break
+        events.append(json.loads(data))
+    return events
+
+
+def open_stream(port, path, body, timeout=HTTP_TIMEOUT):
+    """Start a streamed request: (connection, response), status 200 and SSE checked."""
+    c = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    c.request("POST", path, body=json.dumps({**body, "stream": True}).encode(),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raw = r.read()
+        c.close()
+        raise AssertionError(f"POST {path} (stream): {r.status} {raw[:300]!r}")
+    assert r.getheader("Content-Type", "").startswith("text/event-stream"), r.getheaders()
+    return c, r
+
+
+def stream(port, path, body, timeout=HTTP_TIMEOUT):
+    c, r = open_stream(port, path, body, timeout)
+    try:
+        return read_sse(r)
+    finally:
+        c.close()
+
+
+def stream_text(events):
+    """The concatenated text of a completions stream, and its finish reason."""
+    assert events and events[-1] == "[DONE]", f"no [DONE]: {events[-3:]}"
+    choices = [e["choices"][0] for e in events[:-1] if isinstance(e, dict) and e.get("choices")]
+    assert choices, events
+    text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
+    return text, choices[-1]["finish_reason"]
+
+
+def complete(port, prompt, n=16, **kw):
+    """A greedy completion over raw HTTP: the response's JSON, status 200 checked."""
+    status, j = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0, **kw})
+    assert status == 200, j
+    return j
+
+
+def metrics(port):
+    status, _, raw = request(port, "GET", "/metrics", timeout=10)
+    assert status == 200, raw
+    out = {}
+    for line in raw.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def assert_error(status, j, want_status, param=None, code=None):
+    assert status == want_status, (status, j)
+    err = j.get("error")
+    assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"], j
+    assert isinstance(err.get("type"), str), j
+    if want_status == 400:
+        assert err["type"] == "invalid_request_error", j
+    if param is not None:
+        assert err.get("param") == param, j
+    if code is not None:
+        assert err.get("code") == code, j
+
+
+_generated = {}
+
+
+def leap_generate(leap, model, prompt, n):
+    """`leap generate --mode plain`'s text (stdout less its one trailing newline)."""
+    key = (model, prompt, n)
+    if key not in _generated:
+        r = subprocess.run(
+            [leap, "generate", "-m", model, "--mode", "plain", "-p", prompt, "-n", str(n), "-t", "1"],
+            capture_output=True, timeout=180,
+        )
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        out = r.stdout.decode()
+        assert out.endswith("\n"), repr(out)
+        _generated[key] = out[:-1]
+    return _generated[key]
+
+
+@pytest.fixture(scope="module")
+def model_id(server):
+    status, _, raw = request(server.port, "GET", "/v1/models")
+    assert status == 200
+    return json.loads(raw)["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://{HOST}:{server.port}/v1", api_key="none",
+                         timeout=HTTP_TIMEOUT, max_retries=0)
+
+
+# --- 1. health and models ----------------------------------------------------------------------
+
+
+def test_health_and_models(server):
+    status, _, raw = request(server.port, "GET", "/health")
+    assert status == 200 and json.loads(raw) == {"status": "ok"}
+    status, _, raw = request(server.port, "GET", "/v1/models")
+    assert status == 200
+    j = json.loads(raw)
+    assert j["object"] == "list" and len(j["data"]) == 1, j
+    assert isinstance(j["data"][0]["id"], str) and j["data"][0]["id"], j
+
+
+# --- 2, 3. the openai package: completions and chat, streamed or not -------------------------------
+
+
+def test_completion_matches_leap_generate(server, client, model_id, leap, smollm):
+    r = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=24, temperature=0)
+    want = leap_generate(leap, smollm, PROMPT, 24)
+    choice = r.choices[0]
+    assert choice.text == want
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.completion_tokens == 24 or choice.finish_reason == "stop", r
+    assert choice.finish_reason == ("length" if r.usage.completion_tokens == 24 else "stop")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_stream_matches(server, client, model_id):
+    kw = dict(model=model_id, prompt=PROMPT, max_tokens=24, temperature=0)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text
+    assert len(texts) > 2, "the text came in one piece: not streamed"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1]), finishes
+    last = chunks[-1]
+    assert not last.choices and last.usage is not None, last
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_stream_matches(server, client, model_id):
+    kw = dict(model=model_id, messages=CHAT, max_tokens=32, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and msg.content, whole
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.object == "chat.completion"
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant", chunks[0]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+# --- 4. client mistakes: exact statuses and error objects ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, body, param, code",
+    [
+        ("/v1/completions", b'{"prompt": "x", ', None, None),
+        ("/v1/completions", b"[1, 2]", None, None),
+        ("/v1/completions", {"max_tokens": 4}, "prompt", None),
+        ("/v1/completions", {"prompt": 5}, None, None),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, None, None),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None),
+        ("/v1/completions", {"prompt": "x", "temperature": 9}, "temperature", None),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n", None),
+        ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, None, "context_length_exceeded"),
+        ("/v1/completions", {"prompt": "x " * 1100, "max_tokens": 4}, None, "context_length_exceeded"),
+        ("/v1/completions", {"prompt": [], "max_tokens": 4}, "prompt", None),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]", None),
+        ("/v1/chat/completions", {"messages": []}, "messages", None),
+        ("/v1/chat/completions", {"messages": "hi"}, None, None),
+    ],
+    ids=[
+        "malformed-json", "not-an-object", "missing-prompt", "prompt-int", "max_tokens-string",
+        "max_tokens-0", "temperature-9", "n-2", "five-stops", "max_tokens-beyond-ctx",
+        "prompt-beyond-ctx", "empty-prompt", "chat-unknown-role", "chat-no-messages",
+        "chat-messages-string",
+    ],
+)
+def test_bad_request(server, path, body, param, code):
+    status, j = post(server.port, path, body)
+    assert_error(status, j, 400, param=param, code=code)
+
+
+def test_body_too_large(server):
+    body = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    c = http.client.HTTPConnection(HOST, server.port, timeout=HTTP_TIMEOUT)
+    try:
+        try:
+            c.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered before reading it all: the answer is still there to read
+        r = c.getresponse()
+        status, raw = r.status, r.read()
+    finally:
+        c.close()
+    assert_error(status, json.loads(raw), 413)
+
+
+def test_unknown_route(server):
+    status, _, raw = request(server.port, "GET", "/nope")
+    assert_error(status, json.loads(raw), 404)
+
+
+def test_tokenize_detokenize(server):
+    status, j = post(server.port, "/tokenize", {"content": "hello world"})
+    assert status == 200, j
+    toks = j["tokens"]
+    assert toks and all(isinstance(t, int) for t in toks), j
+    status, j = post(server.port, "/detokenize", {"tokens": toks})
+    assert status == 200, j
+    assert j["content"].lstrip(" ") == "hello world", j
+    status, j = post(server.port, "/detokenize", {"tokens": [999999999]})
+    assert_error(status, j, 400, param="tokens")
+    status, j = post(server.port, "/tokenize", {"text": "no content field"})
+    assert_error(status, j, 400, param="content")
+
+
+def test_still_serving_after_errors(server):
+    j = complete(server.port, PROMPT, 8)
+    assert j["choices"][0]["text"] and j["usage"]["completion_tokens"] >= 1
+    status, _, _ = request(server.port, "GET", "/health")
+    assert status == 200
+
+
+# --- 5. stop strings --------------------------------------------------------------------------------
+
+
+def test_stop_string(server, client, model_id):
+    full = complete(server.port, PROMPT, 24)["choices"][0]["text"]
+    words = full.split()
+    assert len(words) >= 3, repr(full)
+    # The second word, and a string across two tokens (a word's end and the next one's start).
+    w2, w3 = words[1], words[2]
+    i3 = full.index(w3, full.index(w2) + len(w2))
+    across = full[i3 - 2:i3 + 2] if i3 >= 2 else w3
+    for stop in (w2, across):
+        want = full[: full.index(stop)]
+        j = complete(server.port, PROMPT, 24, stop=stop)
+        assert j["choices"][0]["text"] == want, (stop, full)
+        assert j["choices"][0]["finish_reason"] == "stop"
+        assert j["usage"]["completion_tokens"] < 24
+        text, finish = stream_text(stream(server.port, "/v1/completions",
+                                          {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": [stop]}))
+        assert (text, finish) == (want, "stop"), (stop, full)
+
+
+# --- 6. sampling -------------------------------------------------------------------------------------
+
+
+def test_sampling(server, client, model_id):
+    r = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0.8, seed=7)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 16
+    assert r.choices[0].text or r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 0
+
+
+# --- 7. concurrency -------------------------------------------------------------------------------
+
+
+def test_concurrent_requests(server):
+    alone = {p: complete(server.port, p, 16)["choices"][0]["text"] for p in PROMPTS}
+
+    def one(i, k):
+        p = PROMPTS[(i + k) % len(PROMPTS)]
+        body = {"prompt": p, "max_tokens": 16, "temperature": 0}
+        if (i + k) % 2:
+            text, finish = stream_text(stream(server.port, "/v1/completions", body))
+        else:
+            j = complete(server.port, p, 16)
+            text, finish = j["choices"][0]["text"], j["choices"][0]["finish_reason"]
+        assert finish in ("stop", "length")
+        return p, text
+
+    def client_thread(i):
+        return [one(i, k) for k in range(3)]
+
+    with ThreadPoolExecutor(8) as ex:
+        results = [r for f in [ex.submit(client_thread, i) for i in range(8)] for r in f.result(timeout=240)]
+    assert len(results) == 24
+    for p, text in results:
+        assert text == alone[p], p
+
+    # Four greedy streams at once, one per slot: each as when it was alone.
+    barrier = threading.Barrier(4, timeout=30)
+
+    def streamed(p):
+        barrier.wait()
+        return stream_text(stream(server.port, "/v1/completions", {"prompt": p, "max_tokens": 16, "temperature": 0}))[0]
+
+    with ThreadPoolExecutor(4) as ex:
+        texts = list(ex.map(streamed, PROMPTS, timeout=120))
+    assert texts == [alone[p] for p in PROMPTS]
+
+
+# --- 10. metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics(server):
+    status, headers, raw = request(server.port, "GET", "/metrics")
+    assert status == 200 and headers.get("content-type", "").startswith("text/plain")
+    text = raw.decode()
+    for name in ["leap:requests_total", "leap:tokens_predicted_total", "leap:target_calls_total",
+                 "leap:accepted_tokens_per_call"]:
+        assert re.search(rf"^{re.escape(name)} [0-9.e+-]+$", text, re.M), (name, text)
+    before = metrics(server.port)
+    j = complete(server.port, PROMPT, 8)
+    after = metrics(server.port)
+    assert after["leap:requests_total"] == before["leap:requests_total"] + 1
+    assert after["leap:tokens_predicted_total"] == before["leap:tokens_predicted_total"] + j["usage"]["completion_tokens"]
+    assert after["leap:target_calls_total"] > before["leap:target_calls_total"]
+    assert after["leap:accepted_tokens_per_call"] >= 1
+    assert after["leap:requests_processing"] == 0
+
+
+# --- 8. a client that hangs up frees its slot --------------------------------------------------------
+
+
+def test_client_hangup_frees_slot(server1):
+    port = server1.port
+    # Greedy, so it is known to run its 1000 tokens (no end-of-generation before; ~10 s here).
+    long_req = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0}
+    before = metrics(port)
+    c, r = open_stream(port, "/v1/completions", long_req)
+    # Read 60 tokens (a chunk each), timing the last 50: how long the rest would take.
+    marks = []
+    for line in iter(r.readline, b""):
+        if line.startswith(b"data:"):
+            marks.append(time.monotonic())
+            if len(marks) == 60:
+                break
+    assert len(marks) == 60 and b'"finish_reason":null' in line, line
+    rest_s = (1000 - 60) * (marks[-1] - marks[10]) / 49  # if the request kept its slot
+    bound = min(20.0, rest_s / 3)
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+
+    # One slot: the next request runs only once the hung-up one is stopped.
+    t0 = time.monotonic()
+    j = complete(port, PROMPT, 8, timeout=bound + 5)
+    took = time.monotonic() - t0
+    assert took < bound, f"{took:.1f} s for 8 tokens (the hung-up request would need {rest_s:.1f} s more)"
+    after = metrics(port)
+    assert after["leap:requests_cancelled_total"] >= before["leap:requests_cancelled_total"] + 1
+    # Only the small request finished: the hung-up one was not run to its end.
+    assert after["leap:requests_total"] == before["leap:requests_total"] + 1
+    assert after["leap:tokens_predicted_total"] == before["leap:tokens_predicted_total"] + j["usage"]["completion_tokens"]
+    assert after["leap:requests_processing"] == 0
+
+
+# --- 9. API key --------------------------------------------------------------------------------------
+
+
+def test_api_key(leap, smollm):
+    s = Server(leap, smollm, "--api-key", "sekrit", ctx=256, parallel=1)
+    try:
+        for path in ("/health", "/v1/health"):
+            status, _, raw = request(s.port, "GET", path)
+            assert status == 200, raw
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            status, _, raw = request(s.port, "GET", "/v1/models", headers=headers)
+            assert_error(status, json.loads(raw), 401, code="invalid_api_key")
+        status, j = post(s.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert_error(status, j, 401, code="invalid_api_key")
+        status, _, raw = request(s.port, "GET", "/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert status == 200 and json.loads(raw)["data"], raw
+        base = f"http://{HOST}:{s.port}/v1"
+        ok = openai.OpenAI(base_url=base, api_key="sekrit", timeout=HTTP_TIMEOUT, max_retries=0)
+        mid = ok.models.list().data[0].id
+        r = ok.completions.create(model=mid, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert r.choices[0].text and r.usage.completion_tokens >= 1
+        bad = openai.OpenAI(base_url=base, api_key="nope", timeout=HTTP_TIMEOUT, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    finally:
+        s.stop_and_check()
+
+
+# --- 11. SIGTERM finishes the requests in flight ---------------------------------------------------
+
+
+def test_sigterm_finishes_in_flight(leap, smollm):
+    s = Server(leap, smollm, ctx=512, parallel=1)
+    try:
+        c, r = open_stream(s.port, "/v1/completions",
+                           {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
+                            "stream_options": {"include_usage": True}})
+        first = None
+        for line in iter(r.readline, b""):
+            if line.startswith(b"data:"):
+                first = json.loads(line[5:])
+                break
+        assert first and first["choices"][0]["finish_reason"] is None, first
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.wait_line("stopping", 10), s.stderr()
+        # It takes no new connections (the listener closes at the signal).
+        end = time.monotonic() + 5
+        while True:
+            try:
+                socket.create_connection((HOST, s.port), timeout=2).close()
+            except ConnectionRefusedError:
+                break
+            assert time.monotonic() < end, "still accepting connections 5 s after SIGTERM"
+            time.sleep(0.05)
+        # The request in flight runs to its end.
+        events = [first] + read_sse(r)
+        c.close()
+        text, finish = stream_text(events)
+        assert finish == "length" and text, events[-4:]
+        assert events[-2]["usage"]["completion_tokens"] == 64, events[-2]
+        rc = s.terminate(timeout=30)
+        assert rc == 0, f"exit code {rc} after SIGTERM:\n{s.stderr()}"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((HOST, s.port), timeout=2)
+    finally:
+        s.kill()
