@@ -131,10 +131,10 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
     });
-    let tokio = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread for all of HTTP: decoding has the cores (the slots' threads), and every
+    // thread more would preempt them on a small machine.
+    let tokio = tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .thread_name("leap-http")
         .build()?;
     tokio.block_on(serve(model, args, opts, state))
 }

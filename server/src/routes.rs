@@ -392,12 +392,15 @@ fn sse_stream(
     struct St {
         head: Head,
         rx: UnboundedReceiver<Event>,
+        /// An event taken from the channel while joining text, for the next round.
+        next: Option<Event>,
         first: bool,
         done: bool,
     }
     let st = St {
         head,
         rx,
+        next: None,
         first: true,
         done: false,
     };
@@ -406,8 +409,23 @@ fn sse_stream(
             return None;
         }
         let json_event = |v: &Value| SseEvent::default().data(v.to_string());
-        let out: Vec<SseEvent> = match st.rx.recv().await {
-            Some(Event::Text(t)) => {
+        let ev = match st.next.take() {
+            Some(e) => Some(e),
+            None => st.rx.recv().await,
+        };
+        let out: Vec<SseEvent> = match ev {
+            Some(Event::Text(mut t)) => {
+                // The tokens one verification accepted arrive together: one chunk for all
+                // that are already here (a write and a client wake-up fewer per token).
+                while let Ok(e) = st.rx.try_recv() {
+                    match e {
+                        Event::Text(more) => t.push_str(&more),
+                        other => {
+                            st.next = Some(other);
+                            break;
+                        }
+                    }
+                }
                 let v = st.head.chunk(&t, None, st.first);
                 st.first = false;
                 vec![json_event(&v)]
