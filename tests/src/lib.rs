@@ -22,6 +22,28 @@ pub fn longtext_tokens(m: &Model) -> Vec<leap_host::Token> {
     m.tokenize(&text, true, false).expect("tokenize")
 }
 
+/// target/release (or debug), where cargo puts the workspace's libraries (`libggml_leap.so`,
+/// `libleap.so`) next to the test executables' `deps/`.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    exe.parent()
+        .and_then(std::path::Path::parent)
+        .expect("target/<profile>/deps")
+        .to_path_buf()
+}
+
+/// A library of the workspace in [`profile_dir`], asserted to be built (`package` names the
+/// crate that builds it, for the message).
+pub fn built_library(file: &str, package: &str) -> PathBuf {
+    let p = profile_dir().join(file);
+    assert!(
+        p.exists(),
+        "{} is missing: build it with `cargo build --release -p {package}` (`make test` does)",
+        p.display()
+    );
+    p
+}
+
 /// Path of a fetched model.
 pub fn model_path(name: &str) -> PathBuf {
     leap_cli::models::resolve(name).unwrap_or_else(|e| panic!("{e:#}\n(run `make models` first)"))

@@ -7,29 +7,14 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use leap_tests::{model_path, SMOLLM};
-
-/// target/release (or debug), where cargo puts the workspace's cdylibs.
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps")
-        .to_path_buf()
-}
+use leap_tests::{built_library, model_path, profile_dir, SMOLLM};
 
 fn include_dir() -> &'static str {
     concat!(env!("CARGO_MANIFEST_DIR"), "/../include")
 }
 
 fn libleap() -> PathBuf {
-    let p = profile_dir().join("libleap.so");
-    assert!(
-        p.exists(),
-        "{} is missing: build it with `cargo build --release -p leap-capi` (`make test` does)",
-        p.display()
-    );
-    p
+    built_library("libleap.so", "leap-capi")
 }
 
 /// Compile the example against the header and libleap.so.

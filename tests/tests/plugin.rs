@@ -6,25 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use leap_tests::{model_path, SMOLLM};
-
-/// target/release (or debug), where cargo puts the workspace's cdylib.
-fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps")
-        .to_path_buf()
-}
+use leap_tests::{built_library, model_path, SMOLLM};
 
 fn plugin() -> PathBuf {
-    let p = profile_dir().join("libggml_leap.so");
-    assert!(
-        p.exists(),
-        "{} is missing: build it with `cargo build --release -p leap-plugin` (`make test` does)",
-        p.display()
-    );
-    p
+    built_library("libggml_leap.so", "leap-plugin")
 }
 
 /// Compile the C host against llama.cpp's headers and shared libraries.
