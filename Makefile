@@ -24,9 +24,11 @@ models: build
 run: models
 	$(LEAP) generate --prompt "$(PROMPT)" -n 96
 
+# tests/server also drives a stock llama-server (scripts/stock-llama builds it once, ~11 minutes,
+# cached in ~/.cache/leap) with Leap's plugin.
 test: models build
 	$(CARGO) test --release --workspace
-	LEAP=$(abspath $(LEAP)) python3 -m pytest -q tests/server
+	LEAP_STOCK_BIN="$$(scripts/stock-llama)" LEAP=$(abspath $(LEAP)) python3 -m pytest -q tests/server
 
 # The ablation: plain decoding, llama.cpp's n-gram modes and Leap's engine one technique at a
 # time, on the dev workload (about 20 minutes on 2 cores).

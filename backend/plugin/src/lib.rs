@@ -17,6 +17,8 @@
 //!   on for Android when `libQnnHtp.so` loads, off elsewhere; `LEAP_QNN_LIB_DIR` says where
 //!   the library is). A library that does not load is reported on stderr and the CPU
 //!   estimates.
+//! - `LEAP_STATS`: `1` prints, when the host exits, how many graph nodes `leap-cpu` computed
+//!   (`libggml_leap: leap-cpu computed N nodes`): the way to see that the device ran.
 //!
 //! Leap's warnings and errors go to stderr (the host's logging knows nothing of Rust's).
 
@@ -39,9 +41,28 @@ impl log::Log for Stderr {
     fn flush(&self) {}
 }
 
+/// `LEAP_STATS`' report, run by the C library at exit.
+extern "C" fn report() {
+    // Nothing may unwind out of an exit handler.
+    let _ = std::panic::catch_unwind(|| {
+        eprintln!(
+            "libggml_leap: leap-cpu computed {} nodes",
+            leap_backend::total_calls()
+        );
+    });
+}
+
 fn configure() {
     if log::set_logger(&Stderr).is_ok() {
         log::set_max_level(log::LevelFilter::Warn);
+    }
+    if std::env::var("LEAP_STATS").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "off")) {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        // SAFETY: `report` is a plain function that stays valid as long as this library
+        // (glibc runs a library's exit handlers when it is unloaded, too).
+        ONCE.call_once(|| unsafe {
+            libc::atexit(report);
+        });
     }
     if let Ok(v) = std::env::var("LEAP_KERNELS") {
         leap_backend::set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
