@@ -16,21 +16,18 @@
 //! | module | owns |
 //! |---|---|
 //! | [`error`] | the C API's errors, their `leap_status`, the thread's last error message |
-//! | [`text`] | the callback's text: complete UTF-8 only, however the tokens split it |
 //! | [`logging`] | Leap's and llama.cpp's log on stderr, filtered by `LEAP_LOG` |
 
 #![allow(non_camel_case_types)]
 
 pub mod error;
 pub mod logging;
-pub mod text;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, TryLockError};
 
-use leap_host::model::ChatMessage;
 use leap_host::sampler::SamplingParams;
 use leap_spec::session::{Mode, Options, Request, Runtime, Session, Totals};
 
@@ -39,7 +36,7 @@ pub use error::{
     LEAP_ERR_CONTEXT_FULL, LEAP_ERR_DECODE, LEAP_ERR_INTERNAL, LEAP_ERR_INVALID_ARGUMENT,
     LEAP_ERR_MODEL, LEAP_OK,
 };
-use text::TextStream;
+use leap_spec::text::TextStream;
 
 /// `leap_status`: `LEAP_OK` or an error (the constants in [`error`]). An `int` rather than a
 /// Rust enum, so that any value C passes in is defined.
@@ -326,9 +323,8 @@ pub unsafe extern "C" fn leap_model_open(
     guard(|| {
         // SAFETY: `out` is NULL or writable (contract); cleared first so it is NULL on failure.
         unsafe { write_out(out, std::ptr::null_mut(), "out") }?;
-        // The log's destination first, then llama.cpp's log routed into it.
+        // The log's destination first: loading routes llama.cpp's log into it.
         logging::init();
-        leap_host::backend::init();
         // SAFETY: `path` is NULL or NUL-terminated (contract), read only during this call.
         let path = unsafe { str_arg(path, "path") }?;
         let opts = if params.is_null() {
@@ -446,20 +442,7 @@ pub unsafe extern "C" fn leap_generate(
         let req = params.request()?;
         let mut state = lock(s)?;
         let model = Arc::clone(s.rt.model());
-        // As `leap generate` does: the chat template's text, then tokens (its control-token
-        // text parsed as control tokens only when it came from the template).
-        let text = if params.chat {
-            model.apply_chat_template(
-                &[ChatMessage {
-                    role: "user".into(),
-                    content: prompt.into(),
-                }],
-                true,
-            )?
-        } else {
-            prompt.to_string()
-        };
-        let tokens = model.tokenize(&text, true, params.chat)?;
+        let tokens = s.rt.prompt_tokens(prompt, params.chat)?;
 
         let mut stream = TextStream::default();
         let mut cancelled = false;

@@ -9,7 +9,6 @@ use std::process::ExitCode;
 use anyhow::{bail, ensure, Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 use leap_cli::{bench, models};
-use leap_host::model::ChatMessage;
 use leap_host::sampler::SamplingParams;
 use leap_host::{ContextParams, FlashAttn, GgufInfo, Model, ModelParams};
 use leap_spec::session::{Mode, Options, Request, Runtime};
@@ -521,7 +520,7 @@ fn run(cmd: Cmd) -> Result<()> {
 
 fn generate(a: GenerateArgs) -> Result<()> {
     let path = models::resolve(&a.model)?;
-    let mut text = match (&a.prompt, &a.file) {
+    let text = match (&a.prompt, &a.file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) if f.as_os_str() == "-" => {
             let mut s = String::new();
@@ -555,16 +554,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         },
     )?;
     let model = rt.model().clone();
-    if a.chat {
-        text = model.apply_chat_template(
-            &[ChatMessage {
-                role: "user".into(),
-                content: text,
-            }],
-            true,
-        )?;
-    }
-    let prompt = model.tokenize(&text, true, a.chat)?;
+    let prompt = rt.prompt_tokens(&text, a.chat)?;
     let mut session =
         rt.session_with_ctx(a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32))?;
     if let Some(b) = flash_budget {
@@ -575,22 +565,17 @@ fn generate(a: GenerateArgs) -> Result<()> {
     }
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let mut pending: Vec<u8> = Vec::new();
+    // Print only complete UTF-8; a split multi-byte character waits for the next token.
+    let mut utf8 = leap_spec::text::TextStream::default();
     let mut io_err: Option<std::io::Error> = None;
     let mut on_token = |tok| {
         if model.is_eog(tok) {
             return false;
         }
         if let Ok(piece) = model.token_to_piece(tok, false) {
-            pending.extend_from_slice(&piece);
-            // Print only complete UTF-8; keep a split multi-byte character for the next token.
-            let valid = match std::str::from_utf8(&pending) {
-                Ok(_) => pending.len(),
-                Err(e) if e.error_len().is_none() => e.valid_up_to(),
-                Err(_) => pending.len(),
-            };
-            let r = out.write_all(&pending[..valid]).and_then(|()| out.flush());
-            pending.drain(..valid);
+            let r = out
+                .write_all(&utf8.push_bytes(&piece))
+                .and_then(|()| out.flush());
             if let Err(e) = r {
                 io_err = Some(e);
                 return false;
@@ -609,7 +594,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     if let Some(e) = io_err {
         return Err(e.into());
     }
-    out.write_all(&pending)?;
+    out.write_all(&utf8.finish_bytes())?;
     writeln!(out)?;
     let tps = if g.decode_seconds > 0.0 {
         g.tokens.len() as f64 / g.decode_seconds

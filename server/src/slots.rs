@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use leap_host::Token;
 use leap_spec::session::{Request, Runtime, Session};
+use leap_spec::text::TextStream;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
@@ -323,12 +324,15 @@ fn serve(rt: &Runtime, session: &mut Session, job: Job, metrics: &Metrics, slot:
     let _ = job.events.send(Event::Done(o));
 }
 
-/// A generation's text as it may be sent: complete UTF-8 only, and never text that could be
-/// the start of a stop string (held back until it is known not to be one). At a stop string
-/// the text before it is the output and the rest is dropped.
+/// A generation's text as it may be sent: complete UTF-8 only ([`TextStream`]), and never
+/// text that could be the start of a stop string (held back until it is known not to be
+/// one). At a stop string the text before it is the output and the rest is dropped.
 #[derive(Debug, Default)]
 pub struct TextOut {
-    bytes: Vec<u8>,
+    utf8: TextStream,
+    /// The complete characters so far.
+    text: String,
+    /// How much of `text` went out.
     sent: usize,
     stops: Vec<String>,
     /// A stop string was found.
@@ -349,24 +353,8 @@ impl TextOut {
         if self.stopped {
             return (String::new(), true);
         }
-        self.bytes.extend_from_slice(piece);
-        let valid = match std::str::from_utf8(&self.bytes) {
-            Ok(s) => s.len(),
-            // An incomplete character at the end waits for the next token; invalid bytes
-            // inside are sent as U+FFFD.
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(_) => self.bytes.len(),
-        };
-        let mut valid = valid;
-        if std::str::from_utf8(&self.bytes[..valid]).is_err() {
-            // What was sent is valid UTF-8, so the replacement shifts nothing before `sent`.
-            let tail = self.bytes.split_off(valid);
-            let fixed = String::from_utf8_lossy(&self.bytes).into_owned();
-            valid = fixed.len();
-            self.bytes = fixed.into_bytes();
-            self.bytes.extend_from_slice(&tail);
-        }
-        let text = std::str::from_utf8(&self.bytes[..valid]).unwrap_or_default();
+        self.text.push_str(&self.utf8.push(piece));
+        let text = self.text.as_str();
         let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
         // A stop string can only end in the new text: search from where one could start.
         let mut from = self.sent.saturating_sub(longest);
@@ -410,8 +398,9 @@ impl TextOut {
         if self.stopped {
             return String::new();
         }
-        let rest = String::from_utf8_lossy(self.bytes.get(self.sent..).unwrap_or(&[])).into_owned();
-        self.sent = self.bytes.len();
+        self.text.push_str(&self.utf8.finish());
+        let rest = self.text[self.sent..].to_string();
+        self.sent = self.text.len();
         rest
     }
 }

@@ -18,6 +18,7 @@
 //! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
 //! | [`vocab`] | on a streamed output projection (flash): the target drafting for itself over a resident vocabulary |
 //! | [`session`] | the API every front end uses: [`session::Runtime`] (an open model), [`session::Session`] (a context and its engine) |
+//! | [`text`] | a generation's bytes as complete UTF-8, for the front ends |
 //! | [`plain`] | plain decoding (the baseline), [`plain::Generation`]: what a generation produced and cost |
 //!
 //! The crate is safe Rust on `leap-host`.
@@ -37,5 +38,6 @@ pub mod model_draft;
 pub mod plain;
 pub mod sam;
 pub mod session;
+pub mod text;
 pub mod tree;
 pub mod vocab;

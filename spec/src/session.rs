@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use leap_host::exit::Exit;
+use leap_host::model::ChatMessage;
 use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
 use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams, Token};
@@ -241,6 +242,27 @@ impl Runtime {
     /// The model.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    /// `text` as the prompt `leap generate` and the C API decode: with `chat`, one user
+    /// message in the model's chat template (its control-token text parsed as control
+    /// tokens); else the text as it is. BOS as the model wants it.
+    ///
+    /// # Errors
+    /// A template llama.cpp cannot apply; tokenization.
+    pub fn prompt_tokens(&self, text: &str, chat: bool) -> Result<Vec<Token>> {
+        let text = if chat {
+            self.model.apply_chat_template(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: text.into(),
+                }],
+                true,
+            )?
+        } else {
+            text.to_string()
+        };
+        Ok(self.model.tokenize(&text, true, chat)?)
     }
 
     /// The options it was opened with.
