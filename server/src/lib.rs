@@ -151,10 +151,13 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
     );
     let app = routes::router(Arc::clone(&state), !args.no_metrics);
 
-    // Load in the background: /health answers 503 meanwhile.
-    let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<Result<()>>();
+    // Load in the background: /health answers 503 meanwhile. A failure stops the server
+    // and is what `run` returns.
+    let failed = Arc::new(tokio::sync::Notify::new());
+    let load_error: Arc<std::sync::Mutex<Option<anyhow::Error>>> = Default::default();
     {
         let state = Arc::clone(&state);
+        let (failed, load_error) = (Arc::clone(&failed), Arc::clone(&load_error));
         let model = model.to_path_buf();
         let parallel = args.parallel;
         std::thread::Builder::new()
@@ -179,24 +182,13 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
                         let _ = state.ready.set(Ready { rt, pool });
                         Ok(())
                     })();
-                let _ = loaded_tx.send(r);
-            })?;
-    }
-    let failed = Arc::new(tokio::sync::Notify::new());
-    let load_error: Arc<std::sync::Mutex<Option<anyhow::Error>>> = Default::default();
-    {
-        let (failed, load_error) = (Arc::clone(&failed), Arc::clone(&load_error));
-        tokio::spawn(async move {
-            let r = loaded_rx
-                .await
-                .unwrap_or_else(|_| Err(anyhow::anyhow!("the loading thread died")));
-            if let Err(e) = r {
-                if let Ok(mut le) = load_error.lock() {
-                    *le = Some(e);
+                if let Err(e) = r {
+                    if let Ok(mut le) = load_error.lock() {
+                        *le = Some(e);
+                    }
+                    failed.notify_one();
                 }
-                failed.notify_one();
-            }
-        });
+            })?;
     }
     let shutdown = {
         let failed = Arc::clone(&failed);

@@ -2,7 +2,6 @@
 //! checked: every field a client may get wrong becomes a 400 naming the field.
 
 use serde::Deserialize;
-use serde_json::Value;
 
 use crate::error::ApiError;
 
@@ -91,12 +90,13 @@ pub struct ChatRequest {
 /// # Errors
 /// Malformed JSON, a missing field, a field of the wrong type.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-    if !v.is_object() {
-        return Err(ApiError::invalid("the body must be a JSON object", None));
-    }
-    serde_json::from_value(v).map_err(|e| {
+    serde_json::from_slice(body).map_err(|e| {
+        if e.is_syntax() || e.is_eof() {
+            return ApiError::invalid(format!("the body is not valid JSON: {e}"), None);
+        }
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return ApiError::invalid("the body must be a JSON object", None);
+        }
         let msg = e.to_string();
         // serde names a missing field between backquotes: "missing field `prompt`".
         let param = msg

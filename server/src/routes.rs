@@ -246,16 +246,7 @@ async fn generate(
     if prompt.is_empty() {
         return Err(ApiError::invalid("the prompt is empty", Some("prompt")));
     }
-    let n_ctx = s.n_ctx as usize;
-    let need = prompt.len() + p.max_tokens.unwrap_or(1);
-    if need > n_ctx {
-        return Err(ApiError::too_long(format!(
-            "the prompt ({} tokens) and max_tokens ({}) exceed the context of {n_ctx} tokens \
-             (--ctx); shorten the prompt or lower max_tokens",
-            prompt.len(),
-            p.max_tokens.unwrap_or(1)
-        )));
-    }
+    leap_spec::session::fits(prompt.len(), p.max_tokens.unwrap_or(1), s.n_ctx)?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     s.metrics.queued();
     let submitted = ready(&s)?.pool.submit(Job {

@@ -171,8 +171,8 @@ pub struct Runtime {
 
 /// A flash plan for the model (each session streams with its own [`leap_flash::Streamer`]).
 struct Flash {
-    budget: u64,
-    reserve: u64,
+    map: leap_flash::LayerMap,
+    plan: leap_flash::Plan,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -222,7 +222,22 @@ impl Runtime {
                     opts.engine.vocab.filter(|_| opts.mode == Mode::Leap),
                     true,
                 );
-                Some(Flash { budget, reserve })
+                let plan = leap_flash::plan(
+                    &map,
+                    budget.saturating_sub(reserve),
+                    map.largest_block().max(1),
+                    1,
+                    leap_flash::Strategy::default(),
+                );
+                log::info!(
+                    "flash budget {:.1} MB: {:.1} MB pinned, {:.1} MB of draft vocabulary, \
+                     {:.1} MB read from storage every target call",
+                    budget as f64 / 1e6,
+                    plan.pinned_bytes as f64 / 1e6,
+                    reserve as f64 / 1e6,
+                    plan.streamed_bytes as f64 / 1e6
+                );
+                Some(Flash { map, plan })
             }
             None => None,
         };
@@ -299,26 +314,14 @@ impl Runtime {
         let mut config = o.engine.clone();
         let streamer = match &self.flash {
             Some(f) => {
-                let map = leap_flash::LayerMap::open(self.model.path())?;
-                let chunk = map.largest_block().max(1);
-                let p = leap_flash::plan(
-                    &map,
-                    f.budget.saturating_sub(f.reserve),
-                    chunk,
-                    1,
-                    leap_flash::Strategy::default(),
-                );
-                log::info!(
-                    "flash budget {:.1} MB: {:.1} MB pinned, {:.1} MB of draft vocabulary, \
-                     {:.1} MB read from storage every target call",
-                    f.budget as f64 / 1e6,
-                    p.pinned_bytes as f64 / 1e6,
-                    f.reserve as f64 / 1e6,
-                    p.streamed_bytes as f64 / 1e6
-                );
                 config = config.streamed();
                 config.max_branches = config.max_branches.max(4);
-                Some(leap_flash::Streamer::new(self.model.path(), map, p, 1)?)
+                Some(leap_flash::Streamer::new(
+                    self.model.path(),
+                    f.map.clone(),
+                    f.plan.clone(),
+                    1,
+                )?)
             }
             None => None,
         };
@@ -367,9 +370,6 @@ impl Runtime {
             ctx,
             engine,
             plain_od,
-            // Under flash streaming greedy decoding drafts with the target itself, which
-            // prefills the whole prompt.
-            reuse: self.flash.is_none(),
             streamer,
             n_batch: o.n_batch,
             kv: Vec::new(),
@@ -417,8 +417,6 @@ pub struct Session {
     plain_od: Option<OnDemand>,
     streamer: Option<leap_flash::Streamer>,
     n_batch: usize,
-    /// Keep the KV cache of a prompt prefix the next request extends.
-    reuse: bool,
     /// The tokens sequence 0 holds at positions `0..kv.len()` after the last generation.
     kv: Vec<Token>,
     /// Prompt tokens the last generation found in the cache.
@@ -464,18 +462,7 @@ impl Session {
     /// # Errors
     /// [`Error::ContextFull`], or an empty prompt.
     pub fn check_fits(&self, prompt_len: usize, max_tokens: usize) -> Result<()> {
-        if prompt_len == 0 {
-            return Err(Error::InvalidArgument("the prompt is empty".into()));
-        }
-        let n_ctx = self.n_ctx();
-        if prompt_len + max_tokens > n_ctx as usize {
-            return Err(Error::ContextFull {
-                prompt: prompt_len,
-                max_tokens,
-                n_ctx,
-            });
-        }
-        Ok(())
+        fits(prompt_len, max_tokens, self.n_ctx())
     }
 
     /// Generate from `prompt` (token ids, BOS included when the model wants one): up to
@@ -503,7 +490,10 @@ impl Session {
                 req.sampling.temp, req.sampling.top_p, req.sampling.min_p
             )));
         }
-        let cached = if self.reuse {
+        // Under flash streaming greedy decoding drafts with the target itself, which
+        // prefills the whole prompt: nothing is kept there.
+        let reuse = self.streamer.is_none();
+        let cached = if reuse {
             common_prefix(&self.kv, prompt).min(prompt.len() - 1)
         } else {
             0
@@ -531,7 +521,7 @@ impl Session {
                 on_token,
             )?,
         };
-        if self.reuse {
+        if reuse {
             // Every token but the last went through the target after the prompt.
             self.kv.extend_from_slice(prompt);
             self.kv
@@ -547,6 +537,25 @@ impl Session {
         t.prefill_seconds += g.prefill_seconds;
         Ok(g)
     }
+}
+
+/// Whether a prompt of `prompt_len` tokens and `max_tokens` more fit a context of `n_ctx`
+/// (what [`Session::generate`] checks first; a server checks it before queueing).
+///
+/// # Errors
+/// [`Error::ContextFull`], or an empty prompt.
+pub fn fits(prompt_len: usize, max_tokens: usize, n_ctx: u32) -> Result<()> {
+    if prompt_len == 0 {
+        return Err(Error::InvalidArgument("the prompt is empty".into()));
+    }
+    if prompt_len + max_tokens > n_ctx as usize {
+        return Err(Error::ContextFull {
+            prompt: prompt_len,
+            max_tokens,
+            n_ctx,
+        });
+    }
+    Ok(())
 }
 
 /// How many tokens `a` and `b` begin with alike.
