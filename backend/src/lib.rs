@@ -154,6 +154,63 @@ pub fn registry() -> g::ggml_backend_reg_t {
     }) as g::ggml_backend_reg_t
 }
 
+/// Configure the device from the environment, for a host that knows nothing of Leap (ggml's
+/// plugin loader, or llama.cpp built with `LLAMA_LEAP=ON`); `who` prefixes what it prints.
+/// Call before the device is first used. The variables: `LEAP_KERNELS` (`on`, `off`),
+/// `LEAP_SPARSE` (`off` or the fraction of keys a query attends), `LEAP_ESTIMATE` (`cpu`,
+/// `opencl`), and `LEAP_STATS` (`1`: at exit, how many graph nodes `leap-cpu` computed and
+/// how many of them were attention, how many query rows attended sparsely). `LEAP_QNN` is read where the estimate starts.
+pub fn configure_from_env(who: &'static str) {
+    static WHO: OnceLock<&'static str> = OnceLock::new();
+    extern "C" fn report() {
+        // Nothing may unwind out of an exit handler.
+        let _ = std::panic::catch_unwind(|| {
+            let a = attn::stats();
+            eprintln!(
+                "{}: leap-cpu computed {} nodes ({} attention nodes, {} query rows sparse)",
+                WHO.get().copied().unwrap_or("leap"),
+                total_calls(),
+                a.nodes,
+                a.sparse_rows
+            );
+        });
+    }
+    if std::env::var("LEAP_STATS").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "off")) {
+        // SAFETY: `report` is a plain function that stays valid as long as this library
+        // (glibc runs a library's exit handlers when it is unloaded, too).
+        if WHO.set(who).is_ok() {
+            unsafe { libc::atexit(report) };
+        }
+    }
+    if let Ok(v) = std::env::var("LEAP_KERNELS") {
+        set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
+    }
+    let estimate_on = match std::env::var("LEAP_ESTIMATE").as_deref().map(str::trim) {
+        Ok("opencl") => {
+            want_opencl();
+            attn::EstimateOn::OpenCl
+        }
+        Ok("") | Ok("cpu") | Err(_) => attn::EstimateOn::Cpu,
+        Ok(v) => {
+            eprintln!("{who}: LEAP_ESTIMATE must be cpu or opencl, not {v:?}; using cpu");
+            attn::EstimateOn::Cpu
+        }
+    };
+    match std::env::var("LEAP_SPARSE").as_deref().map(str::trim) {
+        Ok("") | Ok("off") | Ok("0") | Err(_) => {}
+        Ok(v) => match v.parse::<f32>() {
+            Ok(keep) if keep > 0.0 && keep <= 1.0 => attn::set_sparse(Some(attn::Sparse {
+                keep,
+                estimate_on,
+                ..attn::Sparse::default()
+            })),
+            _ => eprintln!(
+                "{who}: LEAP_SPARSE must be off or a fraction in (0, 1], not {v:?}; sparse attention stays off"
+            ),
+        },
+    }
+}
+
 /// Whether [`register`] has run.
 pub fn registered() -> bool {
     REGISTERED.get().is_some()

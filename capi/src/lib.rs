@@ -16,10 +16,12 @@
 //! | module | owns |
 //! |---|---|
 //! | [`error`] | the C API's errors, their `leap_status`, the thread's last error message |
+//! | [`drafter`] | `leap_drafter_*` (drafting for a host that verifies, llama.cpp's `--spec-type leap`) and `leap_backend_register` |
 //! | [`logging`] | Leap's and llama.cpp's log on stderr, filtered by `LEAP_LOG` |
 
 #![allow(non_camel_case_types)]
 
+pub mod drafter;
 pub mod error;
 pub mod logging;
 

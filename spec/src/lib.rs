@@ -17,6 +17,7 @@
 //! | [`tree`] | token trees, the rows of their one-call verification (leaf sequence ids), KV rollback plans |
 //! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
 //! | [`vocab`] | on a streamed output projection (flash): the target drafting for itself over a resident vocabulary |
+//! | [`hosted`] | drafting for a host that verifies itself (llama.cpp's `--spec-type leap`, through the C API) |
 //! | [`session`] | the API every front end uses: [`session::Runtime`] (an open model), [`session::Session`] (a context and its engine) |
 //! | [`text`] | a generation's bytes as complete UTF-8, for the front ends |
 //! | [`plain`] | plain decoding (the baseline), [`plain::Generation`]: what a generation produced and cost |
@@ -33,6 +34,7 @@ pub mod draft;
 pub mod engine;
 pub mod exit;
 pub mod head;
+pub mod hosted;
 pub mod lever;
 pub mod model_draft;
 pub mod plain;

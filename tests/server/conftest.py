@@ -50,6 +50,11 @@ def smollm(leap):
     return model_path(leap, "smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def gemma(leap):
+    return model_path(leap, "gemma3-270m")
+
+
 class Server:
     """`leap serve` as a subprocess: its port (parsed from the line it prints on stderr) and
     its stderr, kept for diagnostics."""
@@ -168,3 +173,65 @@ def server1(leap, smollm):
     s = Server(leap, smollm, ctx=1024, parallel=1, threads=1)
     yield s
     s.stop_and_check()
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """A llama.cpp llama-server (stock, or built with Leap by `make llama`) as a subprocess on a
+    free port of 127.0.0.1, ready when started; `stop()` sends SIGTERM and returns its stderr.
+    `maps` is /proc/PID/maps once it is ready (which libraries it loaded)."""
+
+    def __init__(self, bin_dir, model, extra=(), env=None, ctx=2048):
+        self.port = free_port()
+        cmd = [str(Path(bin_dir) / "llama-server"), "-m", model, "--host", HOST, "--port",
+               str(self.port), "-t", "2", "-np", "1", "-c", str(ctx), *extra]
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.time() + READY_TIMEOUT
+            while True:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"llama-server exited: {self.proc.stderr.read().decode()[-3000:]}")
+                try:
+                    status, _, _ = request(self.port, "GET", "/health", timeout=5)
+                    if status == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.time() < deadline, "llama-server did not get ready"
+                time.sleep(0.5)
+            self.maps = Path(f"/proc/{self.proc.pid}/maps").read_text()
+        except BaseException:
+            self.proc.kill()
+            self.proc.communicate()
+            raise
+
+    def complete(self, prompt, max_tokens=24, **extra):
+        """A non-streamed /v1/completions answer (greedy unless `extra` says otherwise)."""
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "cache_prompt": False, **extra}
+        status, _, r = request(self.port, "POST", "/v1/completions", body)
+        assert status == 200, r
+        return json.loads(r)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err.decode(errors="replace")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.stop()

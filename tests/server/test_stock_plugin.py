@@ -9,18 +9,14 @@ GGML_BACKEND_PATH) only on some paths: --list-devices, --device, --override-tens
 plain `llama-server -m M` never loads the plugin; `-ot nomatch=CPU` (an override that matches
 no tensor) makes it load with nothing else changed. The tests pin both facts."""
 
-import json
 import os
-import signal
-import socket
+import re
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import HOST, REPO
+from conftest import REPO, LlamaServer
 
 PROMPTS = [
     "The capital of France is",
@@ -58,12 +54,6 @@ def env_with(plugin=None):
     return env
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def test_llama_cli_lists_leap_device(stock_bin, plugin):
     r = subprocess.run([str(stock_bin / "llama-cli"), "--list-devices"], env=env_with(plugin),
                        capture_output=True, text=True, timeout=120)
@@ -77,41 +67,9 @@ def test_llama_cli_lists_leap_device(stock_bin, plugin):
 def serve_greedy(stock_bin, model, plugin, extra):
     """Start a stock llama-server, complete PROMPTS greedily, stop it with SIGTERM; returns
     the texts, its stderr, and whether the plugin was mapped into it."""
-    port = free_port()
-    cmd = [str(stock_bin / "llama-server"), "-m", model, "--host", HOST, "--port", str(port),
-           "-t", "2", "-np", "1", "-c", "2048", *extra]
-    with open(os.devnull, "rb") as devnull:
-        p = subprocess.Popen(cmd, env=env_with(plugin), stdin=devnull,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.time() + 120
-        while True:
-            assert p.poll() is None, f"llama-server exited: {p.stderr.read().decode()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "llama-server did not get ready"
-            time.sleep(0.5)
-        maps = Path(f"/proc/{p.pid}/maps").read_text()
-        texts = []
-        for prompt in PROMPTS:
-            body = json.dumps({"prompt": prompt, "max_tokens": 24, "temperature": 0,
-                               "cache_prompt": False}).encode()
-            req = urllib.request.Request(f"http://{HOST}:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                texts.append(json.loads(r.read())["choices"][0]["text"])
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            _, err = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate()
-    return texts, err.decode(errors="replace"), "libggml_leap" in maps
+    with LlamaServer(stock_bin, model, extra, env=env_with(plugin)) as s:
+        texts = [s.complete(p)["choices"][0]["text"] for p in PROMPTS]
+        return texts, s.stop(), "libggml_leap" in s.maps
 
 
 def test_llama_server_with_plugin_serves_the_same_tokens(stock_bin, plugin, smollm):
@@ -123,7 +81,31 @@ def test_llama_server_with_plugin_serves_the_same_tokens(stock_bin, plugin, smol
     with_plugin, err, mapped = serve_greedy(stock_bin, smollm, plugin, ["-ot", "nomatch=CPU"])
     assert mapped, err[-3000:]
     assert with_plugin == alone
-    line = [l for l in err.splitlines() if "leap-cpu computed" in l]
-    assert line, f"no LEAP_STATS report:\n{err[-3000:]}"
-    nodes = int(line[-1].split("computed")[1].split()[0])
-    assert nodes > 0, line[-1]
+    assert stats(err)[0] > 0
+
+
+def stats(err):
+    """LEAP_STATS' report: (nodes, attention nodes, sparse query rows)."""
+    m = re.findall(r"leap-cpu computed (\d+) nodes \((\d+) attention nodes, (\d+) query rows sparse\)", err)
+    assert m, f"no LEAP_STATS report:\n{err[-3000:]}"
+    return tuple(int(x) for x in m[-1])
+
+
+def test_sparse_attention_runs_inside_a_stock_llama_server(stock_bin, plugin, smollm):
+    # LEAP_SPARSE configures the plugin; the device sees attention with flash attention on.
+    env = env_with(plugin)
+    env["LEAP_SPARSE"] = "0.25"
+    with LlamaServer(stock_bin, smollm, ["-ot", "nomatch=CPU", "-fa", "on"], env=env) as s:
+        assert "libggml_leap" in s.maps
+        # A prompt long enough that a query sees more keys than sparse attention keeps.
+        doc = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(60))
+        text = s.complete(doc + "\nWhich colour is item 7?", max_tokens=8)["choices"][0]["text"]
+        err = s.stop()
+    assert isinstance(text, str)
+    nodes, attention, sparse_rows = stats(err)
+    assert attention > 0 and sparse_rows > 0, (nodes, attention, sparse_rows)
+    # Without LEAP_SPARSE the device computes no attention.
+    with LlamaServer(stock_bin, smollm, ["-ot", "nomatch=CPU", "-fa", "on"], env=env_with(plugin)) as s:
+        s.complete(doc, max_tokens=4)
+        err = s.stop()
+    assert stats(err)[1:] == (0, 0)

@@ -24,8 +24,6 @@
 
 use std::ffi::c_void;
 
-use leap_backend::attn::{self, Sparse};
-
 /// Leap's log records of level warning and above, on stderr.
 struct Stderr;
 
@@ -41,54 +39,11 @@ impl log::Log for Stderr {
     fn flush(&self) {}
 }
 
-/// `LEAP_STATS`' report, run by the C library at exit.
-extern "C" fn report() {
-    // Nothing may unwind out of an exit handler.
-    let _ = std::panic::catch_unwind(|| {
-        eprintln!(
-            "libggml_leap: leap-cpu computed {} nodes",
-            leap_backend::total_calls()
-        );
-    });
-}
-
 fn configure() {
     if log::set_logger(&Stderr).is_ok() {
         log::set_max_level(log::LevelFilter::Warn);
     }
-    if std::env::var("LEAP_STATS").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "off")) {
-        static ONCE: std::sync::Once = std::sync::Once::new();
-        // SAFETY: `report` is a plain function that stays valid as long as this library
-        // (glibc runs a library's exit handlers when it is unloaded, too).
-        ONCE.call_once(|| unsafe {
-            libc::atexit(report);
-        });
-    }
-    if let Ok(v) = std::env::var("LEAP_KERNELS") {
-        leap_backend::set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
-    }
-    let estimate_on = match std::env::var("LEAP_ESTIMATE").as_deref().map(str::trim) {
-        Ok("opencl") => {
-            leap_backend::want_opencl();
-            attn::EstimateOn::OpenCl
-        }
-        Ok("") | Ok("cpu") | Err(_) => attn::EstimateOn::Cpu,
-        Ok(v) => {
-            eprintln!("libggml_leap: LEAP_ESTIMATE must be cpu or opencl, not {v:?}; using cpu");
-            attn::EstimateOn::Cpu
-        }
-    };
-    match std::env::var("LEAP_SPARSE").as_deref().map(str::trim) {
-        Ok("") | Ok("off") | Ok("0") | Err(_) => {}
-        Ok(v) => match v.parse::<f32>() {
-            Ok(keep) if keep > 0.0 && keep <= 1.0 => attn::set_sparse(Some(Sparse {
-                keep,
-                estimate_on,
-                ..Sparse::default()
-            })),
-            _ => eprintln!("libggml_leap: LEAP_SPARSE must be off or a fraction in (0, 1], not {v:?}; sparse attention stays off"),
-        },
-    }
+    leap_backend::configure_from_env("libggml_leap");
 }
 
 /// ggml's plugin entry point: the registry (the same pointer on every call).

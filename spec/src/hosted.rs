@@ -1,0 +1,358 @@
+//! Drafting for a host that verifies itself: llama.cpp's `--spec-type leap` (patches/), where
+//! llama-server or llama-cli owns the context, decodes the drafts as a chain and accepts them,
+//! and Leap only proposes. The C API hands one [`HostedDrafter`] to each of the host's
+//! sequences (`leap_drafter_*` in include/leap.h).
+//!
+//! What the host's loop lets Leap do: retrieval from the request ([`ContextDrafter`]: prompt
+//! and output so far, short suffix matches) and from the sequence's earlier requests and
+//! answers ([`HistoryDrafter`]), and the cost model's decision of how much of the best
+//! proposal to draft, or nothing ([`lever::build`] with one leaf: the chain whose expected
+//! tokens per unit of cost beat a plain step). Acceptance and the cost of a call of `k` rows
+//! are learned from what the host does: the tokens it appends after a draft tell how many
+//! were taken (so this works whether or not the host reports it), and the time from handing
+//! out a draft of `k` tokens to the next request for one is the host's cost of a step of
+//! `k + 1` rows, decoding, sampling and bookkeeping included.
+//!
+//! What it cannot reach from there: token trees (the host verifies one chain), in-context
+//! calibration and on-demand projection (the host owns the logits), draft reuse (the host
+//! samples only up to the first rejection, so the target's predictions after it are never
+//! known).
+
+use std::time::Instant;
+
+use crate::control::{Controller, Evidence};
+use crate::draft::{ContextDrafter, Drafter, HistoryDrafter, Proposal};
+use crate::lever;
+use crate::sam::Token;
+
+/// How a hosted drafter drafts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostedConfig {
+    /// Most tokens in one draft.
+    pub max_draft: usize,
+    /// Shortest suffix match to draft from.
+    pub min_match: usize,
+    /// Tokens of the sequence's earlier requests and answers kept for drafting (0: none).
+    pub history_tokens: usize,
+    /// Prior for the cost slope of extra rows (learned online).
+    pub beta_prior: f64,
+}
+
+impl Default for HostedConfig {
+    fn default() -> Self {
+        let e = crate::engine::EngineConfig::default();
+        Self {
+            max_draft: e.max_draft,
+            min_match: e.min_match,
+            history_tokens: e.history_tokens,
+            beta_prior: e.beta_prior,
+        }
+    }
+}
+
+/// A draft handed out and not yet seen through: what was drafted, the evidence behind each
+/// token, and what the construction expected of it.
+#[derive(Debug)]
+struct Pending {
+    tokens: Vec<Token>,
+    evidence: Vec<Evidence>,
+    expected: f64,
+}
+
+/// What a hosted drafter has done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostedStats {
+    /// Calls to [`HostedDrafter::draft`].
+    pub steps: u64,
+    /// Of those, the ones that returned a draft.
+    pub drafts: u64,
+    /// Tokens drafted.
+    pub drafted: u64,
+    /// Drafted tokens the host kept (as the tokens it appended after them show).
+    pub accepted: u64,
+}
+
+/// One sequence's drafter (see the module documentation).
+#[derive(Debug)]
+pub struct HostedDrafter {
+    cfg: HostedConfig,
+    control: Controller,
+    local: ContextDrafter,
+    history: HistoryDrafter,
+    /// The text the drafters have taken in: the generation's prompt, then every token the
+    /// host appended to it.
+    seen: Vec<Token>,
+    /// How much of `seen` was the generation's prompt (`None`: no generation yet).
+    prompt_len: Option<usize>,
+    pending: Option<Pending>,
+    /// When the last step's draft (maybe empty) was handed out, and its rows (draft + 1).
+    last_step: Option<(Instant, usize)>,
+    stats: HostedStats,
+    proposals: Vec<Proposal>,
+}
+
+impl HostedDrafter {
+    /// A drafter with no history.
+    pub fn new(cfg: HostedConfig) -> Self {
+        Self {
+            control: Controller::new(cfg.beta_prior),
+            local: ContextDrafter::new(cfg.min_match),
+            history: HistoryDrafter::new(cfg.min_match, cfg.history_tokens),
+            seen: Vec::new(),
+            prompt_len: None,
+            pending: None,
+            last_step: None,
+            stats: HostedStats::default(),
+            proposals: Vec::new(),
+            cfg,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &HostedConfig {
+        &self.cfg
+    }
+
+    /// What it has done so far.
+    pub fn stats(&self) -> HostedStats {
+        self.stats
+    }
+
+    /// A new generation on this sequence starts from `prompt` (every token the host's
+    /// context holds for it). The last generation, if any, goes into the history.
+    pub fn begin(&mut self, prompt: &[Token]) {
+        self.end();
+        self.seen.clear();
+        self.seen.extend_from_slice(prompt);
+        self.prompt_len = Some(prompt.len());
+        self.local.begin(prompt);
+        self.history.begin(prompt);
+    }
+
+    /// Close the current generation: its prompt and answer join the history.
+    fn end(&mut self) {
+        if let Some(n) = self.prompt_len.take() {
+            let (prompt, answer) = self.seen.split_at(n.min(self.seen.len()));
+            self.history.end(prompt, answer);
+        }
+        self.pending = None;
+        self.last_step = None;
+    }
+
+    /// The host is about to verify: its sequence holds `tokens`, followed by `id_last`
+    /// (sampled, not yet decoded). Returns at most `max` tokens to verify after `id_last`,
+    /// possibly none (then a plain step pays more than any draft would).
+    ///
+    /// A `tokens` that does not extend what this drafter saw (a host that did not call
+    /// [`HostedDrafter::begin`], or edited its context) starts a new generation from it.
+    pub fn draft(&mut self, tokens: &[Token], id_last: Token, max: usize) -> Vec<Token> {
+        let now = Instant::now();
+        self.stats.steps += 1;
+        let extends = self.prompt_len.is_some()
+            && tokens.len() >= self.seen.len()
+            && tokens[..self.seen.len()] == self.seen[..];
+        if !extends {
+            self.begin(tokens);
+        }
+        // What the host appended since the last step: the accepted drafts and the token it
+        // sampled after them.
+        let from = self.seen.len();
+        let new: Vec<Token> = tokens[from..]
+            .iter()
+            .copied()
+            .chain(std::iter::once(id_last))
+            .collect();
+        if let Some((t, rows)) = self.last_step.take() {
+            self.control
+                .record_cost(rows, now.duration_since(t).as_secs_f64());
+        }
+        if let Some(p) = self.pending.take() {
+            self.learn(&p, &new);
+        }
+        for &t in &new {
+            self.local.accepted(t);
+            self.history.accepted(t);
+        }
+        self.seen.extend_from_slice(&new);
+
+        let budget = max.min(self.cfg.max_draft);
+        self.proposals.clear();
+        if budget > 0 {
+            self.local.propose(budget, 1, &mut self.proposals);
+            self.history.propose(budget, 1, &mut self.proposals);
+        }
+        let built = lever::build(
+            id_last,
+            &self.proposals,
+            &self.control,
+            budget + 1,
+            1,
+            budget,
+        );
+        let leaf = built.tree.len() - 1;
+        let draft = if leaf == 0 {
+            Vec::new()
+        } else {
+            built.tree.path(leaf)
+        };
+        debug_assert_eq!(draft.len(), leaf, "one leaf: the tree is a chain");
+        if draft.is_empty() {
+            self.control.record_plain_step();
+        } else {
+            self.stats.drafts += 1;
+            self.stats.drafted += draft.len() as u64;
+            self.pending = Some(Pending {
+                tokens: draft.clone(),
+                evidence: built.evidence[1..].to_vec(),
+                expected: built.expected,
+            });
+        }
+        self.last_step = Some((Instant::now(), draft.len() + 1));
+        draft
+    }
+
+    /// Learn from a draft and what the host appended after it (`new`: the kept drafts, then
+    /// the token the target chose where the draft went wrong, or after its end).
+    fn learn(&mut self, p: &Pending, new: &[Token]) {
+        let n = p
+            .tokens
+            .iter()
+            .zip(new)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(new.len().saturating_sub(1));
+        self.stats.accepted += n as u64;
+        // Every drafted token whose predecessor was accepted was checked: taken or not.
+        for (i, &ev) in p.evidence.iter().enumerate().take(n + 1) {
+            self.control.record_token(ev, i < n);
+        }
+        self.control.record_reliability(p.expected, n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host that verifies greedily against `truth` (the text the target would write):
+    /// it keeps the drafted tokens that match, then appends the target's own token.
+    fn run(d: &mut HostedDrafter, prompt: &[Token], truth: &[Token]) -> (usize, usize) {
+        d.begin(prompt);
+        let mut tokens = prompt.to_vec();
+        let mut id_last = truth[0];
+        let mut at = 1;
+        let mut calls = 0;
+        while at < truth.len() {
+            let draft = d.draft(&tokens, id_last, 16);
+            calls += 1;
+            tokens.push(id_last);
+            let n = draft
+                .iter()
+                .zip(&truth[at..])
+                .take_while(|(a, b)| a == b)
+                .count();
+            tokens.extend_from_slice(&truth[at..at + n]);
+            at += n;
+            if at < truth.len() {
+                id_last = truth[at];
+                at += 1;
+            }
+        }
+        (truth.len(), calls)
+    }
+
+    fn text(seed: u64, n: usize) -> Vec<Token> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 5000) as Token
+            })
+            .collect()
+    }
+
+    #[test]
+    fn copies_a_passage_of_the_prompt_in_few_steps() {
+        let passage = text(7, 200);
+        let mut prompt = text(3, 50);
+        prompt.extend_from_slice(&passage);
+        prompt.extend_from_slice(&text(5, 20));
+        prompt.extend_from_slice(&passage[..4]);
+        let mut d = HostedDrafter::new(HostedConfig::default());
+        let (tokens, calls) = run(&mut d, &prompt, &passage[4..]);
+        assert!(calls * 4 < tokens, "{calls} calls for {tokens} tokens");
+        let s = d.stats();
+        assert!(s.accepted > 150 && s.accepted <= s.drafted, "{s:?}");
+    }
+
+    #[test]
+    fn learns_to_stop_drafting_what_the_target_never_takes() {
+        // The text ends in a 10-token repeat of an earlier passage, so the passage's
+        // continuation is drafted; the target rejects its first token every time.
+        let passage = text(9, 100);
+        let mut prompt = passage.clone();
+        prompt.extend_from_slice(&passage[..10]);
+        let mut d = HostedDrafter::new(HostedConfig {
+            history_tokens: 0,
+            ..HostedConfig::default()
+        });
+        let mut lens = Vec::new();
+        for _ in 0..30 {
+            d.begin(&prompt);
+            let draft = d.draft(&prompt, passage[10], 16);
+            lens.push(draft.len());
+            let mut after = prompt.clone();
+            after.push(passage[10]);
+            // The target took none of it: its own token came instead.
+            let _ = d.draft(&after, 9999, 16);
+        }
+        assert!(lens[0] >= 2, "{lens:?}");
+        // After a few rejections, nothing; but for one exploring draft now and then
+        // (Controller::exploring), so that drafts come back when they would pay again.
+        assert!(
+            lens[5..].iter().filter(|&&l| l > 0).count() <= 1,
+            "{lens:?}"
+        );
+        assert_eq!(d.stats().accepted, 0);
+    }
+
+    #[test]
+    fn drafts_from_the_sequences_earlier_answers() {
+        let answer = text(11, 120);
+        let mut d = HostedDrafter::new(HostedConfig::default());
+        run(&mut d, &text(1, 30), &answer);
+        let before = d.stats();
+        // A new request whose answer repeats the last one: only the history has it.
+        let (tokens, calls) = run(&mut d, &text(2, 30), &answer);
+        let s = d.stats();
+        assert!(s.accepted - before.accepted > 80, "{before:?} -> {s:?}");
+        assert!(calls * 3 < tokens, "{calls} calls for {tokens} tokens");
+        // Without history, the same request drafts nothing.
+        let mut fresh = HostedDrafter::new(HostedConfig {
+            history_tokens: 0,
+            ..HostedConfig::default()
+        });
+        run(&mut fresh, &text(1, 30), &answer);
+        let b = fresh.stats();
+        run(&mut fresh, &text(2, 30), &answer);
+        assert_eq!(fresh.stats().drafted, b.drafted);
+    }
+
+    #[test]
+    fn a_host_that_edits_its_context_starts_over() {
+        let mut d = HostedDrafter::new(HostedConfig::default());
+        d.begin(&[1, 2, 3, 1, 2]);
+        let _ = d.draft(&[1, 2, 3, 1, 2], 3, 8);
+        // The host dropped tokens (a context shift) and did not call begin.
+        let draft = d.draft(&[7, 8, 9, 7, 8, 9, 7], 8, 8);
+        assert_eq!(draft.first(), Some(&9), "{draft:?}");
+        assert!(draft.len() <= 8);
+        // Never more than asked for.
+        assert!(d.draft(&[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], 9, 1).len() <= 1);
+        assert!(d
+            .draft(&[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7], 8, 0)
+            .is_empty());
+    }
+}

