@@ -203,7 +203,8 @@ leap_status leap_session_totals(const leap_session *session, leap_stats *out);
  * so many rows cost on this machine, both learned as the host goes. Lossless by construction:
  * the host keeps only the drafted tokens its target would have produced.
  *
- * One drafter per sequence (a llama-server slot), used by one thread at a time. */
+ * One drafter per sequence (a llama-server slot: leap_drafter_new for the first,
+ * leap_drafter_new_sibling for the others), each used by one thread at a time. */
 typedef struct leap_drafter leap_drafter;
 
 typedef struct {
@@ -220,6 +221,11 @@ leap_drafter_params leap_drafter_default_params(void);
 
 /* A new drafter with `params` (NULL: the defaults) into `*out`. */
 leap_status leap_drafter_new(const leap_drafter_params *params, leap_drafter **out);
+
+/* A drafter for another sequence of the same host into `*out`: its own text and history, but
+ * what `of` learns of acceptance and of the cost of a step (and it of them) is shared, one
+ * model on one machine. Free each on its own, in any order. */
+leap_status leap_drafter_new_sibling(leap_drafter *of, leap_drafter **out);
 
 /* Free a drafter. NULL is a no-op. */
 void leap_drafter_free(leap_drafter *drafter);
@@ -248,9 +254,8 @@ leap_status leap_drafter_get_stats(const leap_drafter *drafter, leap_drafter_sta
 
 /* Put Leap's ggml device (leap-cpu) in ggml's backend registry, as llama.cpp's own backends
  * are, for contexts created afterwards; configured from the environment like the plugin
- * libggml_leap.so (LEAP_KERNELS, LEAP_SPARSE, LEAP_ESTIMATE, LEAP_STATS). It also keeps
- * ggml's CPU matrix products batch-invariant (GGML_CPU_TILED_MM=0 unless set), so a verified
- * draft gets exactly the logits of the same token decoded alone. Once per process; later
+ * libggml_leap.so (LEAP_KERNELS, LEAP_SPARSE, LEAP_ESTIMATE, LEAP_STATS). Its matrix
+ * products give each row of a batch what ggml gives the row alone. Once per process; later
  * calls do nothing. leap_model_open does this itself. */
 leap_status leap_backend_register(void);
 

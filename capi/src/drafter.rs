@@ -128,6 +128,30 @@ pub unsafe extern "C" fn leap_drafter_new(
     })
 }
 
+/// `leap_status leap_drafter_new_sibling(leap_drafter *of, leap_drafter **out)`.
+///
+/// # Safety
+/// `of` is NULL or a live drafter; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn leap_drafter_new_sibling(
+    of: *mut leap_drafter,
+    out: *mut *mut leap_drafter,
+) -> leap_status {
+    guard(|| {
+        // SAFETY: NULL or writable (contract); NULL on failure.
+        unsafe { write_out(out, std::ptr::null_mut(), "out") }?;
+        // SAFETY: NULL or live (contract).
+        let of = unsafe { ref_arg(of, "of") }?;
+        let sibling = lock(of)?.sibling();
+        let d = Box::new(leap_drafter {
+            inner: Mutex::new(sibling),
+        });
+        // SAFETY: checked writable above.
+        unsafe { out.write(Box::into_raw(d)) };
+        Ok(())
+    })
+}
+
 /// `void leap_drafter_free(leap_drafter *)`.
 ///
 /// # Safety
@@ -234,19 +258,13 @@ pub unsafe extern "C" fn leap_drafter_get_stats(
 
 /// `leap_status leap_backend_register(void)`: Leap's `leap-cpu` device into ggml's registry,
 /// configured from the environment (as the plugin: `LEAP_KERNELS`, `LEAP_SPARSE`,
-/// `LEAP_ESTIMATE`, `LEAP_STATS`), with ggml's CPU matrix products kept batch-invariant
-/// (`GGML_CPU_TILED_MM=0` unless the process set it), so that a verified draft row gets the
-/// logits the same token decoded alone gets. Once per process; later calls do nothing.
+/// `LEAP_ESTIMATE`, `LEAP_STATS`). Once per process; later calls do nothing.
 #[no_mangle]
 pub extern "C" fn leap_backend_register() -> leap_status {
     guard(|| {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
             crate::logging::init();
-            let env = leap_host::backend::BATCH_INVARIANT_ENV;
-            if std::env::var_os(env).is_none() {
-                std::env::set_var(env, "0");
-            }
             leap_backend::configure_from_env("leap");
             leap_backend::register();
         });
@@ -320,6 +338,14 @@ mod tests {
                 leap_drafter_begin(d, std::ptr::null(), 3),
                 LEAP_ERR_INVALID_ARGUMENT
             );
+            let mut sib = std::ptr::null_mut();
+            assert_eq!(leap_drafter_new_sibling(d, &mut sib), LEAP_OK);
+            assert!(!sib.is_null());
+            assert_eq!(
+                leap_drafter_new_sibling(std::ptr::null_mut(), &mut sib),
+                LEAP_ERR_INVALID_ARGUMENT
+            );
+            assert!(sib.is_null());
             leap_drafter_free(d);
             leap_drafter_free(std::ptr::null_mut());
         }

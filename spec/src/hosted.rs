@@ -18,6 +18,7 @@
 //! samples only up to the first rejection, so the target's predictions after it are never
 //! known).
 
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::control::{Controller, Evidence};
@@ -76,7 +77,9 @@ pub struct HostedStats {
 #[derive(Debug)]
 pub struct HostedDrafter {
     cfg: HostedConfig,
-    control: Controller,
+    /// Acceptance and cost estimates, shared with the drafters of the host's other sequences
+    /// ([`HostedDrafter::sibling`]): one model on one machine.
+    control: Arc<Mutex<Controller>>,
     local: ContextDrafter,
     history: HistoryDrafter,
     /// The text the drafters have taken in: the generation's prompt, then every token the
@@ -95,7 +98,7 @@ impl HostedDrafter {
     /// A drafter with no history.
     pub fn new(cfg: HostedConfig) -> Self {
         Self {
-            control: Controller::new(cfg.beta_prior),
+            control: Arc::new(Mutex::new(Controller::new(cfg.beta_prior))),
             local: ContextDrafter::new(cfg.min_match),
             history: HistoryDrafter::new(cfg.min_match, cfg.history_tokens),
             seen: Vec::new(),
@@ -106,6 +109,20 @@ impl HostedDrafter {
             proposals: Vec::new(),
             cfg,
         }
+    }
+
+    /// A drafter for another sequence of the same host: its own text and history, the
+    /// acceptance and cost estimates of this one (what one sequence learns, all use).
+    pub fn sibling(&self) -> Self {
+        Self {
+            control: Arc::clone(&self.control),
+            ..Self::new(self.cfg.clone())
+        }
+    }
+
+    fn control(&self) -> MutexGuard<'_, Controller> {
+        // The estimates stay usable after a panic elsewhere: they are numbers.
+        self.control.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The configuration.
@@ -163,7 +180,7 @@ impl HostedDrafter {
             .chain(std::iter::once(id_last))
             .collect();
         if let Some((t, rows)) = self.last_step.take() {
-            self.control
+            self.control()
                 .record_cost(rows, now.duration_since(t).as_secs_f64());
         }
         if let Some(p) = self.pending.take() {
@@ -184,7 +201,7 @@ impl HostedDrafter {
         let built = lever::build(
             id_last,
             &self.proposals,
-            &self.control,
+            &self.control(),
             budget + 1,
             1,
             budget,
@@ -197,7 +214,7 @@ impl HostedDrafter {
         };
         debug_assert_eq!(draft.len(), leaf, "one leaf: the tree is a chain");
         if draft.is_empty() {
-            self.control.record_plain_step();
+            self.control().record_plain_step();
         } else {
             self.stats.drafts += 1;
             self.stats.drafted += draft.len() as u64;
@@ -224,9 +241,9 @@ impl HostedDrafter {
         self.stats.accepted += n as u64;
         // Every drafted token whose predecessor was accepted was checked: taken or not.
         for (i, &ev) in p.evidence.iter().enumerate().take(n + 1) {
-            self.control.record_token(ev, i < n);
+            self.control().record_token(ev, i < n);
         }
-        self.control.record_reliability(p.expected, n);
+        self.control().record_reliability(p.expected, n);
     }
 }
 
@@ -316,6 +333,14 @@ mod tests {
             "{lens:?}"
         );
         assert_eq!(d.stats().accepted, 0);
+        // What it learned holds for its siblings (the host's other sequences) too, and not
+        // for an unrelated drafter.
+        let mut sibling = d.sibling();
+        sibling.begin(&prompt);
+        assert!(sibling.draft(&prompt, passage[10], 16).len() <= 1);
+        let mut fresh = HostedDrafter::new(d.config().clone());
+        fresh.begin(&prompt);
+        assert!(fresh.draft(&prompt, passage[10], 16).len() >= 2);
     }
 
     #[test]
