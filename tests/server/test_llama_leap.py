@@ -86,6 +86,25 @@ def test_spec_type_leap_gives_plain_decodings_tokens(llama_bin, model, request):
     assert "leap-cpu computed" in err, err[-2000:]
 
 
+def test_llama_cli_with_spec_type_leap_writes_plain_decodings_text(llama_bin, smollm):
+    def cli(args, env):
+        r = subprocess.run([str(llama_bin / "llama-cli"), "-m", smollm, "-t", "2", "-c", "1024",
+                            "-p", PROMPTS[0], "-n", "40", "--temp", "0", "-st", "--simple-io",
+                            "--no-display-prompt", *args],
+                           env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        # Everything but the speed line ("[ Prompt: 258.9 t/s | Generation: 83.7 t/s ]").
+        text = "\n".join(l for l in r.stdout.splitlines() if not l.startswith("[ Prompt:"))
+        return text, r.stderr
+
+    plain, _ = cli(INVARIANT + ["--spec-type", "none"], clean_env(GGML_CPU_TILED_MM="0"))
+    leap, err = cli(["--spec-type", "leap"], clean_env(LEAP_STATS="1"))
+    assert "cherry" in plain, plain
+    assert leap == plain
+    assert "leap-cpu computed" in err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--spec-type", "leap,ngram-mod"], "cannot be combined with 'ngram-mod'"),
     (["--spec-type", "leap", "-fa", "on"], "needs flash attention off"),

@@ -95,17 +95,19 @@ def test_sparse_attention_runs_inside_a_stock_llama_server(stock_bin, plugin, sm
     # LEAP_SPARSE configures the plugin; the device sees attention with flash attention on.
     env = env_with(plugin)
     env["LEAP_SPARSE"] = "0.25"
-    with LlamaServer(stock_bin, smollm, ["-ot", "nomatch=CPU", "-fa", "on"], env=env) as s:
+    with LlamaServer(stock_bin, smollm, ["-ot", "nomatch=CPU", "-fa", "on"], env=env, ctx=4096) as s:
         assert "libggml_leap" in s.maps
-        # A prompt long enough that a query sees more keys than sparse attention keeps.
-        doc = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(60))
+        # A prompt long enough (1,500+ tokens) that a query sees more keys than sparse
+        # attention's smallest (Sparse::min_keys, 1024).
+        doc = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(200))
         text = s.complete(doc + "\nWhich colour is item 7?", max_tokens=8)["choices"][0]["text"]
         err = s.stop()
     assert isinstance(text, str)
     nodes, attention, sparse_rows = stats(err)
     assert attention > 0 and sparse_rows > 0, (nodes, attention, sparse_rows)
     # Without LEAP_SPARSE the device computes no attention.
-    with LlamaServer(stock_bin, smollm, ["-ot", "nomatch=CPU", "-fa", "on"], env=env_with(plugin)) as s:
+    with LlamaServer(stock_bin, smollm, ["-ot", "nomatch=CPU", "-fa", "on"], env=env_with(plugin),
+                     ctx=4096) as s:
         s.complete(doc, max_tokens=4)
         err = s.stop()
     assert stats(err)[1:] == (0, 0)
