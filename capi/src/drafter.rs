@@ -101,6 +101,27 @@ fn lock(d: &leap_drafter) -> Result<std::sync::MutexGuard<'_, HostedDrafter>, Er
     }
 }
 
+/// Make a drafter with `make` into the out-pointer `out` (NULL on failure).
+///
+/// # Safety
+/// `out` is NULL or writable.
+unsafe fn new_into(
+    out: *mut *mut leap_drafter,
+    make: impl FnOnce() -> Result<HostedDrafter, Error>,
+) -> leap_status {
+    guard(|| {
+        // SAFETY: NULL or writable (contract); NULL on failure.
+        unsafe { write_out(out, std::ptr::null_mut(), "out") }?;
+        crate::logging::init();
+        let d = Box::new(leap_drafter {
+            inner: Mutex::new(make()?),
+        });
+        // SAFETY: checked writable above.
+        unsafe { out.write(Box::into_raw(d)) };
+        Ok(())
+    })
+}
+
 /// `leap_status leap_drafter_new(const leap_drafter_params *, leap_drafter **out)`.
 ///
 /// # Safety
@@ -110,21 +131,14 @@ pub unsafe extern "C" fn leap_drafter_new(
     params: *const leap_drafter_params,
     out: *mut *mut leap_drafter,
 ) -> leap_status {
-    guard(|| {
-        // SAFETY: NULL or writable (contract); NULL on failure.
-        unsafe { write_out(out, std::ptr::null_mut(), "out") }?;
-        crate::logging::init();
+    // `out` is NULL or writable (contract).
+    new_into(out, || {
         // SAFETY: NULL or a valid leap_drafter_params (contract).
         let params = unsafe { params.as_ref() }.copied();
         let cfg = params
             .unwrap_or_else(|| leap_drafter_default_params())
             .config()?;
-        let d = Box::new(leap_drafter {
-            inner: Mutex::new(HostedDrafter::new(cfg)),
-        });
-        // SAFETY: checked writable above.
-        unsafe { out.write(Box::into_raw(d)) };
-        Ok(())
+        Ok(HostedDrafter::new(cfg))
     })
 }
 
@@ -137,18 +151,11 @@ pub unsafe extern "C" fn leap_drafter_new_sibling(
     of: *mut leap_drafter,
     out: *mut *mut leap_drafter,
 ) -> leap_status {
-    guard(|| {
-        // SAFETY: NULL or writable (contract); NULL on failure.
-        unsafe { write_out(out, std::ptr::null_mut(), "out") }?;
+    // `out` is NULL or writable (contract).
+    new_into(out, || {
         // SAFETY: NULL or live (contract).
         let of = unsafe { ref_arg(of, "of") }?;
-        let sibling = lock(of)?.sibling();
-        let d = Box::new(leap_drafter {
-            inner: Mutex::new(sibling),
-        });
-        // SAFETY: checked writable above.
-        unsafe { out.write(Box::into_raw(d)) };
-        Ok(())
+        Ok(lock(of)?.sibling())
     })
 }
 
