@@ -230,6 +230,23 @@ pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
 }
 
+static TAKE_OUTPUT: AtomicBool = AtomicBool::new(false);
+
+/// Let the device take the output projection (`result_output`) too. Off by default: Leap's own
+/// engine projects on demand and stops the graph at the hidden states, which only works while
+/// the projection sits in ggml's split. A host that computes every row's logits itself
+/// (llama.cpp with `--spec-type leap`) gains from it: a verified draft row then costs the
+/// device's small-batch product instead of a ggml dot product per vocabulary row, and the
+/// row's logits are still exactly what ggml computes for the row alone.
+pub fn set_take_output(on: bool) {
+    TAKE_OUTPUT.store(on, Ordering::Relaxed);
+}
+
+/// See [`set_take_output`].
+pub fn takes_output() -> bool {
+    TAKE_OUTPUT.load(Ordering::Relaxed)
+}
+
 /// Nodes the device has computed for decodes run on the calling thread.
 pub fn calls() -> usize {
     CALLS.with(std::cell::Cell::get)

@@ -37,10 +37,11 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
     if op.op != g::GGML_OP_MUL_MAT || op.type_ != g::GGML_TYPE_F32 {
         return false;
     }
-    // The output projection stays in ggml's split with `result_norm`: Leap's on-demand
-    // projection stops the graph there through the eval callback, and ggml's scheduler only
-    // stops the split it is in (a split of this device's would still run after it).
-    if tensor_name(op).as_bytes() == OUTPUT {
+    // The output projection stays in ggml's split with `result_norm` (unless a host without
+    // on-demand projection asks for it, `set_take_output`): Leap's on-demand projection stops
+    // the graph there through the eval callback, and ggml's scheduler only stops the split it
+    // is in (a split of this device's would still run after it).
+    if tensor_name(op).as_bytes() == OUTPUT && !crate::takes_output() {
         return false;
     }
     let (s0, s1) = (op.src[0], op.src[1]);

@@ -265,7 +265,8 @@ pub unsafe extern "C" fn leap_drafter_get_stats(
 
 /// `leap_status leap_backend_register(void)`: Leap's `leap-cpu` device into ggml's registry,
 /// configured from the environment (as the plugin: `LEAP_KERNELS`, `LEAP_SPARSE`,
-/// `LEAP_ESTIMATE`, `LEAP_STATS`). Once per process; later calls do nothing.
+/// `LEAP_ESTIMATE`, `LEAP_STATS`), taking the output projection too
+/// ([`leap_backend::set_take_output`]). Once per process; later calls do nothing.
 #[no_mangle]
 pub extern "C" fn leap_backend_register() -> leap_status {
     guard(|| {
@@ -273,6 +274,10 @@ pub extern "C" fn leap_backend_register() -> leap_status {
         ONCE.call_once(|| {
             crate::logging::init();
             leap_backend::configure_from_env("leap");
+            // Such a host computes every row's logits itself (no on-demand projection here);
+            // LEAP_OUTPUT=ggml leaves the output projection to ggml.
+            let ggml = std::env::var("LEAP_OUTPUT").is_ok_and(|v| v.trim() == "ggml");
+            leap_backend::set_take_output(!ggml);
             leap_backend::register();
         });
         Ok(())
