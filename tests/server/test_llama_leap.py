@@ -6,7 +6,8 @@ registered like llama.cpp's own, without GGML_BACKEND_PATH.
 Checked: the device is listed; greedy completions with --spec-type leap are those of
 --spec-type none of the same binary (with the kernels --spec-type leap turns on: flash attention,
 weight repacking and the tiled product off, a full sliding-window cache), on prompts where Leap's drafts are taken, so the verified batches
-really differ from plain steps; sampled completions with a seed are the same text too (the
+really differ from plain steps, and on a prompt past Gemma's sliding window (where the default
+kernels, flash attention on and repacked weights, give another text); sampled completions with a seed are the same text too (the
 server samples every position of a draft from the target's own distribution with the seed's
 random stream, so drafting changes how many calls, not which tokens); bad combinations stop
 the server at start-up with a message, not mid-request."""
@@ -27,6 +28,10 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The",
     "List the days of the week: Monday, Tuesday,",
 ]
+# A prompt past Gemma 3's 512-token sliding window (~1,300 tokens): the window-sized cache and
+# ggml's attention over 512+ cells are where a batch's rows would round otherwise.
+LONG = (Path(__file__).resolve().parents[1] / "data" / "attention-notes.txt").read_text() + \
+    "\nIn one paragraph, what do these notes say about the two places a phone spends its time?\n"
 # The kernels --spec-type leap runs with, for the plain anchor of the same binary.
 INVARIANT = ["-fa", "off", "--no-repack", "--swa-full"]
 
@@ -50,7 +55,7 @@ def clean_env(**extra):
 
 def texts(s, **params):
     out = []
-    for p in PROMPTS:
+    for p in PROMPTS + [LONG]:
         r = s.complete(p, max_tokens=48, **params)
         out.append((r["choices"][0]["text"], r.get("timings", {})))
     return out
@@ -67,11 +72,11 @@ def test_llama_cli_lists_leaps_device_without_a_plugin_path(llama_bin):
 def test_spec_type_leap_gives_plain_decodings_tokens(llama_bin, model, request):
     path = request.getfixturevalue(model)
     with LlamaServer(llama_bin, path, INVARIANT + ["--spec-type", "none"],
-                     env=clean_env(GGML_CPU_TILED_MM="0")) as s:
+                     env=clean_env(GGML_CPU_TILED_MM="0"), ctx=4096) as s:
         plain = texts(s)
         plain_sampled = texts(s, temperature=0.8, seed=1234)
     with LlamaServer(llama_bin, path, ["--spec-type", "leap"],
-                     env=clean_env(LEAP_STATS="1")) as s:
+                     env=clean_env(LEAP_STATS="1"), ctx=4096) as s:
         assert "libleap" in s.maps
         leap = texts(s)
         leap_sampled = texts(s, temperature=0.8, seed=1234)
