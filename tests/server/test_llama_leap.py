@@ -4,13 +4,14 @@ There `--spec-type leap` drafts with Leap (libleap.so's leap_drafter_*) and Leap
 registered like llama.cpp's own, without GGML_BACKEND_PATH.
 
 Checked: the device is listed; greedy completions with --spec-type leap are those of
---spec-type none of the same binary (with the kernels --spec-type leap turns on: flash attention,
-weight repacking and the tiled product off, a full sliding-window cache), on prompts where Leap's drafts are taken, so the verified batches
-really differ from plain steps, and on a prompt past Gemma's sliding window (where the default
-kernels, flash attention on and repacked weights, give another text); sampled completions with a seed are the same text too (the
-server samples every position of a draft from the target's own distribution with the seed's
-random stream, so drafting changes how many calls, not which tokens); bad combinations stop
-the server at start-up with a message, not mid-request."""
+--spec-type none of the same binary with the kernels --spec-type leap turns on (flash attention,
+weight repacking and the tiled product off, a full sliding-window cache), on prompts where Leap's
+drafts are taken, so the verified batches really differ from plain steps, and on a prompt past
+Gemma's sliding window (where the default kernels, flash attention on and repacked weights, give
+another text); sampled completions with a seed are the same text too (the server samples every
+position of a draft from the target's own distribution with the seed's random stream, so
+drafting changes how many calls, not which tokens); bad combinations stop the server at start-up
+with a message, not mid-request."""
 
 import os
 import subprocess
