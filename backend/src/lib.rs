@@ -158,8 +158,10 @@ pub fn registry() -> g::ggml_backend_reg_t {
 /// plugin loader, or llama.cpp built with `LLAMA_LEAP=ON`); `who` prefixes what it prints.
 /// Call before the device is first used. The variables: `LEAP_KERNELS` (`on`, `off`),
 /// `LEAP_SPARSE` (`off` or the fraction of keys a query attends), `LEAP_ESTIMATE` (`cpu`,
-/// `opencl`), and `LEAP_STATS` (`1`: at exit, how many graph nodes `leap-cpu` computed and
-/// how many of them were attention, how many query rows attended sparsely). `LEAP_QNN` is read where the estimate starts.
+/// `opencl`), `LEAP_OUTPUT` (`device` or `ggml`: who computes the output projection, see
+/// [`set_take_output`]; unset, as the caller set it), and `LEAP_STATS` (`1`: at exit, how
+/// many graph nodes `leap-cpu` computed, how many of them were attention, how many query
+/// rows attended sparsely). `LEAP_QNN` is read where the estimate starts.
 pub fn configure_from_env(who: &'static str) {
     static WHO: OnceLock<&'static str> = OnceLock::new();
     extern "C" fn report() {
@@ -184,6 +186,12 @@ pub fn configure_from_env(who: &'static str) {
     }
     if let Ok(v) = std::env::var("LEAP_KERNELS") {
         set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
+    }
+    match std::env::var("LEAP_OUTPUT").as_deref().map(str::trim) {
+        Ok("device") => set_take_output(true),
+        Ok("ggml") => set_take_output(false),
+        Ok("") | Err(_) => {}
+        Ok(v) => eprintln!("{who}: LEAP_OUTPUT must be device or ggml, not {v:?}; ignored"),
     }
     let estimate_on = match std::env::var("LEAP_ESTIMATE").as_deref().map(str::trim) {
         Ok("opencl") => {

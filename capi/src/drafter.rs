@@ -3,7 +3,7 @@
 //! drafter per host sequence. And `leap_backend_register`: Leap's ggml device in a host's
 //! backend registry, configured from the environment as the plugin is.
 
-use std::sync::{Mutex, TryLockError};
+use std::sync::Mutex;
 
 use leap_spec::hosted::{HostedConfig, HostedDrafter};
 
@@ -94,11 +94,7 @@ unsafe fn tokens_arg<'a>(p: *const i32, n: usize, what: &'static str) -> Result<
 
 /// Lock a drafter for one call.
 fn lock(d: &leap_drafter) -> Result<std::sync::MutexGuard<'_, HostedDrafter>, Error> {
-    match d.inner.try_lock() {
-        Ok(g) => Ok(g),
-        Err(TryLockError::WouldBlock) => Err(Error::Busy),
-        Err(TryLockError::Poisoned(_)) => Err(Error::Poisoned),
-    }
+    crate::try_lock(&d.inner)
 }
 
 /// Make a drafter with `make` into the out-pointer `out` (NULL on failure).
@@ -226,11 +222,12 @@ pub unsafe extern "C" fn leap_drafter_draft(
         if out.is_null() && max > 0 {
             return Err(Error::Null { what: "out" });
         }
-        let draft = lock(d)?.draft(tokens, id_last, max as usize);
+        let mut drafter = lock(d)?;
+        let draft = drafter.draft(tokens, id_last, max as usize);
         debug_assert!(draft.len() <= max as usize);
         let n = draft.len().min(max as usize);
         if n > 0 {
-            // SAFETY: room for `max` >= n tokens (contract); `draft` is our own buffer.
+            // SAFETY: room for `max` >= n tokens (contract); `draft` is the drafter's buffer.
             unsafe { std::ptr::copy_nonoverlapping(draft.as_ptr(), out, n) };
         }
         // SAFETY: checked writable above.
@@ -265,19 +262,18 @@ pub unsafe extern "C" fn leap_drafter_get_stats(
 
 /// `leap_status leap_backend_register(void)`: Leap's `leap-cpu` device into ggml's registry,
 /// configured from the environment (as the plugin: `LEAP_KERNELS`, `LEAP_SPARSE`,
-/// `LEAP_ESTIMATE`, `LEAP_STATS`), taking the output projection too
-/// ([`leap_backend::set_take_output`]). Once per process; later calls do nothing.
+/// `LEAP_ESTIMATE`, `LEAP_STATS`, `LEAP_OUTPUT`), taking the output projection too unless
+/// `LEAP_OUTPUT=ggml` ([`leap_backend::set_take_output`]). Once per process; later calls do nothing.
 #[no_mangle]
 pub extern "C" fn leap_backend_register() -> leap_status {
     guard(|| {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
             crate::logging::init();
-            leap_backend::configure_from_env("leap");
             // Such a host computes every row's logits itself (no on-demand projection here);
-            // LEAP_OUTPUT=ggml leaves the output projection to ggml.
-            let ggml = std::env::var("LEAP_OUTPUT").is_ok_and(|v| v.trim() == "ggml");
-            leap_backend::set_take_output(!ggml);
+            // the environment may say otherwise (LEAP_OUTPUT=ggml).
+            leap_backend::set_take_output(true);
+            leap_backend::configure_from_env("leap");
             leap_backend::register();
         });
         Ok(())

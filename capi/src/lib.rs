@@ -404,9 +404,10 @@ pub unsafe extern "C" fn leap_session_free(session: *mut leap_session) {
     }));
 }
 
-/// The session's state, or why it cannot be used now.
-fn lock(s: &leap_session) -> Result<std::sync::MutexGuard<'_, SessionState>, Error> {
-    s.inner.try_lock().map_err(|e| match e {
+/// An object's state behind its lock (a session's, a drafter's), or why it cannot be used now:
+/// busy with another call, or left unusable by an earlier panic.
+fn try_lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>, Error> {
+    m.try_lock().map_err(|e| match e {
         TryLockError::WouldBlock => Error::Busy,
         TryLockError::Poisoned(_) => Error::Poisoned,
     })
@@ -442,7 +443,7 @@ pub unsafe extern "C" fn leap_generate(
             .copied()
             .unwrap_or_else(|| leap_generate_default_params());
         let req = params.request()?;
-        let mut state = lock(s)?;
+        let mut state = try_lock(&s.inner)?;
         let model = Arc::clone(s.rt.model());
         let tokens = s.rt.prompt_tokens(prompt, params.chat)?;
 
@@ -510,7 +511,7 @@ pub unsafe extern "C" fn leap_session_totals(
     guard(|| {
         // SAFETY: NULL or a live session (contract); shared, its state is behind the lock.
         let s = unsafe { ref_arg(session, "session") }?;
-        let state = lock(s)?;
+        let state = try_lock(&s.inner)?;
         let totals = leap_stats {
             finish: state.last_finish,
             ..leap_stats::from(&state.session.totals())

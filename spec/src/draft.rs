@@ -67,6 +67,11 @@ impl ContextDrafter {
             min_match: min_match.max(1),
         }
     }
+
+    /// The text taken in: the request's prompt and every token accepted since.
+    pub fn text(&self) -> &[Token] {
+        self.sam.text()
+    }
 }
 
 impl Drafter for ContextDrafter {

@@ -80,13 +80,13 @@ pub struct HostedDrafter {
     /// Acceptance and cost estimates, shared with the drafters of the host's other sequences
     /// ([`HostedDrafter::sibling`]): one model on one machine.
     control: Arc<Mutex<Controller>>,
+    /// Retrieval from the generation's text, which it holds: the prompt, then every token
+    /// the host appended to it.
     local: ContextDrafter,
     history: HistoryDrafter,
-    /// The text the drafters have taken in: the generation's prompt, then every token the
-    /// host appended to it.
-    seen: Vec<Token>,
-    /// How much of `seen` was the generation's prompt (`None`: no generation yet).
+    /// How much of `local`'s text was the generation's prompt (`None`: no generation yet).
     prompt_len: Option<usize>,
+    /// The last draft, until the next step shows what became of it.
     pending: Option<Pending>,
     /// When the last step's draft (maybe empty) was handed out, and its rows (draft + 1).
     last_step: Option<(Instant, usize)>,
@@ -101,7 +101,6 @@ impl HostedDrafter {
             control: Arc::new(Mutex::new(Controller::new(cfg.beta_prior))),
             local: ContextDrafter::new(cfg.min_match),
             history: HistoryDrafter::new(cfg.min_match, cfg.history_tokens),
-            seen: Vec::new(),
             prompt_len: None,
             pending: None,
             last_step: None,
@@ -139,8 +138,6 @@ impl HostedDrafter {
     /// context holds for it). The last generation, if any, goes into the history.
     pub fn begin(&mut self, prompt: &[Token]) {
         self.end();
-        self.seen.clear();
-        self.seen.extend_from_slice(prompt);
         self.prompt_len = Some(prompt.len());
         self.local.begin(prompt);
         self.history.begin(prompt);
@@ -149,7 +146,8 @@ impl HostedDrafter {
     /// Close the current generation: its prompt and answer join the history.
     fn end(&mut self) {
         if let Some(n) = self.prompt_len.take() {
-            let (prompt, answer) = self.seen.split_at(n.min(self.seen.len()));
+            let text = self.local.text();
+            let (prompt, answer) = text.split_at(n.min(text.len()));
             self.history.end(prompt, answer);
         }
         self.pending = None;
@@ -162,35 +160,30 @@ impl HostedDrafter {
     ///
     /// A `tokens` that does not extend what this drafter saw (a host that did not call
     /// [`HostedDrafter::begin`], or edited its context) starts a new generation from it.
-    pub fn draft(&mut self, tokens: &[Token], id_last: Token, max: usize) -> Vec<Token> {
+    pub fn draft(&mut self, tokens: &[Token], id_last: Token, max: usize) -> &[Token] {
         let now = Instant::now();
         self.stats.steps += 1;
+        let seen = self.local.text();
         let extends = self.prompt_len.is_some()
-            && tokens.len() >= self.seen.len()
-            && tokens[..self.seen.len()] == self.seen[..];
+            && tokens.len() >= seen.len()
+            && tokens[..seen.len()] == *seen;
         if !extends {
             self.begin(tokens);
         }
         // What the host appended since the last step: the accepted drafts and the token it
         // sampled after them.
-        let from = self.seen.len();
-        let new: Vec<Token> = tokens[from..]
-            .iter()
-            .copied()
-            .chain(std::iter::once(id_last))
-            .collect();
+        let appended = &tokens[self.local.text().len()..];
         if let Some((t, rows)) = self.last_step.take() {
             self.control()
                 .record_cost(rows, now.duration_since(t).as_secs_f64());
         }
         if let Some(p) = self.pending.take() {
-            self.learn(&p, &new);
+            self.learn(&p, appended, id_last);
         }
-        for &t in &new {
+        for &t in appended.iter().chain(std::iter::once(&id_last)) {
             self.local.accepted(t);
             self.history.accepted(t);
         }
-        self.seen.extend_from_slice(&new);
 
         let budget = max.min(self.cfg.max_draft);
         self.proposals.clear();
@@ -206,44 +199,43 @@ impl HostedDrafter {
             1,
             budget,
         );
+        // One leaf: the tree is a chain, its last node the leaf.
         let leaf = built.tree.len() - 1;
-        let draft = if leaf == 0 {
-            Vec::new()
-        } else {
-            built.tree.path(leaf)
-        };
-        debug_assert_eq!(draft.len(), leaf, "one leaf: the tree is a chain");
-        if draft.is_empty() {
+        if leaf == 0 {
             self.control().record_plain_step();
         } else {
+            let tokens = built.tree.path(leaf);
             self.stats.drafts += 1;
-            self.stats.drafted += draft.len() as u64;
+            self.stats.drafted += tokens.len() as u64;
             self.pending = Some(Pending {
-                tokens: draft.clone(),
+                tokens,
                 evidence: built.evidence[1..].to_vec(),
                 expected: built.expected,
             });
         }
-        self.last_step = Some((Instant::now(), draft.len() + 1));
-        draft
+        self.last_step = Some((Instant::now(), leaf + 1));
+        self.pending.as_ref().map_or(&[], |p| &p.tokens)
     }
 
-    /// Learn from a draft and what the host appended after it (`new`: the kept drafts, then
-    /// the token the target chose where the draft went wrong, or after its end).
-    fn learn(&mut self, p: &Pending, new: &[Token]) {
+    /// Learn from a draft and what the host appended after it (`appended`, the kept drafts,
+    /// then `id_last`, the token the target chose where the draft went wrong or after its
+    /// end).
+    fn learn(&mut self, p: &Pending, appended: &[Token], id_last: Token) {
+        // The kept drafts; the token after them is the target's own.
         let n = p
             .tokens
             .iter()
-            .zip(new)
+            .zip(appended.iter().chain(std::iter::once(&id_last)))
             .take_while(|(a, b)| a == b)
             .count()
-            .min(new.len().saturating_sub(1));
+            .min(appended.len());
         self.stats.accepted += n as u64;
+        let mut control = self.control();
         // Every drafted token whose predecessor was accepted was checked: taken or not.
         for (i, &ev) in p.evidence.iter().enumerate().take(n + 1) {
-            self.control().record_token(ev, i < n);
+            control.record_token(ev, i < n);
         }
-        self.control().record_reliability(p.expected, n);
+        control.record_reliability(p.expected, n);
     }
 }
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -176,7 +177,6 @@ def server1(leap, smollm):
 
 
 def free_port():
-    import socket
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]

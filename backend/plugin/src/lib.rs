@@ -17,6 +17,7 @@
 //!   on for Android when `libQnnHtp.so` loads, off elsewhere; `LEAP_QNN_LIB_DIR` says where
 //!   the library is). A library that does not load is reported on stderr and the CPU
 //!   estimates.
+//! - `LEAP_OUTPUT`: `ggml` (default here) or `device`: who computes the output projection.
 //! - `LEAP_STATS`: `1` prints, when the host exits, how many graph nodes `leap-cpu` computed
 //!   (`libggml_leap: leap-cpu computed N nodes`): the way to see that the device ran.
 //!
