@@ -398,15 +398,21 @@ struct BenchArgs {
     /// the head's scores along its path multiply to at least this (default 0.1).
     #[arg(long)]
     exit_threshold: Option<f32>,
-    /// Take the first N requests (after --task filtering).
+    /// Take the first N requests (after --task filtering and --skip).
     #[arg(long)]
     limit: Option<usize>,
+    /// Skip the first N requests (after --task filtering): tune on one part of a workload,
+    /// report another (the dev workload's second half is --skip 171).
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
     /// Only these tasks (comma separated), e.g. summary,rag,code.
     #[arg(long, value_delimiter = ',')]
     task: Vec<String>,
     /// Modes, comma separated: plain, llama:TYPE (ngram-simple, ngram-map-k, ngram-map-k4v,
-    /// ngram-mod, ngram-cache, draft-simple), leap, leap:NAME (sam, sam-fixed, history, reuse,
-    /// calib, tree, eager, ondemand, exit-measure, ggml, draft, vocab; see the README).
+    /// ngram-mod, ngram-cache, draft-simple), server:TYPE (a stock llama-server in its own
+    /// process, over loopback: none, or one of llama:'s types), leap, leap:NAME (sam,
+    /// sam-fixed, history, reuse, calib, tree, eager, ondemand, exit-measure, ggml, draft,
+    /// vocab; see the README).
     #[arg(long, value_delimiter = ',', default_value = "plain,llama:ngram-mod")]
     modes: Vec<String>,
     /// Flash streaming: the fraction of the target's weights kept in DRAM (0.25); the rest is
@@ -424,6 +430,10 @@ struct BenchArgs {
     /// With several --flash-budget values: write the chart here (PNG; default: next to --out).
     #[arg(long)]
     chart: Option<PathBuf>,
+    /// The stock llama-server of server:* modes (default: $LEAP_STOCK_BIN/llama-server, else
+    /// what scripts/stock-llama built in ~/.cache/leap/stock-llama-11434/bin).
+    #[arg(long)]
+    server_bin: Option<PathBuf>,
     /// Write the JSON report here (`-` for stdout). With several --flash-budget values, one
     /// report per budget: OUT with `.flashB` before the extension.
     #[arg(long)]
@@ -692,6 +702,8 @@ fn run_bench(a: BenchArgs) -> Result<()> {
         draft: a.draft.as_deref().map(models::resolve).transpose()?,
         workload: a.workload,
         limit: a.limit,
+        skip: a.skip,
+        server_bin: a.server_bin.clone(),
         tasks: a.task,
         modes: a.modes.clone(),
         threads: a.runtime.threads,

@@ -47,6 +47,20 @@ def model_path(leap, name):
 
 
 @pytest.fixture(scope="session")
+def stock_bin():
+    """The bin/ directory of the stock llama.cpp (scripts/stock-llama; LEAP_STOCK_BIN names it)."""
+    d = os.environ.get("LEAP_STOCK_BIN")
+    if not d:
+        # Builds it when missing (about 11 minutes on 2 cores), else prints the cached path.
+        r = subprocess.run([str(REPO / "scripts" / "stock-llama")], capture_output=True,
+                           text=True, timeout=3600)
+        assert r.returncode == 0, f"scripts/stock-llama failed:\n{r.stderr[-3000:]}"
+        d = r.stdout.strip()
+    assert (Path(d) / "llama-server").exists(), f"no llama-server in {d}"
+    return Path(d)
+
+
+@pytest.fixture(scope="session")
 def smollm(leap):
     return model_path(leap, "smollm2-135m")
 

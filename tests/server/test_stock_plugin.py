@@ -26,19 +26,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def stock_bin():
-    d = os.environ.get("LEAP_STOCK_BIN")
-    if not d:
-        # Builds it when missing (about 11 minutes on 2 cores), else prints the cached path.
-        r = subprocess.run([str(REPO / "scripts" / "stock-llama")], capture_output=True,
-                           text=True, timeout=3600)
-        assert r.returncode == 0, f"scripts/stock-llama failed:\n{r.stderr[-3000:]}"
-        d = r.stdout.strip()
-    assert (Path(d) / "llama-server").exists(), f"no llama-server in {d}"
-    return Path(d)
-
-
-@pytest.fixture(scope="module")
 def plugin(leap):
     r = subprocess.run([leap, "plugin-path"], capture_output=True, text=True, timeout=60)
     p = Path(r.stdout.strip())

@@ -54,6 +54,8 @@ fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
         draft: None,
         workload,
         limit: None,
+        skip: 0,
+        server_bin: None,
         tasks: vec![],
         modes: modes.iter().map(|s| s.to_string()).collect(),
         threads: threads(),

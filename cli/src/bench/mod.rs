@@ -6,6 +6,7 @@
 
 pub mod chart;
 pub mod report;
+pub mod stock;
 pub mod workload;
 
 use std::collections::BTreeMap;
@@ -50,6 +51,12 @@ pub struct BenchConfig {
     /// Leap's modes use Leap's ggml device for small-batch matrix products (registered by
     /// the caller before `run`); `plain` and `llama:*` never do.
     pub kernels: bool,
+    /// The stock llama-server of the `server:*` modes (`None`: found as
+    /// [`stock::find_server`] says).
+    pub server_bin: Option<PathBuf>,
+    /// Skip the first N requests (after `--task` filtering), before `--limit`: the dev
+    /// workload's second half is `--skip 171`.
+    pub skip: usize,
 }
 
 /// A mode, parsed from its name.
@@ -59,6 +66,8 @@ pub enum ModeKind {
     Plain,
     /// `llama:TYPE`.
     Llama(String),
+    /// `server:TYPE`: a stock llama-server in its own process ([`stock`]).
+    Server(String),
     /// `leap` or `leap:NAME`: Leap's engine with a named configuration.
     Leap(EngineConfig),
 }
@@ -190,6 +199,19 @@ impl ModeKind {
                 TYPES.join(", ")
             );
         }
+        if let Some(t) = name.strip_prefix("server:") {
+            if stock::SERVER_TYPES.contains(&t) {
+                return Ok(ModeKind::Server(t.to_string()));
+            }
+            bail!(
+                "unknown stock llama-server mode {name:?}; one of: {}",
+                stock::SERVER_TYPES
+                    .iter()
+                    .map(|t| format!("server:{t}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         if name == "leap" || name.starts_with("leap:") {
             let known = || {
                 LEAP_CONFIGS
@@ -208,8 +230,10 @@ impl ModeKind {
                 });
         }
         bail!(
-            "unknown mode {name:?}; modes are plain, llama:TYPE ({}), leap, leap:NAME ({})",
+            "unknown mode {name:?}; modes are plain, llama:TYPE ({}), server:TYPE ({}), leap, \
+             leap:NAME ({})",
             TYPES.join(", "),
+            stock::SERVER_TYPES.join(", "),
             LEAP_CONFIGS.join(", ")
         )
     }
@@ -220,6 +244,7 @@ enum Runner {
     Plain(Context, Option<OnDemand>),
     Llama(Box<LlamaSpeculative>),
     Leap(Context, Box<Engine>),
+    Server(Box<stock::StockServer>),
 }
 
 impl Runner {
@@ -240,6 +265,24 @@ impl Runner {
                 &mut |_| true,
             )?),
             Runner::Llama(spec) => run_anchor(spec, prompt, max_tokens),
+            Runner::Server(server) => {
+                let c = server.complete(prompt, max_tokens, &cfg.sampling)?;
+                let n = c.tokens.len() as u64;
+                Ok(Generation {
+                    // The first token comes with the prompt; every decode call yields one
+                    // token plus the drafts it accepted.
+                    target_calls: n.saturating_sub(1 + c.accepted),
+                    drafted_tokens: c.drafted,
+                    verify_rows: n.saturating_sub(1) + c.drafted,
+                    rows_after_exit: n.saturating_sub(1) + c.drafted,
+                    output_rows: n.saturating_sub(1) + c.drafted,
+                    tokens: c.tokens,
+                    prefill_seconds: c.prompt_seconds,
+                    decode_seconds: c.decode_seconds,
+                    decode_cpu_seconds: c.cpu_seconds,
+                    ..Default::default()
+                })
+            }
             Runner::Leap(ctx, engine) => Ok(engine.generate_with(
                 ctx,
                 prompt,
@@ -342,7 +385,17 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     if needs_draft && cfg.draft.is_none() {
         bail!("modes llama:draft-simple and leap:draft need a draft model: pass --draft PATH");
     }
-    let requests = workload::load(&cfg.workload, &cfg.tasks, cfg.limit)?;
+    let servers = kinds.iter().any(|k| matches!(k, ModeKind::Server(_)));
+    if servers && cfg.flash_budget.is_some() {
+        bail!("server:* modes cannot stream weights: run them without --flash-budget");
+    }
+    let server_bin = if servers {
+        Some(stock::find_server(cfg.server_bin.as_deref())?)
+    } else {
+        None
+    };
+    let mut requests = workload::load(&cfg.workload, &cfg.tasks, cfg.limit.map(|l| l + cfg.skip))?;
+    requests.drain(..cfg.skip.min(requests.len()));
     if requests.is_empty() {
         bail!(
             "{}: no requests (after --task/--limit)",
@@ -408,6 +461,23 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             }
         }
         let kind = &kind;
+        if let ModeKind::Server(t) = kind {
+            let bin = server_bin.as_deref().expect("found above");
+            eprintln!("bench: starting {} --spec-type {t}", bin.display());
+            runners.push(Runner::Server(Box::new(stock::StockServer::start(
+                &stock::ServerConfig {
+                    bin,
+                    model: &cfg.model,
+                    draft: cfg.draft.as_deref(),
+                    spec_type: t,
+                    threads: cfg.threads,
+                    ctx: cfg.ctx,
+                },
+            )?)));
+            streamers.push(None);
+            reserved.push(0);
+            continue;
+        }
         if let ModeKind::Leap(ec) = kind {
             params.n_seq_max = ec.max_branches as u32;
         }
@@ -498,7 +568,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             .with_context(|| format!("creating the context for mode {name}"))?;
         let runner = match kind {
             ModeKind::Plain => Runner::Plain(target, None),
-            ModeKind::Leap(_) => unreachable!("created above"),
+            ModeKind::Leap(_) | ModeKind::Server(_) => unreachable!("created above"),
             ModeKind::Llama(t) => {
                 let dctx = match (&draft_model, t.as_str()) {
                     (Some(dm), "draft-simple") => Some(Context::new(dm, &cparams)?),
@@ -572,7 +642,10 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 .run(&prompt, req.max_tokens, cfg)
                 .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
             cpu[i] += g.decode_cpu_seconds;
-            rss[i] = rss[i].max(peak_rss_bytes());
+            rss[i] = rss[i].max(match runner {
+                Runner::Server(s) => s.peak_rss_bytes(),
+                _ => peak_rss_bytes(),
+            });
             if let Some(st) = &streamers[i] {
                 // The decode's calls are the last `target_calls` (prefill came first).
                 st.flush();
@@ -834,11 +907,86 @@ pub fn table(report: &Report, order: &[String]) -> String {
             );
         }
     }
+    s.push_str(&anchor_table(report, order));
     let _ = write!(
         s,
         "{} requests ({} skipped), {} threads, ctx {}, flash-attn {}",
         report.n_requests, report.n_skipped, report.threads, report.ctx, report.flash_attn
     );
+    s
+}
+
+/// End to end and per task, against the stock llama-server modes of the run (`server:*`):
+/// each mode's time to first token, end-to-end tok/s, and decode tok/s per task, with its
+/// decode and end-to-end ratios over every `server:*` mode. Empty without `server:*` modes
+/// and with only one mode.
+pub fn anchor_table(report: &Report, order: &[String]) -> String {
+    use std::fmt::Write;
+    let anchors: Vec<&String> = order.iter().filter(|m| m.starts_with("server:")).collect();
+    let modes: Vec<&String> = order
+        .iter()
+        .filter(|m| report.modes.contains_key(*m))
+        .collect();
+    let mut s = String::new();
+    if modes.len() < 2 {
+        return s;
+    }
+    let mut tasks: Vec<&str> = Vec::new();
+    if let Some(m) = report.modes.get(modes[0]) {
+        for r in &m.requests {
+            if !tasks.contains(&r.task.as_str()) {
+                tasks.push(&r.task);
+            }
+        }
+    }
+    tasks.sort_unstable();
+    let _ = write!(s, "{:<22} {:>8} {:>9}", "mode", "TTFT s", "e2e tok/s");
+    for t in &tasks {
+        let _ = write!(s, " {:>12}", format!("{t} tok/s"));
+    }
+    for a in &anchors {
+        let _ = write!(s, " {:>24}", format!("decode/e2e vs {a}"));
+    }
+    let _ = writeln!(s);
+    for name in &modes {
+        let m = &report.modes[*name];
+        let _ = write!(
+            s,
+            "{:<22} {:>8.3} {:>9.2}",
+            name, m.mean_ttft_seconds, m.e2e_tokens_per_s
+        );
+        for t in &tasks {
+            let (n, secs) = m
+                .requests
+                .iter()
+                .filter(|r| r.task == *t)
+                .fold((0usize, 0f64), |(n, d), r| {
+                    (n + r.generated_tokens, d + r.decode_seconds)
+                });
+            let v = if secs > 0.0 { n as f64 / secs } else { 0.0 };
+            let _ = write!(s, " {v:>12.2}");
+        }
+        for a in &anchors {
+            let x = &report.modes[*a];
+            let r = |u: f64, v: f64| {
+                if v > 0.0 {
+                    format!("{:.2}x", u / v)
+                } else {
+                    "-".into()
+                }
+            };
+            let _ = write!(
+                s,
+                " {:>24}",
+                format!(
+                    "{} / {}",
+                    r(m.decode_tokens_per_s, x.decode_tokens_per_s),
+                    r(m.e2e_tokens_per_s, x.e2e_tokens_per_s)
+                )
+            );
+        }
+        let _ = writeln!(s);
+    }
     s
 }
 
@@ -865,6 +1013,18 @@ mod tests {
         assert!(
             matches!(ModeKind::parse("leap:tree").unwrap(), ModeKind::Leap(c) if c.max_branches > 1)
         );
+        assert_eq!(
+            ModeKind::parse("server:ngram-mod").unwrap(),
+            ModeKind::Server("ngram-mod".into())
+        );
+        assert_eq!(
+            ModeKind::parse("server:none").unwrap(),
+            ModeKind::Server("none".into())
+        );
+        assert!(ModeKind::parse("server:leap")
+            .unwrap_err()
+            .to_string()
+            .contains("server:ngram-mod"));
         assert!(ModeKind::parse("leap:warp")
             .unwrap_err()
             .to_string()

@@ -87,6 +87,13 @@ pub struct ModeReport {
     /// Requests whose output differs from `plain` (ids). Added field.
     #[serde(default)]
     pub differing_requests: Vec<String>,
+    /// Mean time to first token, in seconds: the prefill, from whose logits the first token
+    /// is sampled (`server:*`: the server's own `prompt_ms`). Added field.
+    #[serde(default)]
+    pub mean_ttft_seconds: f64,
+    /// End to end: generated tokens over prefill plus decode seconds. Added field.
+    #[serde(default)]
+    pub e2e_tokens_per_s: f64,
     pub requests: Vec<RequestReport>,
 }
 
@@ -168,6 +175,11 @@ impl ModeReport {
         self.exit_accepted = self.requests.iter().map(|r| r.exit_accepted).sum();
         self.exit_accepted_kept = self.requests.iter().map(|r| r.exit_accepted_kept).sum();
         self.exit_seconds = self.requests.iter().map(|r| r.exit_seconds).sum();
+        self.mean_ttft_seconds = ratio(self.prefill_seconds, self.requests.len() as f64);
+        self.e2e_tokens_per_s = ratio(
+            self.generated_tokens as f64,
+            self.prefill_seconds + self.decode_seconds,
+        );
     }
 }
 
