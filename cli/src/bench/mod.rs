@@ -200,16 +200,12 @@ impl ModeKind {
             );
         }
         if let Some(t) = name.strip_prefix("server:") {
-            if stock::SERVER_TYPES.contains(&t) {
+            if stock::server_types().contains(&t) {
                 return Ok(ModeKind::Server(t.to_string()));
             }
             bail!(
-                "unknown stock llama-server mode {name:?}; one of: {}",
-                stock::SERVER_TYPES
-                    .iter()
-                    .map(|t| format!("server:{t}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                "unknown stock llama-server mode {name:?}; one of: server:{}",
+                stock::server_types().join(", server:")
             );
         }
         if name == "leap" || name.starts_with("leap:") {
@@ -233,7 +229,7 @@ impl ModeKind {
             "unknown mode {name:?}; modes are plain, llama:TYPE ({}), server:TYPE ({}), leap, \
              leap:NAME ({})",
             TYPES.join(", "),
-            stock::SERVER_TYPES.join(", "),
+            stock::server_types().join(", "),
             LEAP_CONFIGS.join(", ")
         )
     }

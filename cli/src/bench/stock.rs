@@ -10,20 +10,18 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context as _, Result};
+use leap_host::anchor::TYPES;
 use leap_host::sampler::SamplingParams;
 use leap_host::Token;
 use serde_json::{json, Value};
 
-/// llama.cpp's speculative types a stock llama-server takes with `--spec-type` (`none`: plain).
-pub const SERVER_TYPES: &[&str] = &[
-    "none",
-    "ngram-simple",
-    "ngram-map-k",
-    "ngram-map-k4v",
-    "ngram-mod",
-    "ngram-cache",
-    "draft-simple",
-];
+/// What a stock llama-server takes with `--spec-type`: `none` (plain decoding) and llama.cpp's
+/// speculative types (those of `llama:TYPE`).
+pub fn server_types() -> Vec<&'static str> {
+    std::iter::once("none")
+        .chain(TYPES.iter().copied())
+        .collect()
+}
 
 /// Where the stock llama-server is: `--server-bin`, else `$LEAP_STOCK_BIN/llama-server` (the
 /// directory `scripts/stock-llama` prints), else the cache `scripts/stock-llama` builds into.
@@ -102,14 +100,10 @@ impl StockServer {
     /// its log.
     pub fn start(cfg: &ServerConfig) -> Result<Self> {
         ensure!(
-            SERVER_TYPES.contains(&cfg.spec_type),
-            "unknown server:{} mode; one of: {}",
+            server_types().contains(&cfg.spec_type),
+            "unknown server:{} mode; one of: server:{}",
             cfg.spec_type,
-            SERVER_TYPES
-                .iter()
-                .map(|t| format!("server:{t}"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            server_types().join(", server:")
         );
         let port = free_port()?;
         let log = tempfile::NamedTempFile::new().context("creating the server's log file")?;
