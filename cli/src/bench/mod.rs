@@ -263,15 +263,16 @@ impl Runner {
             Runner::Llama(spec) => run_anchor(spec, prompt, max_tokens),
             Runner::Server(server) => {
                 let c = server.complete(prompt, max_tokens, &cfg.sampling)?;
-                let n = c.tokens.len() as u64;
+                // The first token comes with the prompt; every decode call yields one token
+                // plus the drafts it accepted, from a row per token and per draft.
+                let decoded = (c.tokens.len() as u64).saturating_sub(1);
+                let rows = decoded + c.drafted;
                 Ok(Generation {
-                    // The first token comes with the prompt; every decode call yields one
-                    // token plus the drafts it accepted.
-                    target_calls: n.saturating_sub(1 + c.accepted),
+                    target_calls: decoded.saturating_sub(c.accepted),
                     drafted_tokens: c.drafted,
-                    verify_rows: n.saturating_sub(1) + c.drafted,
-                    rows_after_exit: n.saturating_sub(1) + c.drafted,
-                    output_rows: n.saturating_sub(1) + c.drafted,
+                    verify_rows: rows,
+                    rows_after_exit: rows,
+                    output_rows: rows,
                     tokens: c.tokens,
                     prefill_seconds: c.prompt_seconds,
                     decode_seconds: c.decode_seconds,
@@ -390,11 +391,10 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     } else {
         None
     };
-    let mut requests = workload::load(&cfg.workload, &cfg.tasks, cfg.limit.map(|l| l + cfg.skip))?;
-    requests.drain(..cfg.skip.min(requests.len()));
+    let requests = workload::load(&cfg.workload, &cfg.tasks, cfg.skip, cfg.limit)?;
     if requests.is_empty() {
         bail!(
-            "{}: no requests (after --task/--limit)",
+            "{}: no requests (after --task/--skip/--limit)",
             cfg.workload.display()
         );
     }
@@ -914,8 +914,8 @@ pub fn table(report: &Report, order: &[String]) -> String {
 
 /// End to end and per task, against the stock llama-server modes of the run (`server:*`):
 /// each mode's time to first token, end-to-end tok/s, and decode tok/s per task, with its
-/// decode and end-to-end ratios over every `server:*` mode. Empty without `server:*` modes
-/// and with only one mode.
+/// decode and end-to-end ratios over every `server:*` mode (no ratio columns without one).
+/// Empty with fewer than two modes.
 pub fn anchor_table(report: &Report, order: &[String]) -> String {
     use std::fmt::Write;
     let anchors: Vec<&String> = order.iter().filter(|m| m.starts_with("server:")).collect();

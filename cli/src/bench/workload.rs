@@ -15,15 +15,21 @@ pub struct Request {
     pub max_tokens: usize,
 }
 
-/// Read `path`, keep the requests whose task is in `tasks` (all when empty), then the first
-/// `limit`.
+/// Read `path`, keep the requests whose task is in `tasks` (all when empty), leave out the
+/// first `skip` of those, then take the first `limit`.
 ///
 /// # Errors
 /// I/O errors and malformed lines (with their line number).
-pub fn load(path: &Path, tasks: &[String], limit: Option<usize>) -> Result<Vec<Request>> {
+pub fn load(
+    path: &Path,
+    tasks: &[String],
+    skip: usize,
+    limit: Option<usize>,
+) -> Result<Vec<Request>> {
     let f = std::fs::File::open(path)
         .with_context(|| format!("opening workload {}", path.display()))?;
     let mut out = Vec::new();
+    let mut skipped = 0;
     for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
         let line = line.with_context(|| format!("reading {}", path.display()))?;
         if line.trim().is_empty() {
@@ -31,9 +37,14 @@ pub fn load(path: &Path, tasks: &[String], limit: Option<usize>) -> Result<Vec<R
         }
         let r: Request = serde_json::from_str(&line)
             .with_context(|| format!("{}:{}: not a workload request", path.display(), n + 1))?;
-        if tasks.is_empty() || tasks.contains(&r.task) {
-            out.push(r);
+        if !tasks.is_empty() && !tasks.contains(&r.task) {
+            continue;
         }
+        if skipped < skip {
+            skipped += 1;
+            continue;
+        }
+        out.push(r);
         if limit.is_some_and(|l| out.len() >= l) {
             break;
         }
@@ -59,12 +70,19 @@ mod tests {
             )
             .unwrap();
         }
-        let code = load(f.path(), &["code".into()], Some(2)).unwrap();
-        assert_eq!(
-            code.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
-            ["r0", "r2"]
-        );
-        assert_eq!(load(f.path(), &[], None).unwrap().len(), 5);
+        let ids = |skip, limit| {
+            load(f.path(), &["code".into()], skip, limit)
+                .unwrap()
+                .into_iter()
+                .map(|r| r.id)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(ids(0, Some(2)), ["r0", "r2"]);
+        // --skip counts requests of the kept tasks, before --limit.
+        assert_eq!(ids(1, Some(1)), ["r2"]);
+        assert_eq!(ids(1, None), ["r2", "r4"]);
+        assert!(ids(3, None).is_empty());
+        assert_eq!(load(f.path(), &[], 0, None).unwrap().len(), 5);
     }
 
     #[test]
@@ -76,7 +94,7 @@ mod tests {
         )
         .unwrap();
         writeln!(f, "not json").unwrap();
-        let e = format!("{:#}", load(f.path(), &[], None).unwrap_err());
+        let e = format!("{:#}", load(f.path(), &[], 0, None).unwrap_err());
         assert!(e.contains(":2:"), "{e}");
     }
 }
