@@ -87,7 +87,8 @@ struct RuntimeArgs {
     /// Threads for decoding and prefill.
     #[arg(short, long, default_value_t = default_threads())]
     threads: i32,
-    /// Context length in tokens.
+    /// Context length in tokens: the prompt and what is generated together (`leap generate`
+    /// stops at its end, with a warning).
     #[arg(long, default_value_t = 4096)]
     ctx: u32,
     /// llama.cpp's flash attention: on, off or auto. Off keeps speculative output identical
@@ -451,7 +452,9 @@ fn default_threads() -> i32 {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = match cli.verbose {
-        0 => "warn,llama.cpp=error",
+        // llama.cpp's own complaints reach the user inside Leap's error line (`leap: error:
+        // ... : <llama.cpp's last warning or error>`), so they are not printed twice.
+        0 => "warn,llama.cpp=off",
         1 => "info,llama.cpp=warn",
         _ => "debug",
     };
@@ -565,8 +568,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
     )?;
     let model = rt.model().clone();
     let prompt = rt.prompt_tokens(&text, a.chat)?;
-    let mut session =
-        rt.session_with_ctx(a.runtime.ctx.max((prompt.len() + a.max_tokens + 8) as u32))?;
+    let max_tokens = fit_context(prompt.len(), a.max_tokens, a.runtime.ctx)?;
+    let mut session = rt.session()?;
     if let Some(b) = flash_budget {
         eprintln!(
             "leap: flash budget {:.1} MB (-v for the plan)",
@@ -596,7 +599,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let g = session.generate(
         &prompt,
         &Request {
-            max_tokens: a.max_tokens,
+            max_tokens,
             sampling: a.sampling.params(),
         },
         &mut on_token,
@@ -875,23 +878,64 @@ fn profile(a: ProfileArgs) -> Result<()> {
     Ok(())
 }
 
-/// A budget as a fraction of `total` (`0.25`) or bytes with a unit (`64M`, `1.5G`, `800K`).
+/// How many tokens `leap generate` makes after a prompt of `prompt` tokens in a context of
+/// `ctx`: `max_tokens`, or fewer, with a warning, when the two do not fit together (generation
+/// stops at the context's end, as llama-cli's does without context shift). A prompt that fills
+/// the context by itself is an error.
+fn fit_context(prompt: usize, max_tokens: usize, ctx: u32) -> Result<usize> {
+    ensure!(max_tokens >= 1, "-n {max_tokens}: at least 1 token");
+    ensure!(
+        prompt < ctx as usize,
+        "the prompt is {prompt} tokens and --ctx {ctx} leaves no room to generate: raise --ctx \
+         or shorten the prompt"
+    );
+    let room = ctx as usize - prompt;
+    if max_tokens > room {
+        eprintln!(
+            "leap: warning: the prompt's {prompt} tokens and -n {max_tokens} exceed --ctx {ctx}: \
+             stopping at the context's end, after at most {room} tokens"
+        );
+        return Ok(room);
+    }
+    Ok(max_tokens)
+}
+
+/// A DRAM budget for flash streaming, in bytes: a fraction of `total` (the bytes every target
+/// call reads) in (0, 1] (`0.25`), or a size with a unit (`64M`, `1.5G`, `800K`) above zero and
+/// at most `total`. Anything else is refused, saying why: a budget of nothing, more than the
+/// weights, or more than all of them would be a silent no-op or a misreading.
 fn parse_budget(s: &str, total: u64) -> Result<u64> {
-    let (num, mul) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1e3),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1e6),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1e9),
-        _ => (s, 0.0),
+    let t = s.trim();
+    let (num, mul) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1e3),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1e6),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1e9),
+        _ => (t, 0.0),
     };
     let v: f64 = num
         .parse()
-        .map_err(|_| anyhow::anyhow!("--flash-budget {s:?}: a fraction (0.25) or a size (64M)"))?;
-    ensure!(v >= 0.0, "--flash-budget must not be negative");
-    Ok(if mul == 0.0 {
-        (v * total as f64) as u64
-    } else {
-        (v * mul) as u64
-    })
+        .ok()
+        .filter(|v: &f64| v.is_finite())
+        .ok_or_else(|| {
+            anyhow::anyhow!("--flash-budget {s:?}: a fraction (0.25) or a size (64M)")
+        })?;
+    let mb = total as f64 / 1e6;
+    if mul == 0.0 {
+        ensure!(
+            v > 0.0 && v <= 1.0,
+            "--flash-budget {s}: a fraction of the weights must be above 0 and at most 1 \
+             (the model's {mb:.1} MB)"
+        );
+        return Ok(((v * total as f64) as u64).max(1));
+    }
+    let bytes = v * mul;
+    ensure!(bytes >= 1.0, "--flash-budget {s}: a size must be above 0");
+    ensure!(
+        bytes <= total as f64,
+        "--flash-budget {s}: more than the model's {mb:.1} MB of weights (all of it fits: \
+         leave --flash-budget out)"
+    );
+    Ok(bytes as u64)
 }
 
 /// The flash layer's view of a model: its sections, what a budget keeps resident, and what
@@ -984,4 +1028,50 @@ fn info(model: &str, tensors: bool, flash_budget: Option<&str>) -> Result<()> {
         flash_info(&path, b)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fit_context, parse_budget};
+
+    const MB100: u64 = 100_000_000;
+
+    #[test]
+    fn budgets_inside_the_model_are_taken() {
+        assert_eq!(parse_budget("0.25", MB100).unwrap(), 25_000_000);
+        assert_eq!(parse_budget("1", MB100).unwrap(), MB100);
+        assert_eq!(parse_budget("64M", MB100).unwrap(), 64_000_000);
+        assert_eq!(parse_budget("800k", MB100).unwrap(), 800_000);
+        assert_eq!(parse_budget("0.1G", MB100).unwrap(), MB100);
+    }
+
+    #[test]
+    fn budgets_of_nothing_or_beyond_the_model_are_refused() {
+        for (arg, says) in [
+            ("0", "above 0"),
+            ("1.5", "at most 1"),
+            ("-0.5", "above 0"),
+            ("0M", "above 0"),
+            ("10G", "more than the model's 100.0 MB"),
+            ("nan", "a fraction (0.25) or a size"),
+            ("inf", "a fraction (0.25) or a size"),
+            ("lots", "a fraction (0.25) or a size"),
+            ("", "a fraction (0.25) or a size"),
+        ] {
+            let e = parse_budget(arg, MB100).unwrap_err().to_string();
+            assert!(e.contains(says), "{arg:?}: {e}");
+            assert!(!e.contains('\n'), "{arg:?}: one line, got {e:?}");
+        }
+    }
+
+    #[test]
+    fn generation_stops_at_the_contexts_end_and_a_full_prompt_is_refused() {
+        assert_eq!(fit_context(10, 100, 4096).unwrap(), 100);
+        assert_eq!(fit_context(10, 100, 110).unwrap(), 100);
+        assert_eq!(fit_context(10, 100, 64).unwrap(), 54);
+        let e = fit_context(101, 4, 32).unwrap_err().to_string();
+        assert!(e.contains("101 tokens") && e.contains("--ctx 32"), "{e}");
+        assert!(fit_context(32, 4, 32).is_err());
+        assert!(fit_context(5, 0, 32).is_err());
+    }
 }

@@ -129,6 +129,9 @@ pub fn resolve(arg: &str) -> Result<PathBuf> {
     if p.is_file() {
         return Ok(p);
     }
+    if p.is_dir() {
+        bail!("{arg} is a directory: give the path of a GGUF file in it, or a model name (`leap models`)");
+    }
     let known: Vec<&str> = MODELS.iter().map(|m| m.name).collect();
     bail!(
         "{arg} is neither a GGUF file nor a known model ({}); `leap models` lists them",

@@ -158,8 +158,11 @@ impl LlamaSpeculative {
                 3
             } else if log::log_enabled!(target: "llama.cpp", log::Level::Warn) {
                 2
-            } else {
+            } else if log::log_enabled!(target: "llama.cpp", log::Level::Error) {
                 1
+            } else {
+                // Off (the CLI's default): a failure comes back in the error this returns.
+                0
             },
         };
         let mut err = [0 as c_char; ERR_LEN];

@@ -115,6 +115,10 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         sidecar: args.sidecar.clone(),
         ..Options::default()
     };
+    // Bad options and a file that is not a whole GGUF fail here, before the server listens
+    // (the model itself loads in the background once it does).
+    opts.validate()?;
+    leap_host::GgufInfo::open(model)?;
     let alias = args.alias.clone().unwrap_or_else(|| {
         model
             .file_name()

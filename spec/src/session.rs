@@ -80,6 +80,32 @@ pub struct Options {
     pub engine: EngineConfig,
 }
 
+impl Options {
+    /// Check the options a user sets are in range (what [`Runtime::open`] checks first; a
+    /// server checks it before it listens).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the option and its range.
+    pub fn validate(&self) -> Result<()> {
+        if self.threads < 1 {
+            return Err(Error::InvalidArgument(format!(
+                "threads {}: at least 1",
+                self.threads
+            )));
+        }
+        if self.n_ctx < 16 {
+            return Err(Error::InvalidArgument(format!(
+                "context {}: at least 16 tokens",
+                self.n_ctx
+            )));
+        }
+        if self.n_batch == 0 {
+            return Err(Error::InvalidArgument("n_batch: at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Self {
@@ -192,26 +218,13 @@ impl Runtime {
     /// # Errors
     /// Options out of range, a model file that is missing or that llama.cpp cannot load.
     pub fn open(path: &Path, opts: &Options) -> Result<Self> {
-        if opts.threads < 1 {
-            return Err(Error::InvalidArgument(format!(
-                "threads {}: at least 1",
-                opts.threads
-            )));
-        }
-        if opts.n_ctx < 16 {
-            return Err(Error::InvalidArgument(format!(
-                "context {}: at least 16 tokens",
-                opts.n_ctx
-            )));
-        }
-        if opts.n_batch == 0 {
-            return Err(Error::InvalidArgument("n_batch: at least 1".into()));
-        }
+        opts.validate()?;
         if opts.leap_kernels {
             leap_backend::register();
         }
         leap_backend::set_enabled(opts.leap_kernels);
         let model = Model::load(path, &ModelParams::default())?;
+        check_ctx(&model, opts.n_ctx)?;
         let flash = match opts.flash_budget {
             Some(budget) => {
                 let map = leap_flash::LayerMap::open(path)?;
@@ -537,6 +550,23 @@ impl Session {
         t.prefill_seconds += g.prefill_seconds;
         Ok(g)
     }
+}
+
+/// Whether a context of `n_ctx` tokens is within what `model` was trained on: beyond it the
+/// model's positions are ones it never saw (llama.cpp only warns), and a huge `--ctx` would
+/// otherwise ask for a KV cache the machine cannot hold.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] saying the model's trained context.
+pub fn check_ctx(model: &Model, n_ctx: u32) -> Result<()> {
+    let train = model.n_ctx_train();
+    if train > 0 && i64::from(n_ctx) > i64::from(train) {
+        return Err(Error::InvalidArgument(format!(
+            "context {n_ctx}: more than the {train} tokens the model ({}) was trained on",
+            model.desc()
+        )));
+    }
+    Ok(())
 }
 
 /// Whether a prompt of `prompt_len` tokens and `max_tokens` more fit a context of `n_ctx`

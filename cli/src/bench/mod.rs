@@ -357,6 +357,8 @@ pub use leap_spec::session::vocab_reserve;
 /// # Errors
 /// Bad arguments, models that do not load, decode failures.
 pub fn run(cfg: &BenchConfig) -> Result<Report> {
+    anyhow::ensure!(cfg.threads >= 1, "--threads {}: at least 1", cfg.threads);
+    anyhow::ensure!(cfg.ctx >= 16, "--ctx {}: at least 16 tokens", cfg.ctx);
     if let Some(f) = cfg.flash_budget {
         anyhow::ensure!(
             (0.0..=1.0).contains(&f),
@@ -400,6 +402,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     }
     let model = Model::load(&cfg.model, &ModelParams::default())
         .with_context(|| format!("loading target {}", cfg.model.display()))?;
+    leap_spec::session::check_ctx(&model, cfg.ctx).map_err(|e| anyhow::anyhow!("--ctx: {e}"))?;
     let draft_model = match &cfg.draft {
         Some(p) => Some(
             Model::load(p, &ModelParams::default())
@@ -605,6 +608,26 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     let mut peak = vec![0u64; runners.len()];
     let mut blocked = vec![0f64; runners.len()];
 
+    let fits = requests
+        .iter()
+        .map(|r| {
+            Ok(model.tokenize(&r.prompt, true, false)?.len() + r.max_tokens <= cfg.ctx as usize)
+        })
+        .collect::<Result<Vec<bool>>>()?;
+    let too_long = fits.iter().filter(|f| !**f).count();
+    anyhow::ensure!(
+        too_long < requests.len(),
+        "none of the {} requests fits --ctx {} (prompt and max_tokens together): raise --ctx",
+        requests.len(),
+        cfg.ctx
+    );
+    if too_long > 0 {
+        eprintln!(
+            "bench: warning: {too_long} of {} requests do not fit --ctx {} and are skipped",
+            requests.len(),
+            cfg.ctx
+        );
+    }
     let bar = crate::progress::bar(
         cfg.progress,
         (requests.len() * runners.len()) as u64,
