@@ -13,6 +13,9 @@
 //! HTTP is axum on tokio; decoding runs on the slots' own threads (it is CPU work that would
 //! stall tokio's), and each slot streams its tokens back through a channel. A client that
 //! hangs up closes that channel, which stops its generation at the next token.
+//!
+//! SIGTERM or Ctrl-C closes the listener and finishes the requests already taken (decoding or
+//! queued); a second signal, or `--drain-timeout` seconds, stops them at their next token.
 
 pub mod error;
 pub mod metrics;
@@ -67,6 +70,10 @@ pub struct ServeArgs {
     /// Leave out GET /metrics.
     #[arg(long)]
     pub no_metrics: bool,
+    /// Seconds SIGTERM or Ctrl-C waits for the requests in flight to finish before it stops
+    /// them (a second signal stops them at once).
+    #[arg(long, default_value_t = 60)]
+    pub drain_timeout: u64,
     /// Who computes the quantized matrix products: `leap` (Leap's ggml device) or `ggml`.
     #[arg(long, default_value = "leap", value_parser = ["leap", "ggml"])]
     pub kernels: String,
@@ -100,7 +107,9 @@ struct Ready {
 /// Serve `model` until SIGTERM or Ctrl-C, then finish the requests in flight and return.
 ///
 /// # Errors
-/// The address cannot be bound, the model cannot be loaded, a slot's context cannot be made.
+/// The address cannot be bound, the model cannot be loaded, a slot's context cannot be made;
+/// requests were still decoding or queued when a second signal or `--drain-timeout` stopped
+/// them.
 pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
     anyhow::ensure!(
         (1..=64).contains(&args.parallel),
@@ -144,6 +153,9 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
 }
 
 async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppState>) -> Result<()> {
+    // Signals are counted from here on: the first drains, the second stops what is left.
+    let signals = signal_count()?;
+    let drain = std::time::Duration::from_secs(args.drain_timeout);
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
@@ -195,18 +207,42 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
             })?;
     }
     let shutdown = {
-        let failed = Arc::clone(&failed);
+        let (failed, mut signals) = (Arc::clone(&failed), signals.clone());
         async move {
             tokio::select! {
-                () = signal() => eprintln!("leap serve: stopping: finishing the requests in flight"),
+                () = signalled(&mut signals, 1) => eprintln!(
+                    "leap serve: stopping: finishing the requests in flight (up to {} s; a second signal stops them)",
+                    drain.as_secs()
+                ),
                 () = failed.notified() => {}
             }
         }
     };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .context("serving")?;
+    let cut = {
+        let mut signals = signals.clone();
+        async move {
+            signalled(&mut signals, 1).await;
+            tokio::select! {
+                () = signalled(&mut signals, 2) => "a second signal",
+                () = tokio::time::sleep(drain) => "the drain timeout",
+            }
+        }
+    };
+    let served = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    tokio::select! {
+        r = std::future::IntoFuture::into_future(served) => r.context("serving")?,
+        why = cut => {
+            let left = state.metrics.in_flight();
+            eprintln!("leap serve: {why}: stopping {left} request(s) unfinished");
+            if let Some(r) = state.ready.get() {
+                r.pool.abort();
+            }
+            // The connections still open go with the runtime (`run` drops it), and the
+            // slots, stopped at their next token, are joined with the state.
+            anyhow::ensure!(left == 0, "{why} stopped {left} request(s) before they finished");
+            return Ok(());
+        }
+    }
     if let Some(e) = load_error.lock().ok().and_then(|mut e| e.take()) {
         return Err(e.context("loading the model"));
     }
@@ -216,24 +252,43 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
     Ok(())
 }
 
-/// SIGTERM or Ctrl-C.
-async fn signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
+/// Returns once `n` signals have arrived.
+async fn signalled(count: &mut tokio::sync::watch::Receiver<u32>, n: u32) {
+    if count.wait_for(|&k| k >= n).await.is_err() {
+        // No more signals can come.
+        std::future::pending::<()>().await;
     }
+}
+
+/// How many times SIGTERM or Ctrl-C arrived, counted from now on.
+///
+/// # Errors
+/// A handler cannot be installed.
+fn signal_count() -> Result<tokio::sync::watch::Receiver<u32>> {
+    let (tx, rx) = tokio::sync::watch::channel(0);
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+        let mut int = signal(SignalKind::interrupt()).context("handling SIGINT")?;
+        tokio::spawn(async move {
+            loop {
+                let got = tokio::select! {
+                    s = term.recv() => s,
+                    s = int.recv() => s,
+                };
+                if got.is_none() {
+                    break;
+                }
+                tx.send_modify(|n| *n += 1);
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    tokio::spawn(async move {
+        while tokio::signal::ctrl_c().await.is_ok() {
+            tx.send_modify(|n| *n += 1);
+        }
+    });
+    Ok(rx)
 }

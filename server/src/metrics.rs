@@ -58,6 +58,11 @@ impl Metrics {
         self.with(|c| c.cancelled += 1);
     }
 
+    /// Requests decoding or queued now.
+    pub fn in_flight(&self) -> u64 {
+        self.0.lock().map_or(0, |c| c.processing + c.deferred)
+    }
+
     /// A request finished.
     pub fn record(&self, o: &Outcome) {
         self.with(|c| {

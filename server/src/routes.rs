@@ -119,11 +119,26 @@ async fn metrics_text(State(s): St) -> Response {
         .into_response()
 }
 
-/// The body, at most `--max-body` bytes.
+/// The body, at most `--max-body` bytes: a 413 for one larger (at once when its
+/// Content-Length says so), a 400 for one that cannot be read to its end (cut short, bad
+/// chunked encoding).
 async fn read_body(s: &AppState, body: Body) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, s.max_body)
-        .await
-        .map_err(|_| ApiError::too_large(s.max_body))
+    use axum::body::HttpBody as _;
+    if body.size_hint().lower() > s.max_body as u64 {
+        return Err(ApiError::too_large(s.max_body));
+    }
+    let mut out = Vec::new();
+    let mut chunks = body.into_data_stream();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| {
+            ApiError::invalid(format!("the request body could not be read: {e}"), None)
+        })?;
+        if out.len() + chunk.len() > s.max_body {
+            return Err(ApiError::too_large(s.max_body));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out.into())
 }
 
 async fn tokenize(State(s): St, body: Body) -> Result<Response, ApiError> {

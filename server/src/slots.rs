@@ -6,6 +6,7 @@
 //! longest prefix with its prompt, so a conversation's next turn finds its earlier turns.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -133,6 +134,8 @@ fn common_prefix(a: &[Token], b: &[Token]) -> usize {
 /// The slots and their queue. Dropping it lets each slot finish its request, then joins them.
 pub struct Pool {
     sched: Arc<(Mutex<Sched>, Condvar)>,
+    /// Set by [`Pool::abort`]: every slot stops its job at the next token.
+    stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -151,12 +154,14 @@ impl Pool {
             }),
             Condvar::new(),
         ));
+        let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
         let (ready_tx, ready_rx) = mpsc::channel();
         for i in 0..n {
-            let (rt, sched, metrics, ready) = (
+            let (rt, sched, stop, metrics, ready) = (
                 Arc::clone(&rt),
                 Arc::clone(&sched),
+                Arc::clone(&stop),
                 Arc::clone(&metrics),
                 ready_tx.clone(),
             );
@@ -196,7 +201,7 @@ impl Pool {
                         if job.events.is_closed() {
                             metrics.cancelled();
                         } else {
-                            serve(&rt, &mut session, job, &metrics, i);
+                            serve(&rt, &mut session, job, &stop, &metrics, i);
                         }
                         let Ok(mut s) = lock.lock() else { return };
                         s.idle[i] = true;
@@ -209,7 +214,11 @@ impl Pool {
             threads.push(t);
         }
         drop(ready_tx);
-        let pool = Self { sched, threads };
+        let pool = Self {
+            sched,
+            stop,
+            threads,
+        };
         for r in ready_rx.iter().take(n) {
             r?;
         }
@@ -231,6 +240,18 @@ impl Pool {
         cv.notify_all();
         Ok(())
     }
+
+    /// Give up on the requests in flight: the queued ones are dropped (their clients are told
+    /// the server is shutting down) and each slot stops its job at the next token.
+    pub fn abort(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let (lock, cv) = &*self.sched;
+        if let Ok(mut s) = lock.lock() {
+            s.closed = true;
+            s.queue.clear();
+        }
+        cv.notify_all();
+    }
 }
 
 impl Drop for Pool {
@@ -246,8 +267,16 @@ impl Drop for Pool {
     }
 }
 
-/// Run one job on a slot's session, streaming its text as [`Event`]s.
-fn serve(rt: &Runtime, session: &mut Session, job: Job, metrics: &Metrics, slot: usize) {
+/// Run one job on a slot's session, streaming its text as [`Event`]s, until it ends, its
+/// client hangs up or `stop` is set.
+fn serve(
+    rt: &Runtime,
+    session: &mut Session,
+    job: Job,
+    stop: &AtomicBool,
+    metrics: &Metrics,
+    slot: usize,
+) {
     let model = rt.model();
     let n_ctx = session.n_ctx() as usize;
     let max_tokens = job
@@ -263,16 +292,16 @@ fn serve(rt: &Runtime, session: &mut Session, job: Job, metrics: &Metrics, slot:
     let mut gone = false;
     let mut on_token = |t: Token| {
         let piece = model.token_to_piece(t, false).unwrap_or_default();
-        let (out, stop) = text.push(&piece);
+        let (out, stop_string) = text.push(&piece);
         if !out.is_empty() && job.events.send(Event::Text(out)).is_err() {
             gone = true;
             return false;
         }
-        if job.events.is_closed() {
+        if job.events.is_closed() || stop.load(Ordering::Relaxed) {
             gone = true;
             return false;
         }
-        !stop
+        !stop_string
     };
     let r = session.generate(&job.prompt, &req, &mut on_token);
     metrics.finished();
@@ -287,7 +316,7 @@ fn serve(rt: &Runtime, session: &mut Session, job: Job, metrics: &Metrics, slot:
     };
     if gone {
         log::info!(
-            "slot {slot}: the client hung up after {} tokens; slot freed",
+            "slot {slot}: the client hung up (or the server stopped it) after {} tokens; slot freed",
             g.tokens.len()
         );
         metrics.cancelled();
