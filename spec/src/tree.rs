@@ -413,4 +413,76 @@ mod tests {
         }
         assert_eq!(cells2.seq(0), vec![9]);
     }
+
+    /// Random trees (random shapes, repeated tokens, paths added twice, one to 40 nodes), a
+    /// random context length and any accepted node: every row sees exactly the context and its
+    /// own path, and after the rollback sequence 0 holds exactly the context and the accepted
+    /// path, with no other cell left.
+    #[test]
+    fn any_tree_and_any_accepted_node_roll_back_to_the_accepted_path() {
+        use crate::accept::{SplitMix64, Uniform};
+        let mut rng = SplitMix64(0x7EE5);
+        let mut below = |n: usize| ((rng.uniform() * n as f64) as usize).min(n - 1);
+        for case in 0..2000 {
+            let mut t = TokenTree::new(1000);
+            let adds = 1 + below(12);
+            for _ in 0..adds {
+                let parent = below(t.len());
+                let path: Vec<Token> = (0..1 + below(6)).map(|_| below(4) as Token).collect();
+                t.add_path(parent, &path);
+                if below(4) == 0 {
+                    t.add_path(parent, &path); // the same path again: nothing new
+                }
+            }
+            let ctx_len = below(5) as i32;
+            let context: Vec<Token> = (0..ctx_len).map(|p| 500 + p).collect();
+            let mut cells = Cells::default();
+            for (p, &tok) in context.iter().enumerate() {
+                cells.0.push((p as i32, BTreeSet::from([0]), tok));
+            }
+            for op in t.prepare(ctx_len, 0) {
+                cells.apply(op);
+            }
+            let rows = t.rows(ctx_len, 0);
+            for r in &rows {
+                cells
+                    .0
+                    .push((r.pos, r.seq_ids.iter().copied().collect(), r.token));
+            }
+            for r in &rows {
+                let own: BTreeSet<i32> = r.seq_ids.iter().copied().collect();
+                let mut seen: Vec<(i32, Token)> = cells
+                    .0
+                    .iter()
+                    .filter(|c| c.0 <= r.pos && !c.1.is_disjoint(&own))
+                    .map(|c| (c.0, c.2))
+                    .collect();
+                seen.sort();
+                let want: Vec<Token> = context
+                    .iter()
+                    .copied()
+                    .chain([1000])
+                    .chain(t.path(r.node))
+                    .collect();
+                let got: Vec<Token> = seen.into_iter().map(|c| c.1).collect();
+                assert_eq!(got, want, "case {case}, row {}", r.node);
+            }
+            let accepted = below(t.len());
+            for op in t.rollback(&rows, accepted, 0) {
+                cells.apply(op);
+            }
+            let want: Vec<Token> = context
+                .iter()
+                .copied()
+                .chain([1000])
+                .chain(t.path(accepted))
+                .collect();
+            assert_eq!(cells.seq(0), want, "case {case}: accepted node {accepted}");
+            assert_eq!(
+                cells.0.len(),
+                want.len(),
+                "case {case}: other cells survive"
+            );
+        }
+    }
 }
