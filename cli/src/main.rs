@@ -451,6 +451,10 @@ fn default_threads() -> i32 {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    leap_flash::exit_on_sigbus(
+        "leap: error: the model file could not be read through its mapping (SIGBUS): it was \
+         truncated while in use, or the storage failed; run again once the file is whole\n",
+    );
     let level = match cli.verbose {
         // llama.cpp's own complaints reach the user inside Leap's error line (`leap: error:
         // ... : <llama.cpp's last warning or error>`), so they are not printed twice.

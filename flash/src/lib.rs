@@ -22,6 +22,42 @@ pub use pages::{io_read_bytes, mappings_of, Mapping, Pages};
 pub use plan::{plan, Plan, Strategy};
 pub use stream::{CallStats, Streamer};
 
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+
+static SIGBUS_MSG: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+static SIGBUS_LEN: AtomicUsize = AtomicUsize::new(0);
+
+/// For a program (not a library: the handler is process-wide): a SIGBUS, which is how a read
+/// through a file mapping fails (the model file truncated under llama.cpp's mapping between
+/// two of [`Streamer`]'s checks, or outside flash streaming where nothing checks; a storage
+/// error), prints `message` on stderr and exits with status 1 instead of dying by the signal.
+/// The computation cannot go on (the faulting read has no data), so this is the cleanest end.
+pub fn exit_on_sigbus(message: &'static str) {
+    SIGBUS_LEN.store(message.len(), Ordering::SeqCst);
+    SIGBUS_MSG.store(message.as_ptr().cast_mut(), Ordering::SeqCst);
+    extern "C" fn on_sigbus(_sig: libc::c_int) {
+        let (p, n) = (
+            SIGBUS_MSG.load(Ordering::SeqCst),
+            SIGBUS_LEN.load(Ordering::SeqCst),
+        );
+        // SAFETY: write(2) and _exit(2) are async-signal-safe; `p` points at `n` bytes of a
+        // `&'static str`.
+        unsafe {
+            if !p.is_null() {
+                libc::write(2, p.cast(), n);
+            }
+            libc::_exit(1);
+        }
+    }
+    // SAFETY: a zeroed sigaction with a plain handler and an empty mask is a valid argument.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigbus as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut());
+    }
+}
+
 /// Errors of the flash layer.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -144,9 +144,17 @@ impl Pages {
             });
         }
         if m.nlink() == 0 {
+            // Unlinked: deleted, or another file renamed over its path (a model updated in
+            // place by a download). The mapping still reads the old file, but it is gone for
+            // the next run and no longer the file the user names: stop, saying which.
+            let replaced = std::fs::metadata(&self.path).is_ok_and(|now| now.ino() != m.ino());
             return Err(io(&self.path, "streaming")(std::io::Error::new(
                 std::io::ErrorKind::NotFound,
-                "the model file was deleted while in use",
+                if replaced {
+                    "the model file was replaced while in use (another file is at its path now)"
+                } else {
+                    "the model file was deleted while in use"
+                },
             )));
         }
         Ok(())
