@@ -160,6 +160,17 @@ impl Model {
         unsafe { sys::llama_model_n_ctx_train(self.raw()) }
     }
 
+    /// Whether the model keeps recurrent state (Mamba, RWKV; or in part, as hybrid models such
+    /// as Jamba or LFM2 do): llama.cpp's memory then cannot drop the last positions of a
+    /// sequence ([`crate::Context::seq_rm`] returns false), so a rejected draft cannot be
+    /// rolled back; only a whole sequence can be cleared.
+    pub fn is_recurrent(&self) -> bool {
+        // SAFETY: live model.
+        unsafe {
+            sys::llama_model_is_recurrent(self.raw()) || sys::llama_model_is_hybrid(self.raw())
+        }
+    }
+
     /// Bytes of weights.
     pub fn size(&self) -> u64 {
         // SAFETY: live model.

@@ -289,6 +289,43 @@ impl Engine {
         self.generate_with(ctx, prompt, max_tokens, n_batch, &greedy, on_token)
     }
 
+    /// Plain decoding, for a model whose memory cannot be rolled back to before a rejected
+    /// draft (recurrent state: [`leap_host::Model::is_recurrent`]): verifying a draft would
+    /// advance the state past tokens that are then not kept, so speculation cannot give plain
+    /// decoding's output there. Says so once per process, in one warning line.
+    #[allow(clippy::too_many_arguments)]
+    fn plain_instead(
+        &self,
+        ctx: &mut Context,
+        prompt: &[Token],
+        cached: usize,
+        max_tokens: usize,
+        n_batch: usize,
+        sampling: &SamplingParams,
+        on_token: &mut dyn FnMut(Token) -> bool,
+    ) -> Result<Generation> {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            let model = ctx.model();
+            log::warn!(
+                "{} ({}) keeps recurrent state, which llama.cpp cannot roll back past a \
+                 rejected draft: decoding plainly, one target call per token (same output, \
+                 no speed-up)",
+                model.path().display(),
+                model.meta("general.architecture").unwrap_or_default()
+            );
+        });
+        // Under flash streaming the projection reads the output weights within the budget.
+        let od = self
+            .on_demand
+            .as_ref()
+            .map(|(od, _)| od)
+            .filter(|od| od.streamed());
+        crate::plain::plain_from(
+            ctx, od, prompt, cached, max_tokens, sampling, n_batch, on_token,
+        )
+    }
+
     /// Greedy generation on a streamed output projection with the target drafting for
     /// itself over a resident vocabulary ([`crate::vocab`]), when configured and the
     /// projection reproduces llama.cpp's logits (checked here once, on the prompt's first
@@ -404,6 +441,10 @@ impl Engine {
         sampling: &SamplingParams,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
+        if ctx.model().is_recurrent() {
+            return self
+                .plain_instead(ctx, prompt, cached, max_tokens, n_batch, sampling, on_token);
+        }
         let cached = cached.min(prompt.len().saturating_sub(1));
         let sampled = sampling.temp > 0.0;
         let trunc = Truncation::from(sampling);
@@ -419,7 +460,7 @@ impl Engine {
                 return Ok(g);
             }
         }
-        crate::plain::keep_prefix(ctx, cached);
+        let cached = crate::plain::keep_prefix(ctx, cached);
         let t0 = Instant::now();
         let mut calib_seconds = 0.0;
         match &mut self.on_demand {

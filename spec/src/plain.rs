@@ -79,16 +79,20 @@ pub fn prefill_from(
 }
 
 /// Empty the context's memory but for sequence 0's first `keep` positions (a prompt prefix
-/// the next request reuses; 0 clears everything).
-pub fn keep_prefix(ctx: &mut Context, keep: usize) {
-    if keep == 0 {
-        ctx.clear(false);
-        return;
+/// the next request reuses; 0 clears everything). Returns the positions kept: `keep`, or 0
+/// when the memory cannot drop a sequence's tail (recurrent state that went past `keep`),
+/// which is then cleared whole.
+pub fn keep_prefix(ctx: &mut Context, keep: usize) -> usize {
+    if keep > 0 {
+        for s in 1..ctx.n_seq_max() as i32 {
+            ctx.seq_rm(s, -1, -1);
+        }
+        if ctx.seq_rm(0, keep as i32, -1) {
+            return keep;
+        }
     }
-    for s in 1..ctx.n_seq_max() as i32 {
-        ctx.seq_rm(s, -1, -1);
-    }
-    ctx.seq_rm(0, keep as i32, -1);
+    ctx.clear(false);
+    0
 }
 
 /// Index of the largest logit (the first on ties, as llama.cpp's greedy sampler).
@@ -159,8 +163,7 @@ pub fn plain_from(
     let mut od = od.filter(|_| sampling.temp <= 0.0);
     // Checked against llama.cpp's logits on the first step.
     let mut checked = false;
-    let cached = cached.min(prompt.len().saturating_sub(1));
-    keep_prefix(ctx, cached);
+    let cached = keep_prefix(ctx, cached.min(prompt.len().saturating_sub(1)));
     let t0 = Instant::now();
     prefill_from(ctx, prompt, cached, n_batch)?;
     let prefill_seconds = t0.elapsed().as_secs_f64();
