@@ -549,6 +549,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
         (None, None) => bail!("give a prompt: --prompt TEXT or --file PATH"),
     };
     let mode: Mode = a.mode.parse()?;
+    if mode == Mode::Leap && a.runtime.sparse == "off" && a.runtime.flash_attn != FlashAttn::Off {
+        eprintln!(
+            "leap: warning: --flash-attn {}: ggml's CPU flash attention rounds a batch of rows \
+             otherwise than one row, so `leap` may not give plain decoding's exact tokens \
+             (--flash-attn off does)",
+            a.runtime.flash_attn.as_str()
+        );
+    }
     a.runtime.setup_for(Some(&path))?;
     let flash_budget = match &a.flash_budget {
         Some(b) => Some(parse_budget(

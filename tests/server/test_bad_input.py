@@ -20,9 +20,15 @@ TIMEOUT = 180
 def rows():
     """(bad input, argv words, exit, expected line) from the doc's table."""
     out = []
+    inside = False
     for line in DOC.read_text().splitlines():
-        if not line.startswith("| ") or line.startswith("| Bad input") or line.startswith("|---"):
+        if line.startswith("| Bad input"):
+            inside = True  # the table's header; the table ends at the first other line
             continue
+        if not inside or line.startswith("|---"):
+            continue
+        if not line.startswith("| "):
+            break
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         assert len(cells) == 4, f"a row of {DOC.name} needs 4 cells: {line}"
         what, cmd, code, says = cells
