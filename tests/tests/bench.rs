@@ -119,14 +119,18 @@ fn report_follows_the_contract_for_plain_and_every_ngram_type() {
 #[test]
 fn too_long_requests_are_skipped_and_counted() {
     let _serial = serial();
+    // The code request's short prompt and 30 tokens fit 64; the two over a paragraph do not.
+    let w = workload(30);
+    let mut cfg = config(SMOLLM, w.path().to_path_buf(), &["plain"]);
+    cfg.ctx = 64;
+    let r = bench::run(&cfg).unwrap();
+    assert_eq!((r.n_requests, r.n_skipped), (1, 2));
+    // When no request fits there is nothing to measure: an error that says what to change.
     let w = workload(2000);
     let mut cfg = config(SMOLLM, w.path().to_path_buf(), &["plain"]);
     cfg.ctx = 1024;
-    let e = bench::run(&cfg);
-    // Every request needs more than the context: nothing to run is not an error, but counted.
-    let r = e.unwrap();
-    assert_eq!(r.n_requests, 0);
-    assert_eq!(r.n_skipped, 3);
+    let e = bench::run(&cfg).unwrap_err().to_string();
+    assert!(e.contains("none of the 3 requests fits --ctx 1024"), "{e}");
 }
 
 #[test]
