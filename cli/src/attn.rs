@@ -518,6 +518,7 @@ pub fn with_sidecar_at(mut s: Sparse, path: &Path) -> Result<Sparse> {
         return Ok(s);
     };
     let (nl, nh) = (nl as usize, nh as usize);
+    ensure!(nh > 0, "{}: {} is 0", path.display(), keys::N_HEAD);
     ensure!(
         keep.len() == nl * nh,
         "{}: {} has {} values, not {nl} layers x {nh} heads",
@@ -724,6 +725,28 @@ pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by `make fuzz` (target `sidecar`): a profile of 0 heads and no values passed the
+    /// size check and split its values into chunks of 0 (a panic).
+    #[test]
+    fn a_profile_without_heads_is_refused() {
+        use leap_host::sidecar::{Sidecar, Value};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.leap.gguf");
+        let mut side = Sidecar::default();
+        side.set(keys::KEEP, Value::F32s(Vec::new()));
+        side.set(keys::N_LAYER, Value::U32(18));
+        side.set(keys::N_HEAD, Value::U32(0));
+        side.save(&path).unwrap();
+        let e = with_sidecar_at(sparse_config(0.5).unwrap(), &path).unwrap_err();
+        assert!(e.to_string().contains("n_head is 0"), "{e}");
+        side.set(keys::KEEP, Value::F32s(vec![0.5; 4]));
+        side.set(keys::N_LAYER, Value::U32(2));
+        side.set(keys::N_HEAD, Value::U32(2));
+        side.save(&path).unwrap();
+        let s = with_sidecar_at(sparse_config(0.5).unwrap(), &path).unwrap();
+        assert_eq!(s.heads.unwrap().layers, vec![vec![0.5; 2]; 2]);
+    }
 
     #[test]
     fn head_budgets_follow_importance_and_average_the_global_keep() {

@@ -398,52 +398,63 @@ impl Model {
             });
             "chatml".to_string()
         });
-        let ctmpl = CString::new(tmpl).map_err(|_| Error::NulByte {
-            what: "chat template",
+        apply_template(&tmpl, messages, add_assistant)
+    }
+}
+
+/// Render `messages` with the chat template `tmpl` (a Jinja template from a GGUF, or the name
+/// of one llama.cpp knows, e.g. `chatml`), as [`Model::apply_chat_template`] does; no model
+/// needed. llama.cpp recognises the template by its text and formats with its own code.
+///
+/// # Errors
+/// [`Error::NulByte`] for a NUL in the template or a message, [`Error::ChatTemplate`] when
+/// llama.cpp does not know the template.
+pub fn apply_template(tmpl: &str, messages: &[ChatMessage], add_assistant: bool) -> Result<String> {
+    let ctmpl = CString::new(tmpl).map_err(|_| Error::NulByte {
+        what: "chat template",
+    })?;
+    let owned: Vec<(CString, CString)> = messages
+        .iter()
+        .map(|m| {
+            Ok((
+                CString::new(m.role.as_str())?,
+                CString::new(m.content.as_str())?,
+            ))
+        })
+        .collect::<Result<_, std::ffi::NulError>>()
+        .map_err(|_| Error::NulByte {
+            what: "chat message",
         })?;
-        let owned: Vec<(CString, CString)> = messages
-            .iter()
-            .map(|m| {
-                Ok((
-                    CString::new(m.role.as_str())?,
-                    CString::new(m.content.as_str())?,
-                ))
-            })
-            .collect::<Result<_, std::ffi::NulError>>()
-            .map_err(|_| Error::NulByte {
-                what: "chat message",
-            })?;
-        let msgs: Vec<sys::llama_chat_message> = owned
-            .iter()
-            .map(|(r, c)| sys::llama_chat_message {
-                role: r.as_ptr(),
-                content: c.as_ptr(),
-            })
-            .collect();
-        let mut buf = vec![0u8; 256 + messages.iter().map(|m| m.content.len() * 2).sum::<usize>()];
-        loop {
-            // SAFETY: `ctmpl` and every string in `msgs` (owned by `owned`) are NUL-terminated
-            // and live across the call; `buf` has `buf.len()` writable bytes.
-            let n = unsafe {
-                sys::llama_chat_apply_template(
-                    ctmpl.as_ptr(),
-                    msgs.as_ptr(),
-                    msgs.len(),
-                    add_assistant,
-                    buf.as_mut_ptr().cast(),
-                    buf.len() as i32,
-                )
-            };
-            if n < 0 {
-                return Err(Error::ChatTemplate {
-                    reason: "llama.cpp does not support this model's chat template".into(),
-                });
-            }
-            if (n as usize) <= buf.len() {
-                buf.truncate(n as usize);
-                return Ok(String::from_utf8_lossy(&buf).into_owned());
-            }
-            buf.resize(n as usize, 0);
+    let msgs: Vec<sys::llama_chat_message> = owned
+        .iter()
+        .map(|(r, c)| sys::llama_chat_message {
+            role: r.as_ptr(),
+            content: c.as_ptr(),
+        })
+        .collect();
+    let mut buf = vec![0u8; 256 + messages.iter().map(|m| m.content.len() * 2).sum::<usize>()];
+    loop {
+        // SAFETY: `ctmpl` and every string in `msgs` (owned by `owned`) are NUL-terminated
+        // and live across the call; `buf` has `buf.len()` writable bytes.
+        let n = unsafe {
+            sys::llama_chat_apply_template(
+                ctmpl.as_ptr(),
+                msgs.as_ptr(),
+                msgs.len(),
+                add_assistant,
+                buf.as_mut_ptr().cast(),
+                buf.len() as i32,
+            )
+        };
+        if n < 0 {
+            return Err(Error::ChatTemplate {
+                reason: "llama.cpp does not support this model's chat template".into(),
+            });
         }
+        if (n as usize) <= buf.len() {
+            buf.truncate(n as usize);
+            return Ok(String::from_utf8_lossy(&buf).into_owned());
+        }
+        buf.resize(n as usize, 0);
     }
 }

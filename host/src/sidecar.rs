@@ -50,6 +50,25 @@ impl Drop for Ctx {
     }
 }
 
+/// The elements of array `i` of `c`, copied.
+///
+/// # Safety
+/// `i` is in `0..gguf_get_n_kv`, and key `i` is an array of `T` (4-byte `f32` or `i32`).
+unsafe fn array<T: Copy>(c: &Ctx, i: i64) -> Vec<T> {
+    // SAFETY: `i` is a valid array key (the caller's contract).
+    let n = unsafe { sys::gguf_get_arr_n(c.0, i) };
+    if n == 0 {
+        // ggml's data pointer of an empty array is null, which no slice may have.
+        return Vec::new();
+    }
+    // SAFETY: non-null (n > 0), `n` elements of `T` owned by `c` (std::vector storage, so
+    // aligned for `T`), copied out before `c` can go.
+    unsafe {
+        let p = sys::gguf_get_arr_data(c.0, i).cast::<T>();
+        std::slice::from_raw_parts(p, n).to_vec()
+    }
+}
+
 fn cstring(s: &str, what: &'static str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::NulByte { what })
 }
@@ -95,7 +114,9 @@ impl Sidecar {
     /// Read `path`; `Ok(None)` if there is no such file.
     ///
     /// # Errors
-    /// [`Error::InvalidGguf`] if it exists but is not a GGUF file ggml can read.
+    /// [`Error::InvalidGguf`] if it exists but is not a GGUF file ggml can read, or has a
+    /// key whose name is not UTF-8 or has a NUL byte (which Leap could not save back as it
+    /// was).
     pub fn load(path: &Path) -> Result<Option<Self>> {
         if !path.exists() {
             return Ok(None);
@@ -122,9 +143,23 @@ impl Sidecar {
         // SAFETY: indices in 0..n_kv; strings and arrays are owned by `c`, copied out.
         unsafe {
             for i in 0..sys::gguf_get_n_kv(c.0) {
-                let key = CStr::from_ptr(sys::gguf_get_key(c.0, i))
-                    .to_string_lossy()
-                    .into_owned();
+                // A GGUF key is length-prefixed bytes. One that is not UTF-8 would be kept (and
+                // saved) under another name, maybe another key's; one with a NUL byte is cut
+                // short by the C string gguf.h gives and takes, to "" (which ggml refuses to
+                // save) or to the name of an earlier key (which saving would overwrite).
+                let raw_key = sys::gguf_get_key(c.0, i);
+                let key = match CStr::from_ptr(raw_key).to_str() {
+                    Ok(k) if !k.is_empty() && sys::gguf_find_key(c.0, raw_key) == i => k.to_owned(),
+                    _ => {
+                        return Err(Error::InvalidGguf {
+                            path: path.to_path_buf(),
+                            reason: format!(
+                                "key {i} ({:?}) is not UTF-8, or has a NUL byte",
+                                CStr::from_ptr(raw_key).to_string_lossy()
+                            ),
+                        })
+                    }
+                };
                 let v = match sys::gguf_get_kv_type(c.0, i) {
                     sys::GGUF_TYPE_UINT32 => Value::U32(sys::gguf_get_val_u32(c.0, i)),
                     sys::GGUF_TYPE_FLOAT32 => Value::F32(sys::gguf_get_val_f32(c.0, i)),
@@ -136,16 +171,12 @@ impl Sidecar {
                     sys::GGUF_TYPE_ARRAY
                         if sys::gguf_get_arr_type(c.0, i) == sys::GGUF_TYPE_FLOAT32 =>
                     {
-                        let n = sys::gguf_get_arr_n(c.0, i);
-                        let p = sys::gguf_get_arr_data(c.0, i).cast::<f32>();
-                        Value::F32s(std::slice::from_raw_parts(p, n).to_vec())
+                        Value::F32s(array(&c, i))
                     }
                     sys::GGUF_TYPE_ARRAY
                         if sys::gguf_get_arr_type(c.0, i) == sys::GGUF_TYPE_INT32 =>
                     {
-                        let n = sys::gguf_get_arr_n(c.0, i);
-                        let p = sys::gguf_get_arr_data(c.0, i).cast::<i32>();
-                        Value::I32s(std::slice::from_raw_parts(p, n).to_vec())
+                        Value::I32s(array(&c, i))
                     }
                     // Other types (general.* keys, later formats): not Leap's to keep.
                     _ => continue,
@@ -258,6 +289,61 @@ mod tests {
         assert!(Sidecar::load(&dir.join("none.gguf")).unwrap().is_none());
         std::fs::write(dir.join("bad.gguf"), b"not a gguf").unwrap();
         assert!(Sidecar::load(&dir.join("bad.gguf")).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A GGUF v3 file of `kv` (key, (GGUF type, value bytes)) and no tensors.
+    fn gguf(kv: &[(&[u8], (u32, Vec<u8>))]) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend((kv.len() as u64).to_le_bytes());
+        for (k, (t, v)) in kv {
+            b.extend((k.len() as u64).to_le_bytes());
+            b.extend(*k);
+            b.extend(t.to_le_bytes());
+            b.extend(v);
+        }
+        b
+    }
+
+    /// Found by `make fuzz` (target `sidecar`): an empty array made a slice of ggml's null data
+    /// pointer; a key with a NUL byte read as "" or as an earlier key's name, on which saving
+    /// aborted the process inside ggml; a key that was not UTF-8 read as another key's name,
+    /// and saving kept one of the two values.
+    #[test]
+    fn empty_arrays_read_and_keys_that_cannot_be_saved_back_are_refused() {
+        let dir = std::env::temp_dir().join(format!("leap-sidecar-nul-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("m.leap.gguf");
+        let mut s = Sidecar::default();
+        s.set("leap.attn.keep", Value::F32s(Vec::new()));
+        s.set("leap.exit.shadow", Value::I32s(Vec::new()));
+        s.save(&p).unwrap();
+        let back = Sidecar::load(&p).unwrap().unwrap();
+        assert_eq!(back.f32s("leap.attn.keep"), Some(&[][..]));
+        assert_eq!(back.i32s("leap.exit.shadow"), Some(&[][..]));
+
+        let float = |x: f32| (sys::GGUF_TYPE_FLOAT32, x.to_le_bytes().to_vec());
+        let uint = |x: u32| (sys::GGUF_TYPE_UINT32, x.to_le_bytes().to_vec());
+        for kv in [
+            // Read as "": ggml asserts a key is not empty when it is saved.
+            vec![(&b"\0\0ap.exit.temperature"[..], float(1.0))],
+            // Both read as general.alignment, the second an f32, which ggml aborts on saving.
+            vec![
+                (&b"general.alignment\0a"[..], uint(32)),
+                (&b"general.alignment\0b"[..], float(1.0)),
+            ],
+            // Both read as "leap\u{fffd}exit.layer".
+            vec![
+                (&b"leap\x87exit.layer"[..], uint(2)),
+                (&b"leap\xef\xbf\xbdexit.layer"[..], uint(3)),
+            ],
+        ] {
+            std::fs::write(&p, gguf(&kv)).unwrap();
+            let e = Sidecar::load(&p).unwrap_err().to_string();
+            assert!(e.contains("not UTF-8, or has a NUL byte"), "{e}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -182,7 +182,15 @@ async fn detokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
     Ok(Json(json!({ "content": content })).into_response())
 }
 
-fn to_tokens(ids: &[i64], n_vocab: i32, param: &str) -> Result<Vec<leap_host::Token>, ApiError> {
+/// Token ids from a request, each checked against the vocabulary (a 400 naming `param`).
+///
+/// # Errors
+/// An id outside `0..n_vocab`.
+pub fn to_tokens(
+    ids: &[i64],
+    n_vocab: i32,
+    param: &str,
+) -> Result<Vec<leap_host::Token>, ApiError> {
     ids.iter()
         .map(|&t| {
             if (0..i64::from(n_vocab)).contains(&t) {

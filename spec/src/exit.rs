@@ -213,7 +213,12 @@ pub fn load(side: &Sidecar, model: &ModelShape) -> Result<Option<Head>, String> 
         ));
     }
     let d = side.u32(keys::N_EMBD).unwrap_or(0) as usize;
-    if d != model.n_embd || side.u32(keys::N_LAYER) != Some(n_layer) || layer + 1 >= n_layer {
+    // The exit layer needs a layer after it (`layer + 1 < n_layer`, written so that a
+    // `layer` of u32::MAX cannot wrap round to 0 and pass).
+    if d != model.n_embd
+        || side.u32(keys::N_LAYER) != Some(n_layer)
+        || layer >= n_layer.saturating_sub(1)
+    {
         return Err(format!(
             "its head is for {d}-wide hidden states at layer {layer} of {:?} layers; this \
              model has {}-wide states and {n_layer} layers",
@@ -292,6 +297,40 @@ mod tests {
         let keep = keep_set(&t, &edge, &cfg).unwrap();
         // The backbone starts at the best root child (1) and follows 2, 3.
         assert_eq!(keep, vec![true, true, true, true, false, false, false]);
+    }
+
+    /// Found by `make fuzz` (target `sidecar`): `layer + 1` overflowed for a layer of
+    /// u32::MAX (a panic with overflow checks; without them it wrapped to 0 and the head
+    /// passed the check).
+    #[test]
+    fn a_head_needs_a_layer_after_its_own() {
+        let model = ModelShape {
+            fingerprint: "m".into(),
+            n_embd: 1,
+            n_layer: 2,
+            n_vocab: 8,
+        };
+        let side = |layer: u32| {
+            let mut s = Sidecar::default();
+            s.set(keys::LAYER, Value::U32(layer));
+            s.set(keys::N_EMBD, Value::U32(1));
+            s.set(keys::N_LAYER, Value::U32(2));
+            s.set(keys::A, Value::F32s(vec![1.0]));
+            s.set(keys::TEMPERATURE, Value::F32(1.0));
+            s.set(keys::MODEL, Value::Str("m".into()));
+            s
+        };
+        assert_eq!(load(&side(0), &model).unwrap().unwrap().layer, 0);
+        for layer in [1, 2, u32::MAX] {
+            assert!(load(&side(layer), &model).is_err(), "layer {layer}");
+        }
+        let no_layers = ModelShape {
+            n_layer: 0,
+            ..model
+        };
+        let mut s = side(0);
+        s.set(keys::N_LAYER, Value::U32(0));
+        assert!(load(&s, &no_layers).is_err());
     }
 
     #[test]

@@ -28,9 +28,23 @@ pub fn load(
 ) -> Result<Vec<Request>> {
     let f = std::fs::File::open(path)
         .with_context(|| format!("opening workload {}", path.display()))?;
+    read(std::io::BufReader::new(f), path, tasks, skip, limit)
+}
+
+/// [`load`] from a reader; `path` names it in error messages.
+///
+/// # Errors
+/// I/O errors and malformed lines (with their line number).
+pub fn read(
+    reader: impl BufRead,
+    path: &Path,
+    tasks: &[String],
+    skip: usize,
+    limit: Option<usize>,
+) -> Result<Vec<Request>> {
     let mut out = Vec::new();
     let mut skipped = 0;
-    for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
+    for (n, line) in reader.lines().enumerate() {
         let line = line.with_context(|| format!("reading {}", path.display()))?;
         if line.trim().is_empty() {
             continue;
