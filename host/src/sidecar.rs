@@ -292,8 +292,11 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// A GGUF v3 file of `kv` (key, (GGUF type, value bytes)) and no tensors.
-    fn gguf(kv: &[(&[u8], (u32, Vec<u8>))]) -> Vec<u8> {
+    /// A key, its GGUF type and its value's bytes.
+    type Kv<'a> = (&'a [u8], (u32, Vec<u8>));
+
+    /// A GGUF v3 file of `kv` and no tensors.
+    fn gguf(kv: &[Kv<'_>]) -> Vec<u8> {
         let mut b = b"GGUF".to_vec();
         b.extend(3u32.to_le_bytes());
         b.extend(0u64.to_le_bytes());

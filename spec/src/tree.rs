@@ -350,6 +350,39 @@ mod tests {
             }
             self.0.retain(|c| !c.1.is_empty());
         }
+        /// Cells holding `context` at positions from 0 in sequence 0.
+        fn with_context(context: &[Token]) -> Self {
+            let cells = context.iter().enumerate();
+            Self(
+                cells
+                    .map(|(p, &t)| (p as i32, BTreeSet::from([0]), t))
+                    .collect(),
+            )
+        }
+        /// Prepare `t`'s verification after the context and add its rows' cells.
+        fn verify(&mut self, t: &TokenTree, pos0: i32) -> Vec<Row> {
+            for op in t.prepare(pos0, 0) {
+                self.apply(op);
+            }
+            let rows = t.rows(pos0, 0);
+            for r in &rows {
+                let seqs = r.seq_ids.iter().copied().collect();
+                self.0.push((r.pos, seqs, r.token));
+            }
+            rows
+        }
+        /// The tokens row `r` attends: cells that share a sequence with it, not later.
+        fn seen_by(&self, r: &Row) -> Vec<Token> {
+            let own: BTreeSet<i32> = r.seq_ids.iter().copied().collect();
+            let mut seen: Vec<(i32, Token)> = self
+                .0
+                .iter()
+                .filter(|c| c.0 <= r.pos && !c.1.is_disjoint(&own))
+                .map(|c| (c.0, c.2))
+                .collect();
+            seen.sort();
+            seen.into_iter().map(|c| c.1).collect()
+        }
         fn seq(&self, s: i32) -> Vec<Token> {
             let mut v: Vec<_> = self
                 .0
@@ -365,37 +398,12 @@ mod tests {
     #[test]
     fn each_row_sees_exactly_its_ancestors_and_rollback_keeps_the_path() {
         let t = sample();
-        let pos0 = 3;
-        let mut cells = Cells::default();
-        for (p, tok) in [70, 71, 72].into_iter().enumerate() {
-            cells.0.push((p as i32, BTreeSet::from([0]), tok));
-        }
-        for op in t.prepare(pos0, 0) {
-            cells.apply(op);
-        }
-        let rows = t.rows(pos0, 0);
-        for r in &rows {
-            cells
-                .0
-                .push((r.pos, r.seq_ids.iter().copied().collect(), r.token));
-        }
+        let mut cells = Cells::with_context(&[70, 71, 72]);
+        let rows = cells.verify(&t, 3);
         // Attention: row r sees cells that share a sequence with it at positions <= r.pos.
         for r in &rows {
-            let own: BTreeSet<i32> = r.seq_ids.iter().copied().collect();
-            let mut seen: Vec<(i32, Token)> = cells
-                .0
-                .iter()
-                .filter(|c| c.0 <= r.pos && !c.1.is_disjoint(&own))
-                .map(|c| (c.0, c.2))
-                .collect();
-            seen.sort();
             let want: Vec<Token> = [70, 71, 72, 9].into_iter().chain(t.path(r.node)).collect();
-            assert_eq!(
-                seen.into_iter().map(|c| c.1).collect::<Vec<_>>(),
-                want,
-                "row {}",
-                r.node
-            );
+            assert_eq!(cells.seen_by(r), want, "row {}", r.node);
         }
         // Accept root -> 1 -> 4: sequence 0 must hold the context and exactly that path.
         let accepted = t.child(t.child(0, 1).unwrap(), 4).unwrap();
@@ -436,36 +444,16 @@ mod tests {
             }
             let ctx_len = below(5) as i32;
             let context: Vec<Token> = (0..ctx_len).map(|p| 500 + p).collect();
-            let mut cells = Cells::default();
-            for (p, &tok) in context.iter().enumerate() {
-                cells.0.push((p as i32, BTreeSet::from([0]), tok));
-            }
-            for op in t.prepare(ctx_len, 0) {
-                cells.apply(op);
-            }
-            let rows = t.rows(ctx_len, 0);
+            let mut cells = Cells::with_context(&context);
+            let rows = cells.verify(&t, ctx_len);
             for r in &rows {
-                cells
-                    .0
-                    .push((r.pos, r.seq_ids.iter().copied().collect(), r.token));
-            }
-            for r in &rows {
-                let own: BTreeSet<i32> = r.seq_ids.iter().copied().collect();
-                let mut seen: Vec<(i32, Token)> = cells
-                    .0
-                    .iter()
-                    .filter(|c| c.0 <= r.pos && !c.1.is_disjoint(&own))
-                    .map(|c| (c.0, c.2))
-                    .collect();
-                seen.sort();
                 let want: Vec<Token> = context
                     .iter()
                     .copied()
                     .chain([1000])
                     .chain(t.path(r.node))
                     .collect();
-                let got: Vec<Token> = seen.into_iter().map(|c| c.1).collect();
-                assert_eq!(got, want, "case {case}, row {}", r.node);
+                assert_eq!(cells.seen_by(r), want, "case {case}, row {}", r.node);
             }
             let accepted = below(t.len());
             for op in t.rollback(&rows, accepted, 0) {
