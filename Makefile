@@ -43,8 +43,8 @@ test: models build llama
 # Fuzzing (scripts/fuzz): cargo-fuzz targets (fuzz/, nightly) for every parser of outside input:
 # the sidecar (and the early-exit head and attention profile read from it), model GGUF headers
 # and the flash layer map, bench workloads, the server's request bodies and chat messages with
-# llama.cpp's chat templates. FUZZ_SECONDS each from the seeds in fuzz/corpus (worked on in the
-# git-ignored fuzz/work); fails if a target crashes, leaving the input in fuzz/artifacts.
+# llama.cpp's chat templates. FUZZ_SECONDS each from the seeds in fuzz/corpus and the GGUF
+# seeds fuzz/seeds.py writes (worked on in the git-ignored fuzz/work); fails if a target crashes, leaving the input in fuzz/artifacts.
 # Installs cargo-fuzz if missing. The targets link llama.cpp, which cargo-fuzz's build (its own
 # RUSTFLAGS and --target) compiles once more: ~7 minutes on 2 cores the first time, cached in
 # ~/.cache/leap/fuzz-<sanitizer>-* after that (a second when nothing changed, ~1.5 minutes

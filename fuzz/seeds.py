@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Writes the GGUF seeds of fuzz/corpus/{sidecar,gguf}/: small files in the GGUF v3 layout
-ggml's gguf code reads (what Leap's Sidecar::save and llama.cpp's converters write).
-The other seeds (JSON request bodies, workload lines) are plain text: a few requests of the
-kinds the server takes, and lines of ../shared/workloads/dev-all.jsonl with short prompts.
+"""Writes the GGUF seeds of the sidecar and gguf fuzz targets into DIR/{sidecar,gguf}/
+(default fuzz/work, where scripts/fuzz runs them): small files in the GGUF v3 layout ggml's
+gguf code reads (what Leap's Sidecar::save and llama.cpp's converters write). They are made
+here, not kept in git, which holds no GGUF files. The other seeds (JSON request bodies,
+workload lines, chat bodies) are plain text in fuzz/corpus/: a few requests of the kinds the
+server takes, and lines of ../shared/workloads/dev-all.jsonl with short prompts.
 
-    python3 fuzz/seeds.py   # from the repository root
+    python3 fuzz/seeds.py [DIR]   # from the repository root
 """
 import os
 import struct
+import sys
 
 U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = range(13)
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_K, GGML_Q6_K = 0, 1, 2, 12, 14
@@ -61,8 +64,35 @@ def write(path, blob):
         f.write(blob)
 
 
-def main():
-    side = "fuzz/corpus/sidecar"
+# Inputs the fuzzer found that crashed `sidecar` (a key with a NUL byte in its name; a key that
+# is not UTF-8), byte for byte as it wrote them; unit tests in host/src/sidecar.rs cover both.
+CRASH_NUL_KEY = bytes.fromhex(
+    "47475546030000000000000000000000090000000000000014000000000000006c6561702e73696465636172"
+    "2e76657273696f6e04000000010000000f000000000000006c6561702e657869742e6c617965720400000002"
+    "00000010000000000000006c6561702e657869742e6e5f656d6264040000000400000011000000000000006c"
+    "6561702e657869742e6e5f6c6179657204000000040000000b000000000000006c6561702e657869742e6109"
+    "0000000600000010000000000000000000803f000000000000000000000000000000000000803f0000000000"
+    "00000000000000000000000000803f000000000000000000000000000000000000803f150000000000000000"
+    "0061702e657869742e74656d7065726174757265060000000000c03f10000000000000006c6561702e657869"
+    "742e736861646f77090000000500000003000000000000000200000011000000ffff03000f00000000000000"
+    "6c6561702e657869742e6d6f64656c08000000200000000000000071365f4b3a363430783236323134343a31"
+    "66326533643463356236613739383810000000000000006c6561702e657869742e636f72707573080000000d"
+    "000000000000006465762d616c6c2e6a736f6e6c0000000000000000000000000000000000000000")
+CRASH_UTF8_KEY = bytes.fromhex(
+    "47475546030000000000000000000000090000000000000014000000000000006c6561702e73696465636172"
+    "2e76657273696f6e04000000010000000f000000000000006c6561702e657869742e6c617965720400000002"
+    "00000010000000000000006c6561702e657869742f6e5f656d3864040000000400000011000000000000006c"
+    "6561702e657869742e6e5f6c6179657204000000040000000b000000000000006c6561702e657869742e6109"
+    "00000006000000100000000000000000000000000000010000000000000000000000000000000000003f0000"
+    "003f11000000000000006c6561702e6174746e2e6e5f6c61796572040000000100000010000000000000006c"
+    "6561702e6174746e2e6e5f6865616404000000020000000f000000000000006c65617087657869742e6c6179"
+    "657204000000feff00bd10000000000000006c6561702e657869742e6e5f656d626404000000010000001100"
+    "0000000000006c656170efbfbd657869742e6c6179657204000000026c6561702e66757a7a2e746f7563682d"
+    "657869742e610900000006000001000073000000000000008c000000")
+
+
+def main(root):
+    side = f"{root}/sidecar"
     version = [("leap.sidecar.version", U32, 1)]
     # `leap profile-heads`: per-head keep fractions of 2 layers x 2 heads.
     write(f"{side}/attn-profile.leap.gguf", gguf(version + [
@@ -100,7 +130,7 @@ def main():
     ]))
     write(f"{side}/empty.leap.gguf", gguf([]))
     # Inputs that crashed a target once, kept as seeds (with a unit test each in the crate
-    # that was fixed); crash-*.leap.gguf are the fuzzer's own finds, kept as it wrote them.
+    # that was fixed).
     write(f"{side}/crash-exit-layer-max.leap.gguf", gguf(version + [
         ("leap.exit.layer", U32, 0xFFFFFFFF), ("leap.exit.n_embd", U32, 1),
         ("leap.exit.n_layer", U32, 2), ("leap.exit.a", ARR, (F32, [1.0])),
@@ -111,7 +141,10 @@ def main():
         ("leap.attn.n_head", U32, 0),
     ]))
 
-    model = "fuzz/corpus/gguf"
+    write(f"{side}/crash-nul-key.leap.gguf", CRASH_NUL_KEY)
+    write(f"{side}/crash-utf8-key.leap.gguf", CRASH_UTF8_KEY)
+
+    model = f"{root}/gguf"
     arch = [("general.architecture", STR, "gemma3"), ("general.name", STR, "tiny"),
             ("gemma3.block_count", U32, 2), ("gemma3.embedding_length", U32, 256),
             ("general.alignment", U32, ALIGN),
@@ -132,4 +165,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "fuzz/work")
