@@ -289,43 +289,6 @@ impl Engine {
         self.generate_with(ctx, prompt, max_tokens, n_batch, &greedy, on_token)
     }
 
-    /// Plain decoding, for a model whose memory cannot be rolled back to before a rejected
-    /// draft (recurrent state: [`leap_host::Model::is_recurrent`]): verifying a draft would
-    /// advance the state past tokens that are then not kept, so speculation cannot give plain
-    /// decoding's output there. Says so once per process, in one warning line.
-    #[allow(clippy::too_many_arguments)]
-    fn plain_instead(
-        &self,
-        ctx: &mut Context,
-        prompt: &[Token],
-        cached: usize,
-        max_tokens: usize,
-        n_batch: usize,
-        sampling: &SamplingParams,
-        on_token: &mut dyn FnMut(Token) -> bool,
-    ) -> Result<Generation> {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| {
-            let model = ctx.model();
-            log::warn!(
-                "{} ({}) keeps recurrent state, which llama.cpp cannot roll back past a \
-                 rejected draft: decoding plainly, one target call per token (same output, \
-                 no speed-up)",
-                model.path().display(),
-                model.meta("general.architecture").unwrap_or_default()
-            );
-        });
-        // Under flash streaming the projection reads the output weights within the budget.
-        let od = self
-            .on_demand
-            .as_ref()
-            .map(|(od, _)| od)
-            .filter(|od| od.streamed());
-        crate::plain::plain_from(
-            ctx, od, prompt, cached, max_tokens, sampling, n_batch, on_token,
-        )
-    }
-
     /// Greedy generation on a streamed output projection with the target drafting for
     /// itself over a resident vocabulary ([`crate::vocab`]), when configured and the
     /// projection reproduces llama.cpp's logits (checked here once, on the prompt's first
@@ -442,8 +405,17 @@ impl Engine {
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
         if ctx.model().is_recurrent() {
-            return self
-                .plain_instead(ctx, prompt, cached, max_tokens, n_batch, sampling, on_token);
+            // Verifying a draft would advance the state past tokens that are then not kept:
+            // plain decoding (under flash streaming, through the streamed projection).
+            warn_recurrent(ctx.model());
+            let od = self
+                .on_demand
+                .as_ref()
+                .map(|(od, _)| od)
+                .filter(|od| od.streamed());
+            return crate::plain::plain_from(
+                ctx, od, prompt, cached, max_tokens, sampling, n_batch, on_token,
+            );
         }
         let cached = cached.min(prompt.len().saturating_sub(1));
         let sampled = sampling.temp > 0.0;
@@ -894,4 +866,20 @@ fn checked_path(
     let draft = nodes[1..].iter().map(|&n| tree.nodes()[n].token).collect();
     let predicted = nodes.iter().map(|&n| argmax(n)).collect();
     (draft, predicted)
+}
+
+/// Says once per process, in one warning line, that `model` keeps recurrent state
+/// ([`leap_host::Model::is_recurrent`]), which llama.cpp cannot roll back past a rejected
+/// draft, so the engine decodes it plainly.
+fn warn_recurrent(model: &leap_host::Model) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        log::warn!(
+            "{} ({}) keeps recurrent state, which llama.cpp cannot roll back past a \
+             rejected draft: decoding plainly, one target call per token (same output, \
+             no speed-up)",
+            model.path().display(),
+            model.meta("general.architecture").unwrap_or_default()
+        );
+    });
 }

@@ -39,7 +39,6 @@ struct Adversary {
     rng: SplitMix64,
     n_vocab: i32,
     eog: Token,
-    proposed: u64,
 }
 
 impl Adversary {
@@ -130,7 +129,6 @@ impl Drafter for Adversary {
                 })
                 .collect(),
         };
-        self.proposed += drafts.iter().map(|d| d.len() as u64).sum::<u64>();
         for d in drafts {
             push(d);
         }
@@ -224,7 +222,6 @@ fn any_draft_gives_plain_greedy_output_and_a_fresh_prefills_cache() {
                     rng: SplitMix64(seed ^ round),
                     n_vocab: m.n_vocab(),
                     eog,
-                    proposed: 0,
                 };
                 engine = engine.with_drafter(Box::new(adversary));
                 let got = engine

@@ -608,12 +608,13 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     let mut peak = vec![0u64; runners.len()];
     let mut blocked = vec![0f64; runners.len()];
 
-    let fits = requests
+    let prompts = requests
         .iter()
-        .map(|r| {
-            Ok(model.tokenize(&r.prompt, true, false)?.len() + r.max_tokens <= cfg.ctx as usize)
-        })
-        .collect::<Result<Vec<bool>>>()?;
+        .map(|r| Ok(model.tokenize(&r.prompt, true, false)?))
+        .collect::<Result<Vec<_>>>()?;
+    let fits: Vec<bool> = (requests.iter().zip(&prompts))
+        .map(|(r, p)| p.len() + r.max_tokens <= cfg.ctx as usize)
+        .collect();
     let too_long = fits.iter().filter(|f| !**f).count();
     anyhow::ensure!(
         too_long < requests.len(),
@@ -633,9 +634,8 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         (requests.len() * runners.len()) as u64,
         "bench [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
     );
-    for req in &requests {
-        let prompt = model.tokenize(&req.prompt, true, false)?;
-        if prompt.len() + req.max_tokens > cfg.ctx as usize {
+    for ((req, prompt), fits) in requests.iter().zip(&prompts).zip(fits) {
+        if !fits {
             report.n_skipped += 1;
             bar.inc(runners.len() as u64);
             continue;
@@ -658,7 +658,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 st.resume()?;
             }
             let g = runner
-                .run(&prompt, req.max_tokens, cfg)
+                .run(prompt, req.max_tokens, cfg)
                 .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
             cpu[i] += g.decode_cpu_seconds;
             rss[i] = rss[i].max(match runner {
