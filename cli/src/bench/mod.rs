@@ -5,6 +5,7 @@
 //! request 1 in every mode, then request 2, so machine drift hits every mode alike.
 
 pub mod chart;
+pub mod oracle;
 pub mod report;
 pub mod stock;
 pub mod workload;
@@ -86,6 +87,7 @@ pub const LEAP_CONFIGS: &[&str] = &[
     "ggml",
     "draft",
     "vocab",
+    "oracle",
 ];
 
 /// The engine configuration of `leap` (`None`) or `leap:NAME`. The named ones add one
@@ -177,6 +179,8 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
             }),
             ..base
         },
+        // Chains of plain's own answer (see [`oracle`]): the ceiling of any drafter here.
+        Some("oracle") => sam,
         Some(_) => return None,
     })
 }
@@ -381,6 +385,16 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         .iter()
         .any(|k| *k == ModeKind::Llama("draft-simple".into()))
         || cfg.modes.iter().any(|m| m == "leap:draft");
+    if let Some(o) = cfg.modes.iter().position(|m| m == "leap:oracle") {
+        anyhow::ensure!(
+            cfg.modes[..o].iter().any(|m| m == "plain"),
+            "leap:oracle drafts plain decoding's answers: put plain before it in --modes"
+        );
+        anyhow::ensure!(
+            cfg.sampling.temp <= 0.0,
+            "leap:oracle drafts plain's greedy answers: it runs with --temp 0 only"
+        );
+    }
     if needs_draft && cfg.draft.is_none() {
         bail!("modes llama:draft-simple and leap:draft need a draft model: pass --draft PATH");
     }
@@ -418,6 +432,8 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         ..Default::default()
     };
     let mut runners = Vec::new();
+    // Plain's answer to the current request, for `leap:oracle`.
+    let answer = oracle::Answer::default();
     // Flash streaming: one streamer per mode (each mode's context has its own hooks), all
     // with the same plan.
     let flash = match cfg.flash_budget {
@@ -552,6 +568,9 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                     target,
                 )));
             }
+            if name == "leap:oracle" {
+                engine = engine.with_drafter(Box::new(oracle::Oracle::new(answer.clone())));
+            }
             runners.push(Runner::Leap(target, Box::new(engine)));
             continue;
         }
@@ -660,6 +679,9 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             let g = runner
                 .run(prompt, req.max_tokens, cfg)
                 .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
+            if cfg.modes[i] == "plain" {
+                answer.set(&g.tokens);
+            }
             cpu[i] += g.decode_cpu_seconds;
             rss[i] = rss[i].max(match runner {
                 Runner::Server(s) => s.peak_rss_bytes(),
