@@ -1,13 +1,22 @@
-//! A grouped bar chart, rendered to a PNG file without a graphics dependency: an RGB
-//! canvas, a built-in 5x7 bitmap font (drawn at 2x), and a PNG encoder of its own (zlib by
-//! `flate2`, chunk CRCs by `crc32fast`).
+//! A grouped bar chart (`leap bench`'s flash-budget sweep), drawn by `plotters` into an RGB
+//! buffer and written as a PNG by `png`.
+//!
+//! plotters lays out the axes, ticks, captions and legend; this module picks the canvas size,
+//! the y headroom that keeps the bars clear of the legend, and where each bar goes. Text uses
+//! DejaVu Sans (a Latin-1 subset in `cli/assets/`, see its README) compiled into the binary and
+//! handed to plotters through `ab_glyph`, so a chart needs no system font and looks the same on
+//! every machine.
 
 use std::io::Write as _;
+use std::ops::Range;
 use std::path::Path;
+use std::sync::OnceLock;
 
-use anyhow::{bail, Context as _, Result};
-use flate2::write::ZlibEncoder;
-use flate2::Compression;
+use anyhow::{anyhow, bail, ensure, Context as _, Result};
+use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
+use plotters::coord::types::RangedCoordf64;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 /// One group of bars (an x position), e.g. a flash budget.
 #[derive(Debug, Clone, PartialEq)]
@@ -18,11 +27,15 @@ pub struct Group {
 }
 
 /// Render a grouped bar chart: `series` names (legend, one colour each), groups along x,
-/// y axis from 0 to a rounded-up max with 4-6 labelled ticks, `title` at the top,
-/// `x_label`/`y_label` axis captions, each bar labelled with its value (1 decimal) above it.
+/// y axis from 0 with plotters' ticks, `title` at the top, `x_label`/`y_label` axis captions,
+/// each bar labelled with its value (1 decimal) above it.
 ///
 /// The file is written to a temporary file next to `path` and renamed over it, so a reader
 /// never sees half a PNG.
+///
+/// # Errors
+/// No series, a group whose value count differs from the series count, a drawing error, or
+/// the file cannot be written.
 pub fn bar_chart_png(
     path: &Path,
     title: &str,
@@ -32,70 +45,117 @@ pub fn bar_chart_png(
     groups: &[Group],
 ) -> Result<()> {
     let chart = render(title, x_label, y_label, series, groups)?;
-    let png = encode_png(chart.canvas.width, chart.canvas.height, &chart.canvas.data)?;
+    let png = encode_png(chart.width, chart.height, &chart.rgb)?;
     write_atomically(path, &png)
 }
 
 // ---------------------------------------------------------------------------------------
 // Layout and drawing.
 
-/// Canvas size when everything fits; the chart grows (up to the maxima) when it does not.
-const WIDTH: usize = 900;
-const HEIGHT: usize = 500;
-const MAX_WIDTH: usize = 4000;
-/// Scale of the ordinary text: 5x7 glyphs become 10x14 pixels.
-const TEXT_SCALE: usize = 2;
+/// Canvas size when everything fits; the chart grows (up to `MAX_WIDTH`) when it does not.
+const WIDTH: u32 = 900;
+const HEIGHT: u32 = 500;
+const MAX_WIDTH: u32 = 4000;
+/// Space around the chart, and the bands under and left of the plot for ticks and captions.
+const MARGIN: u32 = 14;
+const X_LABEL_AREA: u32 = 62;
+/// The least plot height (pixels) under the legend's band; the canvas grows to keep it.
+const MIN_PLOT_HEIGHT: u32 = 220;
+/// Share of a group's slot that its bars take (the rest is space between groups).
+const GROUP_FILL: f64 = 0.8;
 
-type Rgb = [u8; 3];
+/// Font sizes (pixels): the title tries each in turn until it fits the width.
+const TITLE_SIZES: [f64; 4] = [22.0, 18.0, 15.0, 12.0];
+const LABEL_SIZE: f64 = 15.0;
+const SMALL_LABEL_SIZE: f64 = 11.0;
+const CAPTION_SIZE: f64 = 16.0;
+const LEGEND_SIZE: f64 = 15.0;
+const VALUE_SIZE: f64 = 13.0;
+const SMALL_VALUE_SIZE: f64 = 10.0;
+/// plotters' legend: its inner margin, swatch column and line height (`MultiLineText`'s).
+const LEGEND_MARGIN: u32 = 8;
+const LEGEND_SWATCH: u32 = 24;
+const LEGEND_LINE: f64 = 1.25;
+/// plotters 0.3.7 draws ab_glyph text about a quarter of its size higher than the box it lays
+/// out; y tick labels and legend swatches move by this share of their size to line up.
+const TEXT_RISE: f64 = 0.25;
 
-const BACKGROUND: Rgb = [255, 255, 255];
-const TEXT: Rgb = [33, 33, 33];
-const AXIS: Rgb = [0, 0, 0];
-const GRID: Rgb = [225, 225, 225];
-/// Series colours (matplotlib's "tab10"), cycled beyond ten series. None of them is used by
-/// anything else on the canvas.
-const PALETTE: [Rgb; 10] = [
-    [31, 119, 180],
-    [255, 127, 14],
-    [44, 160, 44],
-    [214, 39, 40],
-    [148, 103, 189],
-    [140, 86, 75],
-    [227, 119, 194],
-    [127, 127, 127],
-    [188, 189, 34],
-    [23, 190, 207],
+/// The family name the embedded font is registered under (plotters' default family).
+const FONT_FAMILY: &str = "sans-serif";
+const FONT_TTF: &[u8] = include_bytes!("../../assets/DejaVuSans-subset.ttf");
+
+const BACKGROUND: RGBColor = RGBColor(255, 255, 255);
+const TEXT: RGBColor = RGBColor(33, 33, 33);
+const AXIS: RGBColor = RGBColor(0, 0, 0);
+const GRID: RGBColor = RGBColor(225, 225, 225);
+/// Series colours (matplotlib's "tab10"), cycled beyond ten series.
+const PALETTE: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
 ];
 
-fn series_colour(series: usize) -> Rgb {
+fn series_colour(series: usize) -> RGBColor {
     PALETTE[series % PALETTE.len()]
 }
 
-/// A rectangle of pixels, `x0..x1` by `y0..y1` (ends exclusive).
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Rect {
-    x0: i64,
-    y0: i64,
-    x1: i64,
-    y1: i64,
-}
+/// A rectangle of pixels: columns by rows.
+type PixelRect = (Range<i32>, Range<i32>);
 
-/// Where one bar went (tests check the pixels against it).
-#[derive(Debug, Clone, Copy)]
+/// Where one bar went, in pixels (tests check the pixels against it).
+#[derive(Debug, Clone)]
 #[cfg_attr(not(test), allow(dead_code))]
 struct Bar {
     group: usize,
     series: usize,
-    rect: Rect,
+    x: Range<i32>,
+    y: Range<i32>,
 }
 
-/// A rendered chart and where its parts are.
+/// A rendered chart (RGB rows, top to bottom) and where its parts are.
 #[cfg_attr(not(test), allow(dead_code))]
 struct Chart {
-    canvas: Canvas,
-    /// The plot area: bars stand on `y1` (the x axis is the row `y1`), `y0` is the top tick.
-    plot: Rect,
+    width: u32,
+    height: u32,
+    rgb: Vec<u8>,
+    /// The plot area in pixels; bars stand on its bottom.
+    plot: PixelRect,
+    /// The top of the y axis (value units).
+    y_top: f64,
     bars: Vec<Bar>,
+}
+
+/// Registers the embedded font with plotters (once per process).
+fn register_font() -> Result<()> {
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font(FONT_FAMILY, FontStyle::Normal, FONT_TTF).is_ok()
+    });
+    ensure!(
+        ok,
+        "the chart font (cli/assets/DejaVuSans-subset.ttf) does not load"
+    );
+    Ok(())
+}
+
+fn font(size: f64) -> FontDesc<'static> {
+    FontDesc::new(FontFamily::Name(FONT_FAMILY), size, FontStyle::Normal)
+}
+
+/// Width in pixels of `text` at `size`.
+fn text_width(text: &str, size: f64) -> Result<u32> {
+    Ok(font(size).box_size(text).map_err(draw_error)?.0)
+}
+
+fn draw_error(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow!("drawing the chart: {e}")
 }
 
 fn render(
@@ -118,574 +178,305 @@ fn render(
             );
         }
     }
+    register_font()?;
+    let layout = Layout::new(title, y_label, series, groups)?;
+    let (width, height) = (layout.width, layout.height);
+    let mut rgb = vec![0u8; width as usize * height as usize * 3];
+    let (plot, bars) = draw(&mut rgb, &layout, title, x_label, y_label, series, groups)?;
+    Ok(Chart {
+        width,
+        height,
+        rgb,
+        plot,
+        y_top: layout.y_top,
+        bars,
+    })
+}
 
-    let ns = series.len();
-    let ng = groups.len();
-    let s = TEXT_SCALE;
-    let line_h = (GLYPH_H * s) as i64;
+/// The sizes a chart of these data needs.
+struct Layout {
+    width: u32,
+    height: u32,
+    title_size: f64,
+    /// The band left of the plot: tick labels and the y caption.
+    y_label_area: u32,
+    /// The top of the y axis (value units).
+    y_top: f64,
+    group_label_size: f64,
+    value_size: f64,
+    /// Pixels left blank at each side of a bar.
+    bar_gap: u32,
+}
 
-    // The y axis.
-    let max = groups
-        .iter()
-        .flat_map(|g| g.values.iter().copied())
-        .filter(|v| v.is_finite())
-        .fold(0.0f64, f64::max);
-    let (step, intervals) = nice_axis(max);
-    let top_value = step * intervals as f64;
-    let decimals = decimals_of(step);
-    let tick_labels: Vec<String> = (0..=intervals)
-        .map(|k| format!("{:.*}", decimals, k as f64 * step))
-        .collect();
-    let tick_label_w = tick_labels
-        .iter()
-        .map(|t| text_width(t, s))
-        .max()
-        .unwrap_or(0);
+impl Layout {
+    fn new(title: &str, y_label: &str, series: &[String], groups: &[Group]) -> Result<Layout> {
+        let ns = series.len();
+        let ng = groups.len();
+        let max = groups
+            .iter()
+            .flat_map(|g| g.values.iter().copied())
+            .filter(|v| v.is_finite())
+            .fold(0.0f64, f64::max);
 
-    // Horizontal layout: [y label] [tick labels] [ticks] plot.
-    let y_label_w = if y_label.is_empty() { 0 } else { line_h + 12 };
-    let left = 12 + y_label_w + tick_label_w as i64 + 12;
-    let right_margin = 24i64;
+        // The legend sits in the plot's top-left corner: the tallest bar and its label stay
+        // `above_bars` pixels under the plot's top, out of its way.
+        let legend_bottom =
+            5 + 2 * LEGEND_MARGIN + (ns as f64 * LEGEND_SIZE * LEGEND_LINE).ceil() as u32 + 4;
+        let above_bars = legend_bottom + VALUE_SIZE as u32 + 8;
 
-    // Every bar at least as wide as its value label at scale 1 (else the canvas grows).
-    let value_labels: Vec<Vec<Option<String>>> = groups
-        .iter()
-        .map(|g| {
-            g.values
-                .iter()
-                .map(|v| v.is_finite().then(|| format!("{v:.1}")))
-                .collect()
-        })
-        .collect();
-    let widest_value = value_labels
-        .iter()
-        .flatten()
-        .flatten()
-        .map(|l| l.chars().count())
-        .max()
-        .unwrap_or(0);
-    let min_bar_w = (widest_value * GLYPH_ADVANCE + 3) as f64;
-    let needed_plot_w = (ng * ns) as f64 * min_bar_w / GROUP_FILL;
-    let width = ((left + right_margin) as f64 + needed_plot_w)
-        .ceil()
-        .clamp(WIDTH as f64, MAX_WIDTH as f64) as usize;
+        // Left band: y tick labels and the caption. No tick is wider than the axis' top with
+        // the ticks' decimals, and the top is at most `top_bound` (the plot is never lower
+        // than MIN_PLOT_HEIGHT under `above_bars`).
+        let top_bound =
+            max.max(1.0) * f64::from(MIN_PLOT_HEIGHT + above_bars) / f64::from(MIN_PLOT_HEIGHT);
+        let widest_tick = format!("{top_bound:.*}", tick_decimals(top_bound));
+        let tick_w = text_width(&widest_tick, LABEL_SIZE)?;
+        let y_label_area = tick_w + 18 + if y_label.is_empty() { 0 } else { 30 };
 
-    // Vertical layout: title, legend rows, plot, group labels, x label.
-    let title_scale = [3, 2, 1]
-        .into_iter()
-        .find(|&sc| text_width(title, sc) + 20 <= width)
-        .unwrap_or(1);
-    let title_y = 12i64;
-    let title_h = if title.is_empty() {
-        0
-    } else {
-        (GLYPH_H * title_scale) as i64
-    };
-    let legend_y = title_y + title_h + 14;
-    let legend = legend_layout(series, width as i64, legend_y);
-    let legend_end = legend
-        .iter()
-        .map(|item| item.1 + LEGEND_ROW_H)
-        .max()
-        .unwrap_or(legend_y);
-    let plot_top = legend_end + 26; // room for a value label above the tallest bar
-    let below_plot = 10
-        + line_h
-        + if x_label.is_empty() {
-            12
+        // Width: every bar at least as wide as its value label in the small size.
+        let (mut widest_value, mut widest_small_value) = (0, 0);
+        for label in groups.iter().flat_map(value_labels).flatten() {
+            widest_value = widest_value.max(text_width(&label, VALUE_SIZE)?);
+            widest_small_value = widest_small_value.max(text_width(&label, SMALL_VALUE_SIZE)?);
+        }
+        let needed_plot_w = (ng * ns) as f64 * f64::from(widest_small_value + 4) / GROUP_FILL;
+        let width = (f64::from(y_label_area + 2 * MARGIN) + needed_plot_w)
+            .ceil()
+            .clamp(f64::from(WIDTH), f64::from(MAX_WIDTH)) as u32;
+
+        // Height: the title's band, the plot, the band under it.
+        let mut title_size = TITLE_SIZES[TITLE_SIZES.len() - 1];
+        for size in TITLE_SIZES {
+            if text_width(title, size)? + 2 * MARGIN <= width {
+                title_size = size;
+                break;
+            }
+        }
+        let (_, title_h) = font(title_size).box_size(title).map_err(draw_error)?;
+        // What plotters' `titled` takes: the text and up to 5 pixels above and below it.
+        let title_band = if title.is_empty() {
+            0
         } else {
-            12 + line_h + 12
+            title_h + 2 * (title_h / 2).min(5)
         };
-    let height = HEIGHT.max((plot_top + 200 + below_plot) as usize);
-    let plot = Rect {
-        x0: left,
-        y0: plot_top,
-        x1: width as i64 - right_margin,
-        y1: height as i64 - below_plot,
-    };
-    let plot_w = (plot.x1 - plot.x0) as f64;
-    let plot_h = (plot.y1 - plot.y0) as f64;
+        let fixed = title_band + 2 * MARGIN + X_LABEL_AREA;
+        let height = HEIGHT.max(fixed + above_bars + MIN_PLOT_HEIGHT);
+        let plot_h = height - fixed;
+        let y_top = if max > 0.0 {
+            max * f64::from(plot_h) / f64::from(plot_h - above_bars)
+        } else {
+            1.0
+        };
 
-    let mut canvas = Canvas::new(width, height, BACKGROUND);
-
-    // Grid lines and y ticks.
-    let tick_y = |k: usize| plot.y1 - (k as f64 / intervals as f64 * plot_h).round() as i64;
-    for k in 1..=intervals {
-        canvas.hline(plot.x0, plot.x1, tick_y(k), GRID);
+        let plot_w = width - y_label_area - 2 * MARGIN;
+        let slot_w = f64::from(plot_w) / ng.max(1) as f64;
+        let bar_w = slot_w * GROUP_FILL / ns as f64;
+        let mut group_label_size = LABEL_SIZE;
+        for g in groups {
+            if f64::from(text_width(&g.label, LABEL_SIZE)?) > slot_w - 6.0 {
+                group_label_size = SMALL_LABEL_SIZE;
+            }
+        }
+        let value_size = if f64::from(widest_value) <= bar_w - 2.0 {
+            VALUE_SIZE
+        } else {
+            SMALL_VALUE_SIZE
+        };
+        Ok(Layout {
+            width,
+            height,
+            title_size,
+            y_label_area,
+            y_top,
+            group_label_size,
+            value_size,
+            bar_gap: u32::from(bar_w >= 10.0),
+        })
     }
+}
 
-    // Bars.
+/// The label above each bar (none for a non-finite value).
+fn value_labels(g: &Group) -> Vec<Option<String>> {
+    g.values
+        .iter()
+        .map(|v| v.is_finite().then(|| format!("{v:.1}")))
+        .collect()
+}
+
+/// Draws the chart into `rgb` (`layout.width` x `layout.height` RGB pixels); returns the plot
+/// area and the bars, in pixels.
+fn draw(
+    rgb: &mut [u8],
+    layout: &Layout,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[String],
+    groups: &[Group],
+) -> Result<(PixelRect, Vec<Bar>)> {
+    let ns = series.len();
+    let root = BitMapBackend::with_buffer(rgb, (layout.width, layout.height)).into_drawing_area();
+    root.fill(&BACKGROUND).map_err(draw_error)?;
+    let area = if title.is_empty() {
+        root.clone()
+    } else {
+        root.titled(title, font(layout.title_size).color(&TEXT))
+            .map_err(draw_error)?
+    };
+
+    // x: group g is centred on g; y: 0 to y_top.
+    let mut chart = ChartBuilder::on(&area)
+        .margin(MARGIN)
+        .x_label_area_size(X_LABEL_AREA)
+        .y_label_area_size(layout.y_label_area)
+        .build_cartesian_2d(GroupAxis(groups.len()), 0.0..layout.y_top)
+        .map_err(draw_error)?;
+
+    let group_label = |x: &f64| {
+        groups
+            .get(x.round() as usize)
+            .map(|g| g.label.clone())
+            .unwrap_or_default()
+    };
+    let tick = |y: &f64| format_tick(*y, layout.y_top);
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .bold_line_style(GRID)
+        .light_line_style(TRANSPARENT)
+        .axis_style(AXIS)
+        .x_labels(groups.len().max(1))
+        .y_labels(6)
+        .y_label_offset((LABEL_SIZE * TEXT_RISE).round() as i32)
+        .x_label_formatter(&group_label)
+        .y_label_formatter(&tick)
+        .x_label_style(font(layout.group_label_size).color(&TEXT))
+        .y_label_style(font(LABEL_SIZE).color(&TEXT))
+        .axis_desc_style(font(CAPTION_SIZE).color(&TEXT))
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .draw()
+        .map_err(draw_error)?;
+
+    // Bar si of group g spans its share of [g - fill/2, g + fill/2].
+    let share = GROUP_FILL / ns as f64;
+    let span = |g: usize, si: usize| {
+        let x0 = g as f64 - GROUP_FILL / 2.0 + si as f64 * share;
+        (x0, x0 + share)
+    };
+    let gap = layout.bar_gap;
     let mut bars = Vec::new();
-    let slot = if ng == 0 { plot_w } else { plot_w / ng as f64 };
-    let bar_w = slot * GROUP_FILL / ns as f64;
-    let gap = if bar_w >= 10.0 {
-        2
-    } else if bar_w >= 5.0 {
-        1
-    } else {
-        0
-    };
-    let value_scale = if (text_width_chars(widest_value, 2) as f64) < bar_w - gap as f64 {
-        2
-    } else {
-        1
-    };
-    for (gi, g) in groups.iter().enumerate() {
-        let inner_x0 = plot.x0 as f64 + gi as f64 * slot + slot * (1.0 - GROUP_FILL) / 2.0;
-        for (si, &v) in g.values.iter().enumerate() {
-            if !v.is_finite() {
+    let rise = (LEGEND_SIZE * TEXT_RISE / 2.0).round() as i32;
+    for (si, name) in series.iter().enumerate() {
+        let colour = series_colour(si);
+        let mut rects = Vec::new();
+        for (gi, g) in groups.iter().enumerate() {
+            if !g.values[si].is_finite() {
                 continue;
             }
-            let x0 = (inner_x0 + si as f64 * bar_w).round() as i64;
-            let x1 = ((inner_x0 + (si + 1) as f64 * bar_w).round() as i64 - gap).max(x0 + 1);
-            let h = ((v.max(0.0) / top_value) * plot_h)
-                .round()
-                .clamp(0.0, plot_h) as i64;
-            let rect = Rect {
-                x0,
-                y0: plot.y1 - h,
-                x1,
-                y1: plot.y1,
-            };
-            canvas.fill_rect(rect, series_colour(si));
+            let (x0, x1) = span(gi, si);
+            let v = g.values[si].max(0.0);
+            let mut r = Rectangle::new([(x0, v), (x1, 0.0)], colour.filled());
+            r.set_margin(0, 0, gap, gap);
+            rects.push(r);
+            let (left, top) = chart.backend_coord(&(x0, v));
+            let (right, bottom) = chart.backend_coord(&(x1, 0.0));
             bars.push(Bar {
                 group: gi,
                 series: si,
-                rect,
+                x: left + gap as i32..right - gap as i32,
+                y: top..bottom,
             });
-            if let Some(label) = &value_labels[gi][si] {
-                let lw = text_width(label, value_scale) as i64;
-                let ly = rect.y0 - 4 - (GLYPH_H * value_scale) as i64;
-                canvas.text((x0 + x1) / 2 - lw / 2, ly, label, value_scale, TEXT);
-            }
         }
+        chart
+            .draw_series(rects)
+            .map_err(draw_error)?
+            .label(name)
+            .legend(move |(x, y)| {
+                Rectangle::new([(x, y - 7 - rise), (x + 13, y + 6 - rise)], colour.filled())
+            });
     }
 
-    // Axes, drawn over the bars' feet.
-    canvas.vline(plot.x0 - 1, plot.y0, plot.y1 + 1, AXIS);
-    canvas.hline(plot.x0 - 1, plot.x1, plot.y1, AXIS);
-    for (k, label) in tick_labels.iter().enumerate() {
-        let y = tick_y(k);
-        canvas.hline(plot.x0 - 6, plot.x0 - 1, y, AXIS);
-        let lw = text_width(label, s) as i64;
-        canvas.text(plot.x0 - 10 - lw, y - line_h / 2, label, s, TEXT);
-    }
-
-    // Group labels under the groups.
+    // Each bar's value just above it.
+    let value_style = font(layout.value_size)
+        .color(&TEXT)
+        .pos(Pos::new(HPos::Center, VPos::Bottom));
+    let mut labels = Vec::new();
     for (gi, g) in groups.iter().enumerate() {
-        let sc = if (text_width(&g.label, s) as f64) <= slot - 4.0 {
-            s
-        } else {
-            1
-        };
-        let cx = plot.x0 as f64 + (gi as f64 + 0.5) * slot;
-        let lw = text_width(&g.label, sc) as f64;
-        canvas.text(
-            (cx - lw / 2.0).round() as i64,
-            plot.y1 + 10,
-            &g.label,
-            sc,
-            TEXT,
-        );
-    }
-
-    // Axis captions.
-    if !x_label.is_empty() {
-        let lw = text_width(x_label, s) as i64;
-        let y = plot.y1 + 10 + line_h + 12;
-        canvas.text((plot.x0 + plot.x1) / 2 - lw / 2, y, x_label, s, TEXT);
-    }
-    if !y_label.is_empty() {
-        let lw = text_width(y_label, s) as i64;
-        let y = ((plot.y0 + plot.y1) / 2 - lw / 2).max(0);
-        canvas.text_vertical(12, y, y_label, s, TEXT);
-    }
-
-    // Title and legend.
-    if !title.is_empty() {
-        let tw = text_width(title, title_scale) as i64;
-        canvas.text(width as i64 / 2 - tw / 2, title_y, title, title_scale, TEXT);
-    }
-    for &(x, y, si) in &legend {
-        canvas.fill_rect(
-            Rect {
-                x0: x,
-                y0: y + 1,
-                x1: x + SWATCH,
-                y1: y + 1 + SWATCH,
-            },
-            series_colour(si),
-        );
-        canvas.text(x + SWATCH + 6, y, &series[si], s, TEXT);
-    }
-
-    Ok(Chart { canvas, plot, bars })
-}
-
-/// Share of a group's slot that its bars take (the rest is space between groups).
-const GROUP_FILL: f64 = 0.8;
-const SWATCH: i64 = 14;
-const LEGEND_ROW_H: i64 = 22;
-const LEGEND_GAP: i64 = 24;
-
-/// Legend entries (swatch x, row y, series), flowed into centred rows.
-fn legend_layout(series: &[String], width: i64, y: i64) -> Vec<(i64, i64, usize)> {
-    let item_w = |name: &str| SWATCH + 6 + text_width(name, TEXT_SCALE) as i64;
-    let avail = width - 40;
-    let mut rows: Vec<Vec<usize>> = vec![Vec::new()];
-    let mut row_w = 0i64;
-    for (si, name) in series.iter().enumerate() {
-        let w = item_w(name);
-        let row = rows.last_mut().expect("one row at least");
-        if !row.is_empty() && row_w + LEGEND_GAP + w > avail {
-            rows.push(vec![si]);
-            row_w = w;
-        } else {
-            row_w += if row.is_empty() { w } else { LEGEND_GAP + w };
-            row.push(si);
+        for (si, label) in value_labels(g).into_iter().enumerate() {
+            if let Some(label) = label {
+                let (x0, x1) = span(gi, si);
+                let at = ((x0 + x1) / 2.0, g.values[si].max(0.0));
+                labels.push(EmptyElement::at(at) + Text::new(label, (0, -4), value_style.clone()));
+            }
         }
     }
-    let mut out = Vec::new();
-    for (r, row) in rows.iter().enumerate() {
-        let total: i64 = row.iter().map(|&si| item_w(&series[si])).sum::<i64>()
-            + LEGEND_GAP * (row.len() as i64 - 1);
-        let mut x = ((width - total) / 2).max(20);
-        for &si in row {
-            out.push((x, y + r as i64 * LEGEND_ROW_H, si));
-            x += item_w(&series[si]) + LEGEND_GAP;
-        }
-    }
-    out
+    chart.draw_series(labels).map_err(draw_error)?;
+
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .margin(LEGEND_MARGIN)
+        .legend_area_size(LEGEND_SWATCH)
+        .label_font(font(LEGEND_SIZE).color(&TEXT))
+        .background_style(BACKGROUND.mix(0.85))
+        .border_style(GRID)
+        .draw()
+        .map_err(draw_error)?;
+
+    let plot = chart.plotting_area().get_pixel_range();
+    root.present().map_err(draw_error)?;
+    Ok((plot, bars))
 }
 
-/// A step (1, 2, 2.5 or 5 times a power of ten) and a number of intervals (3 to 5, or fewer
-/// only for a tiny chart) so that `step * intervals` is the smallest such top >= `max`:
-/// 4 to 6 labelled ticks, counting 0.
-fn nice_axis(max: f64) -> (f64, usize) {
-    let max = if max.is_finite() && max > 0.0 {
-        max
+/// The x axis: group g is centred on x = g, with a tick (and its label) under each group.
+struct GroupAxis(usize);
+
+impl Ranged for GroupAxis {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        RangedCoordf64::from(self.range()).map(value, limit)
+    }
+
+    fn key_points<H: KeyPointHint>(&self, hint: H) -> Vec<f64> {
+        let every = self.0.div_ceil(hint.max_num_points().max(1)).max(1);
+        (0..self.0).step_by(every).map(|g| g as f64).collect()
+    }
+
+    fn range(&self) -> Range<f64> {
+        -0.5..self.0.max(1) as f64 - 0.5
+    }
+}
+
+/// Decimals a tick label of an axis up to `top` may need: 3 significant digits of the top.
+fn tick_decimals(top: f64) -> usize {
+    (2 - top.max(1e-6).log10().floor() as i32).clamp(0, 6) as usize
+}
+
+/// A y tick label: the decimals the axis may need (`top` the axis' top), no trailing zeros.
+fn format_tick(v: f64, top: f64) -> String {
+    let s = format!("{v:.*}", tick_decimals(top));
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
     } else {
-        1.0
-    };
-    // Start well below (the first step gives > 5 intervals), then walk up.
-    let mut exp = (max / 5.0).log10().floor() as i32 - 1;
-    loop {
-        // 1 / 10^k is correctly rounded where 10^-k is not (0.1 * 2.0 == 0.2 exactly).
-        let mag = if exp >= 0 {
-            10f64.powi(exp)
-        } else {
-            1.0 / 10f64.powi(-exp)
-        };
-        for m in [1.0, 2.0, 2.5, 5.0] {
-            let step = m * mag;
-            // The tolerance keeps 0.7 / 0.1 = 6.999... from rounding to 7 and 0.3 / 0.1 from
-            // becoming 3.0000001 -> 4.
-            let n = (max / step - 1e-9).ceil().max(1.0);
-            if n <= 5.0 {
-                return (step, n as usize);
-            }
-        }
-        exp += 1;
+        s
     }
 }
 
-/// Decimals needed to print multiples of `step` exactly (2.5 -> 1, 0.25 -> 2, 50 -> 0).
-fn decimals_of(step: f64) -> usize {
-    (0..=6)
-        .find(|&d| {
-            let scaled = step * 10f64.powi(d as i32);
-            (scaled - scaled.round()).abs() < 1e-6 * scaled.max(1.0)
-        })
-        .unwrap_or(6)
-}
-
-/// An RGB canvas, rows top to bottom.
-struct Canvas {
-    width: usize,
-    height: usize,
-    data: Vec<u8>,
-}
-
-impl Canvas {
-    fn new(width: usize, height: usize, background: Rgb) -> Self {
-        let data = background
-            .iter()
-            .copied()
-            .cycle()
-            .take(width * height * 3)
-            .collect();
-        Canvas {
-            width,
-            height,
-            data,
-        }
-    }
-
-    /// Sets one pixel; anything off the canvas is clipped.
-    fn set(&mut self, x: i64, y: i64, c: Rgb) {
-        if x < 0 || y < 0 || x >= self.width as i64 || y >= self.height as i64 {
-            return;
-        }
-        let i = (y as usize * self.width + x as usize) * 3;
-        self.data[i..i + 3].copy_from_slice(&c);
-    }
-
-    fn fill_rect(&mut self, r: Rect, c: Rgb) {
-        let x0 = r.x0.max(0);
-        let x1 = r.x1.min(self.width as i64);
-        let y0 = r.y0.max(0);
-        let y1 = r.y1.min(self.height as i64);
-        for y in y0..y1 {
-            for x in x0..x1 {
-                self.set(x, y, c);
-            }
-        }
-    }
-
-    /// The row `y` from `x0` to `x1` (exclusive).
-    fn hline(&mut self, x0: i64, x1: i64, y: i64, c: Rgb) {
-        self.fill_rect(
-            Rect {
-                x0,
-                y0: y,
-                x1,
-                y1: y + 1,
-            },
-            c,
-        );
-    }
-
-    /// The column `x` from `y0` to `y1` (exclusive).
-    fn vline(&mut self, x: i64, y0: i64, y1: i64, c: Rgb) {
-        self.fill_rect(
-            Rect {
-                x0: x,
-                y0,
-                x1: x + 1,
-                y1,
-            },
-            c,
-        );
-    }
-
-    /// Text with its top-left corner at (x, y).
-    fn text(&mut self, x: i64, y: i64, s: &str, scale: usize, c: Rgb) {
-        for_each_text_pixel(s, scale, |u, v| self.set(x + u, y + v, c));
-    }
-
-    /// Text turned a quarter left (reading bottom to top, as a y-axis caption), occupying
-    /// `x..x + 8*scale` (descenders included) and `y..y + text_width`.
-    fn text_vertical(&mut self, x: i64, y: i64, s: &str, scale: usize, c: Rgb) {
-        let w = text_width(s, scale) as i64;
-        for_each_text_pixel(s, scale, |u, v| self.set(x + v, y + w - 1 - u, c));
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// The bitmap font.
-
-const GLYPH_W: usize = 5;
-/// Rows from the top of a capital to the baseline (what layout counts as a line's height).
-const GLYPH_H: usize = 7;
-/// Rows a glyph may use: one more for descenders.
-const GLYPH_ROWS: usize = 8;
-/// Glyph width plus one column of space, in font pixels.
-const GLYPH_ADVANCE: usize = GLYPH_W + 1;
-
-/// Width in pixels of `s` at `scale` (no trailing space).
-fn text_width(s: &str, scale: usize) -> usize {
-    text_width_chars(s.chars().count(), scale)
-}
-
-fn text_width_chars(chars: usize, scale: usize) -> usize {
-    (chars * GLYPH_ADVANCE).saturating_sub(1) * scale
-}
-
-/// Calls `f(u, v)` for every lit pixel of `s` drawn at `scale`, (0, 0) being the top-left.
-fn for_each_text_pixel(s: &str, scale: usize, mut f: impl FnMut(i64, i64)) {
-    for (i, ch) in s.chars().enumerate() {
-        let glyph = glyph(ch);
-        for (col, bits) in glyph.iter().enumerate() {
-            for row in 0..GLYPH_ROWS {
-                if bits & (1 << row) == 0 {
-                    continue;
-                }
-                let u0 = (i * GLYPH_ADVANCE + col) * scale;
-                let v0 = row * scale;
-                for dv in 0..scale {
-                    for du in 0..scale {
-                        f((u0 + du) as i64, (v0 + dv) as i64);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Columns of a glyph, left to right; bit 0 is the top row, bit 7 the descender row.
-fn glyph(ch: char) -> [u8; 5] {
-    match ch as u32 {
-        c @ 32..=126 => FONT[(c - 32) as usize],
-        _ => UNKNOWN_GLYPH,
-    }
-}
-
-/// A box, for characters the font does not have.
-const UNKNOWN_GLYPH: [u8; 5] = [0x7F, 0x41, 0x41, 0x41, 0x7F];
-
-/// ASCII 32..=126, the classic 5x7 LCD font: five columns each, bit 0 at the top; g, j, p,
-/// q and y descend into an eighth row (bit 7) below the baseline.
-const FONT: [[u8; 5]; 95] = [
-    [0x00, 0x00, 0x00, 0x00, 0x00], // ' '
-    [0x00, 0x00, 0x5F, 0x00, 0x00], // !
-    [0x00, 0x07, 0x00, 0x07, 0x00], // "
-    [0x14, 0x7F, 0x14, 0x7F, 0x14], // #
-    [0x24, 0x2A, 0x7F, 0x2A, 0x12], // $
-    [0x23, 0x13, 0x08, 0x64, 0x62], // %
-    [0x36, 0x49, 0x55, 0x22, 0x50], // &
-    [0x00, 0x05, 0x03, 0x00, 0x00], // '
-    [0x00, 0x1C, 0x22, 0x41, 0x00], // (
-    [0x00, 0x41, 0x22, 0x1C, 0x00], // )
-    [0x08, 0x2A, 0x1C, 0x2A, 0x08], // *
-    [0x08, 0x08, 0x3E, 0x08, 0x08], // +
-    [0x00, 0x50, 0x30, 0x00, 0x00], // ,
-    [0x08, 0x08, 0x08, 0x08, 0x08], // -
-    [0x00, 0x60, 0x60, 0x00, 0x00], // .
-    [0x20, 0x10, 0x08, 0x04, 0x02], // /
-    [0x3E, 0x51, 0x49, 0x45, 0x3E], // 0
-    [0x00, 0x42, 0x7F, 0x40, 0x00], // 1
-    [0x42, 0x61, 0x51, 0x49, 0x46], // 2
-    [0x21, 0x41, 0x45, 0x4B, 0x31], // 3
-    [0x18, 0x14, 0x12, 0x7F, 0x10], // 4
-    [0x27, 0x45, 0x45, 0x45, 0x39], // 5
-    [0x3C, 0x4A, 0x49, 0x49, 0x30], // 6
-    [0x01, 0x71, 0x09, 0x05, 0x03], // 7
-    [0x36, 0x49, 0x49, 0x49, 0x36], // 8
-    [0x06, 0x49, 0x49, 0x29, 0x1E], // 9
-    [0x00, 0x36, 0x36, 0x00, 0x00], // :
-    [0x00, 0x56, 0x36, 0x00, 0x00], // ;
-    [0x08, 0x14, 0x22, 0x41, 0x00], // <
-    [0x14, 0x14, 0x14, 0x14, 0x14], // =
-    [0x00, 0x41, 0x22, 0x14, 0x08], // >
-    [0x02, 0x01, 0x51, 0x09, 0x06], // ?
-    [0x32, 0x49, 0x79, 0x41, 0x3E], // @
-    [0x7E, 0x11, 0x11, 0x11, 0x7E], // A
-    [0x7F, 0x49, 0x49, 0x49, 0x36], // B
-    [0x3E, 0x41, 0x41, 0x41, 0x22], // C
-    [0x7F, 0x41, 0x41, 0x22, 0x1C], // D
-    [0x7F, 0x49, 0x49, 0x49, 0x41], // E
-    [0x7F, 0x09, 0x09, 0x09, 0x01], // F
-    [0x3E, 0x41, 0x49, 0x49, 0x7A], // G
-    [0x7F, 0x08, 0x08, 0x08, 0x7F], // H
-    [0x00, 0x41, 0x7F, 0x41, 0x00], // I
-    [0x20, 0x40, 0x41, 0x3F, 0x01], // J
-    [0x7F, 0x08, 0x14, 0x22, 0x41], // K
-    [0x7F, 0x40, 0x40, 0x40, 0x40], // L
-    [0x7F, 0x02, 0x0C, 0x02, 0x7F], // M
-    [0x7F, 0x04, 0x08, 0x10, 0x7F], // N
-    [0x3E, 0x41, 0x41, 0x41, 0x3E], // O
-    [0x7F, 0x09, 0x09, 0x09, 0x06], // P
-    [0x3E, 0x41, 0x51, 0x21, 0x5E], // Q
-    [0x7F, 0x09, 0x19, 0x29, 0x46], // R
-    [0x46, 0x49, 0x49, 0x49, 0x31], // S
-    [0x01, 0x01, 0x7F, 0x01, 0x01], // T
-    [0x3F, 0x40, 0x40, 0x40, 0x3F], // U
-    [0x1F, 0x20, 0x40, 0x20, 0x1F], // V
-    [0x3F, 0x40, 0x38, 0x40, 0x3F], // W
-    [0x63, 0x14, 0x08, 0x14, 0x63], // X
-    [0x07, 0x08, 0x70, 0x08, 0x07], // Y
-    [0x61, 0x51, 0x49, 0x45, 0x43], // Z
-    [0x00, 0x7F, 0x41, 0x41, 0x00], // [
-    [0x02, 0x04, 0x08, 0x10, 0x20], // backslash
-    [0x00, 0x41, 0x41, 0x7F, 0x00], // ]
-    [0x04, 0x02, 0x01, 0x02, 0x04], // ^
-    [0x40, 0x40, 0x40, 0x40, 0x40], // _
-    [0x00, 0x01, 0x02, 0x04, 0x00], // `
-    [0x20, 0x54, 0x54, 0x54, 0x78], // a
-    [0x7F, 0x48, 0x44, 0x44, 0x38], // b
-    [0x38, 0x44, 0x44, 0x44, 0x20], // c
-    [0x38, 0x44, 0x44, 0x48, 0x7F], // d
-    [0x38, 0x54, 0x54, 0x54, 0x18], // e
-    [0x08, 0x7E, 0x09, 0x01, 0x02], // f
-    [0x18, 0xA4, 0xA4, 0xA4, 0x7C], // g
-    [0x7F, 0x08, 0x04, 0x04, 0x78], // h
-    [0x00, 0x44, 0x7D, 0x40, 0x00], // i
-    [0x40, 0x80, 0x84, 0x7D, 0x00], // j
-    [0x7F, 0x10, 0x28, 0x44, 0x00], // k
-    [0x00, 0x41, 0x7F, 0x40, 0x00], // l
-    [0x7C, 0x04, 0x18, 0x04, 0x78], // m
-    [0x7C, 0x08, 0x04, 0x04, 0x78], // n
-    [0x38, 0x44, 0x44, 0x44, 0x38], // o
-    [0xFC, 0x24, 0x24, 0x24, 0x18], // p
-    [0x18, 0x24, 0x24, 0x18, 0xFC], // q
-    [0x7C, 0x08, 0x04, 0x04, 0x08], // r
-    [0x48, 0x54, 0x54, 0x54, 0x20], // s
-    [0x04, 0x3F, 0x44, 0x40, 0x20], // t
-    [0x3C, 0x40, 0x40, 0x20, 0x7C], // u
-    [0x1C, 0x20, 0x40, 0x20, 0x1C], // v
-    [0x3C, 0x40, 0x30, 0x40, 0x3C], // w
-    [0x44, 0x28, 0x10, 0x28, 0x44], // x
-    [0x9C, 0xA0, 0xA0, 0xA0, 0x7C], // y
-    [0x44, 0x64, 0x54, 0x4C, 0x44], // z
-    [0x00, 0x08, 0x36, 0x41, 0x00], // {
-    [0x00, 0x00, 0x7F, 0x00, 0x00], // |
-    [0x00, 0x41, 0x36, 0x08, 0x00], // }
-    [0x08, 0x04, 0x08, 0x10, 0x08], // ~
-];
-
-// ---------------------------------------------------------------------------------------
-// PNG.
-
-const PNG_SIGNATURE: [u8; 8] = [0x89, b'P', b'N', b'G', 0x0D, 0x0A, 0x1A, 0x0A];
-
-/// An 8-bit RGB, non-interlaced PNG of `rgb` (rows top to bottom, 3 bytes a pixel).
-fn encode_png(width: usize, height: usize, rgb: &[u8]) -> Result<Vec<u8>> {
-    if width == 0 || height == 0 || rgb.len() != width * height * 3 {
-        bail!(
-            "PNG: {} bytes of pixels do not make a {width}x{height} RGB image",
-            rgb.len()
-        );
-    }
-    let (w, h) = (u32::try_from(width)?, u32::try_from(height)?);
-
-    // Each scanline: filter type 0 (none), then the row.
-    let mut raw = Vec::with_capacity(height * (1 + 3 * width));
-    for row in rgb.chunks_exact(3 * width) {
-        raw.push(0);
-        raw.extend_from_slice(row);
-    }
-    let mut z = ZlibEncoder::new(Vec::new(), Compression::default());
-    z.write_all(&raw).context("PNG: compressing the pixels")?;
-    let idat = z.finish().context("PNG: compressing the pixels")?;
-
-    let mut ihdr = Vec::with_capacity(13);
-    ihdr.extend_from_slice(&w.to_be_bytes());
-    ihdr.extend_from_slice(&h.to_be_bytes());
-    // Bit depth 8, colour type 2 (RGB), deflate, adaptive filtering, no interlace.
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-
-    let mut out = Vec::with_capacity(idat.len() + 64);
-    out.extend_from_slice(&PNG_SIGNATURE);
-    png_chunk(&mut out, b"IHDR", &ihdr)?;
-    png_chunk(&mut out, b"IDAT", &idat)?;
-    png_chunk(&mut out, b"IEND", &[])?;
+/// An 8-bit RGB PNG of `width` x `height` pixels.
+fn encode_png(width: u32, height: u32, rgb: &[u8]) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut encoder = png::Encoder::new(&mut out, width, height);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut writer = encoder.write_header().context("PNG: writing the header")?;
+    writer
+        .write_image_data(rgb)
+        .context("PNG: compressing the pixels")?;
+    writer.finish().context("PNG: finishing the file")?;
     Ok(out)
-}
-
-/// Length, type, data, CRC-32 of type and data.
-fn png_chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) -> Result<()> {
-    let len = u32::try_from(data.len())
-        .ok()
-        .filter(|&l| l <= i32::MAX as u32)
-        .context("PNG: chunk too large")?;
-    out.extend_from_slice(&len.to_be_bytes());
-    out.extend_from_slice(kind);
-    out.extend_from_slice(data);
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(kind);
-    crc.update(data);
-    out.extend_from_slice(&crc.finalize().to_be_bytes());
-    Ok(())
 }
 
 /// Writes `bytes` to a temporary file in `path`'s directory, then renames it to `path`.
@@ -717,7 +508,8 @@ fn write_then_rename(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Read as _;
+
+    type Rgb = [u8; 3];
 
     /// A decoded 8-bit RGB PNG.
     struct Decoded {
@@ -732,67 +524,43 @@ mod tests {
             [self.rgb[i], self.rgb[i + 1], self.rgb[i + 2]]
         }
 
-        /// Pixels of colour `c` in `x0..x1` by `y0..y1`.
-        fn count(&self, c: Rgb, x0: usize, x1: usize, y0: usize, y1: usize) -> usize {
-            (y0..y1)
-                .flat_map(|y| (x0..x1).map(move |x| (x, y)))
-                .filter(|&(x, y)| self.pixel(x, y) == c)
+        /// Pixels in `x` by `y` (clipped to the image) for which `f` holds.
+        fn count(&self, f: impl Fn(Rgb) -> bool, x: Range<i32>, y: Range<i32>) -> usize {
+            let clip = |r: Range<i32>, n: usize| {
+                r.start.max(0) as usize..r.end.clamp(0, n as i32) as usize
+            };
+            let (x, y) = (clip(x, self.width), clip(y, self.height));
+            y.flat_map(|y| x.clone().map(move |x| (x, y)))
+                .filter(|&(x, y)| f(self.pixel(x, y)))
                 .count()
         }
     }
 
-    /// A minimal, independent PNG checker: signature, chunk CRCs, IHDR, IEND, filter bytes.
+    /// Decodes with the `png` crate's decoder, which checks chunk CRCs and zlib checksums.
     fn decode(bytes: &[u8]) -> Decoded {
-        assert_eq!(
-            &bytes[..8],
-            &[137, 80, 78, 71, 13, 10, 26, 10],
-            "PNG signature"
-        );
-        let mut pos = 8;
-        let mut chunks: Vec<([u8; 4], &[u8])> = Vec::new();
-        while pos < bytes.len() {
-            assert!(pos + 12 <= bytes.len(), "truncated chunk at {pos}");
-            let len = u32::from_be_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
-            let kind: [u8; 4] = bytes[pos + 4..pos + 8].try_into().unwrap();
-            let data = &bytes[pos + 8..pos + 8 + len];
-            let crc = u32::from_be_bytes(bytes[pos + 8 + len..pos + 12 + len].try_into().unwrap());
-            assert_eq!(
-                crc,
-                crc32fast::hash(&bytes[pos + 4..pos + 8 + len]),
-                "CRC of chunk {:?}",
-                String::from_utf8_lossy(&kind)
-            );
-            chunks.push((kind, data));
-            pos += 12 + len;
+        let decoder = png::Decoder::new(std::io::Cursor::new(bytes));
+        let mut reader = decoder.read_info().expect("PNG header");
+        let mut rgb = vec![0; reader.output_buffer_size().expect("frame size")];
+        let info = reader.next_frame(&mut rgb).expect("PNG pixels");
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        assert_eq!(info.bit_depth, png::BitDepth::Eight);
+        rgb.truncate(info.buffer_size());
+        Decoded {
+            width: info.width as usize,
+            height: info.height as usize,
+            rgb,
         }
-        assert_eq!(pos, bytes.len(), "bytes after the last chunk");
-        assert_eq!(&chunks[0].0, b"IHDR");
-        let (last_kind, last_data) = chunks.last().unwrap();
-        assert_eq!(last_kind, b"IEND");
-        assert!(last_data.is_empty());
+    }
 
-        let ihdr = chunks[0].1;
-        assert_eq!(ihdr.len(), 13);
-        let width = u32::from_be_bytes(ihdr[0..4].try_into().unwrap()) as usize;
-        let height = u32::from_be_bytes(ihdr[4..8].try_into().unwrap()) as usize;
-        assert_eq!(&ihdr[8..], &[8, 2, 0, 0, 0], "8-bit RGB, no interlace");
+    fn is(c: RGBColor) -> impl Fn(Rgb) -> bool {
+        move |p| p == [c.0, c.1, c.2]
+    }
 
-        let idat: Vec<u8> = chunks
-            .iter()
-            .filter(|(k, _)| k == b"IDAT")
-            .flat_map(|(_, d)| d.iter().copied())
-            .collect();
-        let mut raw = Vec::new();
-        flate2::read::ZlibDecoder::new(&idat[..])
-            .read_to_end(&mut raw)
-            .expect("IDAT inflates");
-        assert_eq!(raw.len(), height * (1 + 3 * width), "decompressed length");
-        let mut rgb = Vec::with_capacity(width * height * 3);
-        for line in raw.chunks_exact(1 + 3 * width) {
-            assert_eq!(line[0], 0, "filter type 0");
-            rgb.extend_from_slice(&line[1..]);
-        }
-        Decoded { width, height, rgb }
+    /// Text and axes: dark greys (the text colour, antialiased on white, and black). The
+    /// grid (225) is lighter, and no series colour of the first seven is grey.
+    fn is_ink(p: Rgb) -> bool {
+        let (lo, hi) = (p.iter().min().unwrap(), p.iter().max().unwrap());
+        *hi < 200 && hi - lo <= 12
     }
 
     fn names(n: &[&str]) -> Vec<String> {
@@ -841,40 +609,42 @@ mod tests {
             std::fs::write(copy, &bytes).unwrap();
         }
         let png = decode(&bytes);
-        assert!((800..=1000).contains(&png.width), "{}", png.width);
-        assert!((450..=600).contains(&png.height), "{}", png.height);
+        assert_eq!((png.width, png.height), (WIDTH as usize, HEIGHT as usize));
 
         // The layout the file was drawn from (rendering is deterministic).
         let chart = render(TITLE, X_LABEL, Y_LABEL, &series, &groups).unwrap();
-        assert_eq!(
-            (png.width, png.height),
-            (chart.canvas.width, chart.canvas.height)
-        );
-        assert_eq!(png.rgb, chart.canvas.data);
+        assert_eq!(png.rgb, chart.rgb);
         assert_eq!(chart.bars.len(), 11, "one bar per finite value");
+        let (px, py) = chart.plot.clone();
+        assert!(px.start > 60 && px.end < png.width as i32 - 5, "{px:?}");
+        assert!(py.start > 30 && py.end < png.height as i32 - 40, "{py:?}");
 
-        // Each bar is solid in its series' colour.
+        // Each bar is solid in its series' colour (1 pixel in from its edges), as tall as
+        // its value on the axis.
         for bar in &chart.bars {
-            let r = bar.rect;
-            let (x0, x1, y0, y1) = (r.x0 as usize, r.x1 as usize, r.y0 as usize, r.y1 as usize);
-            assert!(y1 > y0 && x1 > x0);
-            let c = series_colour(bar.series);
-            assert_eq!(png.count(c, x0, x1, y0, y1), (x1 - x0) * (y1 - y0));
+            let (x, y) = (
+                bar.x.start + 1..bar.x.end - 1,
+                bar.y.start + 1..bar.y.end - 1,
+            );
+            assert!(x.end > x.start + 10 && y.end > y.start, "{bar:?}");
+            let area = (x.end - x.start) as usize * (y.end - y.start) as usize;
+            let colour = series_colour(bar.series);
+            assert_eq!(png.count(is(colour), x, y), area, "{bar:?}");
+            let v = groups[bar.group].values[bar.series];
+            let h = f64::from(bar.y.end - bar.y.start);
+            let expected = v / chart.y_top * f64::from(py.end - py.start);
+            assert!(
+                (h - expected).abs() <= 2.0,
+                "{bar:?}: {h} px for {expected}"
+            );
         }
 
         // Independently of the bars' rectangles: in each group's slice of the plot, the
         // pixels of a series' colour follow the values.
-        let p = chart.plot;
-        let slot = (p.x1 - p.x0) as usize / groups.len();
+        let slot = (px.end - px.start) / groups.len() as i32;
         let in_group = |g: usize, s: usize| {
-            let x0 = p.x0 as usize + g * slot;
-            png.count(
-                series_colour(s),
-                x0,
-                x0 + slot,
-                p.y0 as usize,
-                p.y1 as usize,
-            )
+            let x0 = px.start + g as i32 * slot;
+            png.count(is(series_colour(s)), x0..x0 + slot, py.clone())
         };
         for (g, group) in groups.iter().enumerate() {
             for s in 0..series.len() {
@@ -886,102 +656,78 @@ mod tests {
                 }
             }
         }
-        // The NaN makes no bar; the tallest bar (16.2 of a 20 axis) fills ~81% of the height.
+        // The NaN makes no bar (the first group's slice also holds the legend's swatches).
         assert_eq!(in_group(1, 2), 0);
-        let tallest = chart
-            .bars
-            .iter()
-            .find(|b| b.group == 3 && b.series == 1)
-            .unwrap();
-        let h = (tallest.rect.y1 - tallest.rect.y0) as f64 / (p.y1 - p.y0) as f64;
-        assert!((h - 16.2 / 20.0).abs() < 0.01, "{h}");
-        // Same series, growing values across groups: more pixels.
-        assert!(in_group(3, 1) > in_group(2, 1) && in_group(2, 1) > in_group(0, 1));
+        assert!(in_group(3, 1) > in_group(2, 1) && in_group(2, 1) > in_group(1, 1));
 
-        // The legend shows every colour outside the plot area too.
+        // The legend: a swatch of every colour outside the bars, with the names beside it.
         for s in 0..series.len() {
-            let above = png.count(series_colour(s), 0, png.width, 0, p.y0 as usize);
-            assert_eq!(
-                above,
-                (SWATCH * SWATCH) as usize,
-                "legend swatch of series {s}"
+            let colour = series_colour(s);
+            let all = png.count(is(colour), 0..png.width as i32, 0..png.height as i32);
+            let in_bars: usize = chart
+                .bars
+                .iter()
+                .filter(|b| b.series == s)
+                .map(|b| png.count(is(colour), b.x.clone(), b.y.clone()))
+                .sum();
+            assert!(
+                all - in_bars >= 150,
+                "legend swatch of series {s}: {}",
+                all - in_bars
             );
         }
-        // Text: title at the top, tick labels left of the axis, captions below/left.
-        let text_in = |x0: usize, x1: usize, y0: usize, y1: usize| png.count(TEXT, x0, x1, y0, y1);
-        assert!(text_in(0, png.width, 0, 40) > 200, "title");
+        let legend = px.start..px.start + 200;
         assert!(
-            text_in(40, p.x0 as usize - 6, p.y0 as usize - 8, png.height) > 100,
+            png.count(is_ink, legend, py.start..py.start + 70) > 300,
+            "legend names"
+        );
+        // The tallest bar's value label stays under the legend.
+        let top = chart.bars.iter().map(|b| b.y.start).min().unwrap();
+        assert!(
+            top > py.start + 70 + 14,
+            "bar top at {top}, plot top at {}",
+            py.start
+        );
+
+        // Text: title at the top, tick labels left of the axis, captions below/left.
+        let w = png.width as i32;
+        assert!(png.count(is_ink, 0..w, 0..py.start - 5) > 300, "title");
+        assert!(
+            png.count(is_ink, 45..px.start - 8, py.clone()) > 100,
             "ticks"
         );
+        assert!(png.count(is_ink, 0..45, py.clone()) > 100, "y caption");
+        let below = py.end + 8..png.height as i32;
         assert!(
-            text_in(0, 30, p.y0 as usize, p.y1 as usize) > 100,
-            "y caption"
-        );
-        assert!(
-            text_in(0, png.width, p.y1 as usize + 1, png.height) > 200,
+            png.count(is_ink, px.clone(), below.clone()) > 300,
             "x labels"
         );
+        // Each group's label under its own slot.
+        for g in 0..groups.len() as i32 {
+            let x0 = px.start + g * slot;
+            let labels = py.end + 8..py.end + 30;
+            assert!(
+                png.count(is_ink, x0..x0 + slot, labels) > 30,
+                "label of group {g}"
+            );
+        }
         // Value labels sit just above their bars.
         for bar in &chart.bars {
-            let r = bar.rect;
-            let band = (r.y0 - 4 - 14) as usize..(r.y0 - 4) as usize;
-            assert!(
-                text_in(r.x0 as usize - 8, r.x1 as usize + 8, band.start, band.end) > 20,
-                "label of bar {bar:?}"
-            );
+            let band = bar.y.start - 4 - 16..bar.y.start - 2;
+            let x = bar.x.start - 8..bar.x.end + 8;
+            assert!(png.count(is_ink, x, band) > 20, "label of bar {bar:?}");
         }
     }
 
     #[test]
-    fn axis_is_rounded_up_with_four_to_six_ticks() {
-        assert_eq!(nice_axis(10.0), (2.0, 5));
-        assert_eq!(nice_axis(11.0), (2.5, 5));
-        assert_eq!(nice_axis(16.2), (5.0, 4));
-        assert_eq!(nice_axis(4.0), (1.0, 4));
-        assert_eq!(nice_axis(123.4), (25.0, 5));
-        assert_eq!(nice_axis(0.0), (0.2, 5));
-        assert_eq!(nice_axis(f64::NAN), (0.2, 5));
-        let mut v = 0.013;
-        while v < 1e7 {
-            let (step, n) = nice_axis(v);
-            assert!((3..=5).contains(&n), "{v}: {n} intervals");
-            assert!(
-                step * n as f64 >= v * (1.0 - 1e-9),
-                "{v}: top {}",
-                step * n as f64
-            );
-            assert!(step * ((n - 1) as f64) < v, "{v}: not the smallest top");
-            v *= 1.37;
-        }
-        assert_eq!(decimals_of(2.5), 1);
-        assert_eq!(decimals_of(0.25), 2);
-        assert_eq!(decimals_of(50.0), 0);
-        assert_eq!(decimals_of(0.1 * 2.0), 1);
-    }
-
-    #[test]
-    fn font_covers_printable_ascii_and_boxes_the_rest() {
-        for c in '!'..='~' {
-            assert_ne!(glyph(c), [0; 5], "{c:?} is blank");
-            assert_ne!(glyph(c), UNKNOWN_GLYPH, "{c:?} is a box");
-        }
-        assert_eq!(glyph(' '), [0; 5]);
-        assert_eq!(glyph('é'), UNKNOWN_GLYPH);
-        assert_eq!(glyph('\t'), UNKNOWN_GLYPH);
-        // Distinct glyphs for the characters charts use.
-        let mut chars: Vec<char> = ('0'..='9')
-            .chain('A'..='Z')
-            .chain('a'..='z')
-            .chain(".,:-+/()x%_=".chars())
-            .collect();
-        chars.sort();
-        chars.dedup();
-        for (i, &a) in chars.iter().enumerate() {
-            for &b in &chars[i + 1..] {
-                assert_ne!(glyph(a), glyph(b), "{a:?} and {b:?} look alike");
-            }
-        }
+    fn tick_labels_have_the_decimals_the_axis_needs() {
+        assert_eq!(format_tick(2.5, 17.8), "2.5");
+        assert_eq!(format_tick(10.0, 17.8), "10");
+        assert_eq!(format_tick(0.0, 17.8), "0");
+        assert_eq!(format_tick(0.25, 1.2), "0.25");
+        assert_eq!(format_tick(0.1 + 0.2, 1.0), "0.3");
+        assert_eq!(format_tick(1000.0, 4000.0), "1000");
+        assert_eq!(format_tick(0.025, 0.1), "0.025");
     }
 
     #[test]
@@ -993,10 +739,23 @@ mod tests {
                 values: (0..12).map(|s| 1000.0 * (g * 12 + s) as f64).collect(),
             })
             .collect();
-        let chart = render(&"long title ".repeat(40), "x", "y", &series, &groups).unwrap();
-        assert!(chart.canvas.width > WIDTH);
-        assert!(chart.canvas.width <= MAX_WIDTH);
+        let title = "long title ".repeat(40);
+        let chart = render(&title, "x", "y", &series, &groups).unwrap();
+        assert!(
+            chart.width > WIDTH && chart.width <= MAX_WIDTH,
+            "{}",
+            chart.width
+        );
+        assert!(
+            chart.height > HEIGHT,
+            "twelve legend rows: {}",
+            chart.height
+        );
         assert_eq!(chart.bars.len(), 96);
+        // The tallest bar stays under the twelve-row legend.
+        let top = chart.bars.iter().map(|b| b.y.start).min().unwrap();
+        let rows = (12.0 * LEGEND_SIZE * LEGEND_LINE) as i32;
+        assert!(top > chart.plot.1.start + rows, "bar top {top}");
         // No groups at all: just axes.
         let empty = render("t", "x", "y", &series, &[]).unwrap();
         assert!(empty.bars.is_empty());
