@@ -1,5 +1,6 @@
-//! `leap attn-bench`, `leap perplexity` and `leap plugin-path`: what sparse attention costs
-//! and what it changes, measured on a real model and text.
+//! `leap attn-bench`, `leap perplexity`, `leap profile-heads` and `leap plugin-path`: what
+//! sparse attention costs and what it changes, measured on a real model and text, and its
+//! per-head budgets written into the sidecar.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -333,7 +334,9 @@ fn summarise(n: usize, per: &[NodeResult]) -> AttnCtxResult {
 fn write_json(out: &Path, v: &impl Serialize) -> Result<()> {
     let json = serde_json::to_string_pretty(v)? + "\n";
     if out.as_os_str() == "-" {
-        print!("{json}");
+        // Not `print!`, which panics when the reader has gone: the broken pipe goes back to
+        // `main`, which exits 0.
+        std::io::Write::write_all(&mut std::io::stdout().lock(), json.as_bytes())?;
     } else {
         std::fs::write(out, json).with_context(|| format!("writing {}", out.display()))?;
         eprintln!("wrote {}", out.display());

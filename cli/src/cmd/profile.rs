@@ -1,0 +1,103 @@
+//! `leap profile`: what a target call of k rows costs here, relative to one row.
+
+use std::io::Write;
+
+use anyhow::Result;
+use clap::Args;
+use leap_cli::models;
+use leap_host::{ContextParams, Model, ModelParams};
+
+use super::options::RuntimeArgs;
+
+#[derive(Args)]
+pub struct ProfileArgs {
+    /// A model name (`leap models`) or a path to a GGUF file.
+    #[arg(short, long, default_value = models::DEFAULT_MODEL)]
+    model: String,
+    /// Tokens of context in the KV cache while measuring.
+    #[arg(long, default_value_t = 1000)]
+    context: usize,
+    /// Row counts to measure, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,6,8,12,16")]
+    rows: Vec<usize>,
+    /// Calls per measurement (the mean is reported).
+    #[arg(long, default_value_t = 10)]
+    reps: usize,
+    #[command(flatten)]
+    runtime: RuntimeArgs,
+}
+
+pub fn profile(a: ProfileArgs) -> Result<()> {
+    let path = models::resolve(&a.model)?;
+    a.runtime.setup_for(Some(&path))?;
+    let model = Model::load(&path, &ModelParams::default())?;
+    let model = std::sync::Arc::new(model);
+    let (mut ctx, od) = leap_host::project::OnDemand::context(
+        &model,
+        &ContextParams {
+            n_ctx: a
+                .runtime
+                .ctx
+                .max((a.context + a.rows.iter().max().unwrap_or(&1) + 8) as u32),
+            n_threads: a.runtime.threads,
+            n_threads_batch: a.runtime.threads,
+            flash_attn: a.runtime.flash_attn(),
+            ..Default::default()
+        },
+    )?;
+    // Real text for the context: the vocabulary's own pieces would do, but a repeated
+    // paragraph keeps the attention pattern ordinary.
+    let para = "Packages are installed, upgraded and removed with apt, which resolves dependencies                 and calls dpkg to unpack and configure each archive. ";
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    while tokens.len() < a.context.max(1) {
+        text.push_str(para);
+        tokens = model.tokenize(&text, true, false)?;
+    }
+    tokens.truncate(a.context.max(1));
+    let curve =
+        leap_spec::control::measure_cost_curve(&mut ctx, od.as_ref(), &tokens, &a.rows, a.reps)?;
+    let base = curve
+        .iter()
+        .find(|p| p.rows == 1)
+        .map_or(curve[0].all_logits, |p| p.all_logits);
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{} | context {} | {} threads | flash-attn {} | kernels {}",
+        model.desc(),
+        tokens.len(),
+        a.runtime.threads,
+        a.runtime.flash_attn().as_str(),
+        a.runtime.kernels
+    )?;
+    writeln!(
+        out,
+        "{:>5} {:>12} {:>10} {:>12} {:>10} {:>12} {:>12}",
+        "rows", "all logits", "vs 1 row", "last logits", "vs 1 row", "hidden only", "project all"
+    )?;
+    for p in &curve {
+        let (cut, proj) = p.cut.map_or(("-".into(), "-".into()), |(c, j)| {
+            (format!("{:.2} ms", c * 1e3), format!("{:.2} ms", j * 1e3))
+        });
+        writeln!(
+            out,
+            "{:>5} {:>9.2} ms {:>9.2}x {:>9.2} ms {:>9.2}x {:>12} {:>12}",
+            p.rows,
+            p.all_logits * 1e3,
+            p.all_logits / base,
+            p.last_logits * 1e3,
+            p.last_logits / base,
+            cut,
+            proj
+        )?;
+    }
+    if od.is_some() {
+        writeln!(
+        out,
+            "hidden only: the call cut before the output projection (Leap's on-demand projection); \
+             project all: every row's logits in one pass afterwards"
+        )?;
+    }
+    Ok(())
+}
