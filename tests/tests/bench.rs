@@ -237,3 +237,37 @@ fn flash_budget_streams_and_reports_storage_reads() {
     let e = format!("{:#}", bench::run(&c).unwrap_err());
     assert!(e.contains("--flash-budget"), "{e}");
 }
+
+#[test]
+fn oracle_drafts_plain_answers_and_needs_plain_first() {
+    let _serial = serial();
+    let w = workload(48);
+    let r = bench::run(&config(
+        SMOLLM,
+        w.path().to_path_buf(),
+        &["plain", "leap:oracle"],
+    ))
+    .unwrap();
+    let (plain, o) = (&r.modes["plain"], &r.modes["leap:oracle"]);
+    assert_eq!(o.identical_to_plain, Some(true));
+    // Every draft is plain's next tokens: after the first calls (the controller learns what
+    // a draft is worth) most calls accept many tokens.
+    assert_eq!(o.generated_tokens, plain.generated_tokens);
+    assert!(
+        o.target_calls * 3 < plain.target_calls,
+        "oracle calls {} against plain's {}",
+        o.target_calls,
+        plain.target_calls
+    );
+    for modes in [&["leap:oracle", "plain"][..], &["leap:oracle"][..]] {
+        let e = format!(
+            "{:#}",
+            bench::run(&config(SMOLLM, w.path().to_path_buf(), modes)).unwrap_err()
+        );
+        assert!(e.contains("put plain before it"), "{e}");
+    }
+    let mut cfg = config(SMOLLM, w.path().to_path_buf(), &["plain", "leap:oracle"]);
+    cfg.sampling.temp = 0.8;
+    let e = format!("{:#}", bench::run(&cfg).unwrap_err());
+    assert!(e.contains("--temp 0"), "{e}");
+}

@@ -3,6 +3,18 @@
 //! Every mode gets its own llama.cpp context on the one shared model (so a drafter's state
 //! lives across requests, as in llama-server), and the modes run interleaved per request:
 //! request 1 in every mode, then request 2, so machine drift hits every mode alike.
+//!
+//! | module | owns |
+//! |---|---|
+//! | this one | [`BenchConfig`] and [`run`]: the modes set up, the requests run, the report filled |
+//! | `modes` | mode names: [`ModeKind`], Leap's named configurations ([`LEAP_CONFIGS`], [`leap_config`]) |
+//! | `runner` | one request generated in one mode |
+//! | `summary` | the tables for people ([`table`], [`anchor_table`]) and a flash-budget [`sweep`] |
+//! | [`workload`] | the workload file |
+//! | [`report`] | the `leap-bench/1` JSON report |
+//! | [`stock`] | `server:*` modes: a stock llama-server in its own process |
+//! | [`oracle`] | `leap:oracle`'s drafter |
+//! | [`chart`] | the sweep's bar chart (PNG) |
 
 pub mod chart;
 pub mod oracle;
@@ -10,23 +22,28 @@ pub mod report;
 pub mod stock;
 pub mod workload;
 
+mod modes;
+mod runner;
+mod summary;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
-use leap_host::anchor::{AnchorConfig, LlamaSpeculative, TYPES};
+use leap_host::anchor::{AnchorConfig, LlamaSpeculative};
 use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
-use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams, Token};
-
-use leap_host::usage::{cpu_seconds, peak_rss_bytes};
-use leap_spec::engine::{Engine, EngineConfig};
+use leap_host::usage::peak_rss_bytes;
+use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams};
+use leap_spec::engine::Engine;
 use leap_spec::model_draft::{LlamaDraft, ModelDrafter, Vocab};
-use leap_spec::plain::{self, Generation};
+use leap_spec::session::vocab_reserve;
+pub use modes::{leap_config, ModeKind, LEAP_CONFIGS};
 pub use report::Report;
 use report::{ModeReport, RequestReport};
-use std::sync::Arc;
+use runner::Runner;
+pub use summary::{anchor_table, sweep, sweep_path, table};
 
 /// What `leap bench` was asked to do.
 #[derive(Debug, Clone)]
@@ -60,281 +77,6 @@ pub struct BenchConfig {
     pub skip: usize,
 }
 
-/// A mode, parsed from its name.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ModeKind {
-    /// `plain`.
-    Plain,
-    /// `llama:TYPE`.
-    Llama(String),
-    /// `server:TYPE`: a stock llama-server in its own process ([`stock`]).
-    Server(String),
-    /// `leap` or `leap:NAME`: Leap's engine with a named configuration.
-    Leap(EngineConfig),
-}
-
-/// Leap's named configurations (`leap:NAME`); `leap` is the recommended one.
-pub const LEAP_CONFIGS: &[&str] = &[
-    "sam",
-    "sam-fixed",
-    "history",
-    "reuse",
-    "calib",
-    "tree",
-    "eager",
-    "ondemand",
-    "exit-measure",
-    "ggml",
-    "draft",
-    "vocab",
-    "oracle",
-];
-
-/// The engine configuration of `leap` (`None`) or `leap:NAME`. The named ones add one
-/// technique at a time, so a bench run shows each one's contribution:
-/// `sam` (retrieval from the request only, Lever trees of one leaf), `sam-fixed` (the same
-/// drafting the longest continuation every step), `history` (+ earlier requests and answers),
-/// `reuse` (+ draft reuse), `calib` (+ in-context calibration: `leap`'s trees where it builds
-/// them), `tree` (+ up to 4 leaves per step, and the sidecar's early-exit head); `eager`,
-/// `ondemand` and `exit-measure` verify `tree`'s trees with llama.cpp computing logits for
-/// every verified row, with on-demand output projection alone, and with the head deciding
-/// without pruning; `ggml` is `calib` with verification's matrix products on ggml's CPU
-/// kernels instead of Leap's device.
-pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
-    // Only `leap` itself (and `leap:tree`, which is `leap` with wider trees) prunes with an
-    // early-exit head when the sidecar has one: every other named configuration shows its
-    // technique without it.
-    // Only `leap` drafts with the target itself (on a streamed target, or where the output
-    // projection is a large share of a call): the named configurations show their trees.
-    let base = EngineConfig {
-        exit: name.is_none() || name == Some("tree"),
-        vocab: None,
-        ..EngineConfig::default()
-    };
-    let sam = EngineConfig {
-        history_tokens: 0,
-        reuse_lifetime: 0,
-        calibrate: false,
-        ..base.clone()
-    };
-    Some(match name {
-        None => EngineConfig {
-            vocab: EngineConfig::default().vocab,
-            ..base
-        },
-        Some("sam") => sam,
-        Some("sam-fixed") => EngineConfig {
-            adaptive: false,
-            max_draft: 8,
-            ..sam
-        },
-        Some("history") => EngineConfig {
-            reuse_lifetime: 0,
-            calibrate: false,
-            ..base
-        },
-        Some("reuse") => EngineConfig {
-            calibrate: false,
-            ..base
-        },
-        Some("calib") => base,
-        Some("tree") => EngineConfig {
-            max_branches: 4,
-            ..base
-        },
-        // Issue 7's modes verify Lever's trees (up to 4 leaves, as `leap:tree`), which is
-        // where skipping rows pays: `eager` with llama.cpp computing every verified row's
-        // logits, `ondemand` projecting only the rows acceptance reads (no early-exit head),
-        // `exit-measure` with the sidecar's head deciding on every tree without pruning (what
-        // it would keep, and how many accepted tokens that would have kept, on the same
-        // trees). `leap:tree` is the three together.
-        Some("eager") => EngineConfig {
-            on_demand: false,
-            max_branches: 4,
-            ..base
-        },
-        Some("ondemand") => EngineConfig {
-            max_branches: 4,
-            ..base
-        },
-        Some("exit-measure") => EngineConfig {
-            exit: true,
-            max_branches: 4,
-            prune: leap_spec::exit::PruneConfig {
-                measure_only: true,
-                ..base.prune.clone()
-            },
-            ..base
-        },
-        // `leap` on llama.cpp's kernels alone (see `BenchConfig::kernels`).
-        Some("ggml") => base,
-        // `leap` plus a draft model (`--draft`), across vocabularies if need be.
-        Some("draft") => base,
-        // The target drafting for itself over a resident vocabulary, with resident weights
-        // too (`leap` does it on a streamed target).
-        Some("vocab") => EngineConfig {
-            vocab: Some(leap_spec::vocab::VocabConfig {
-                resident: leap_spec::vocab::Resident::Always,
-                ..Default::default()
-            }),
-            ..base
-        },
-        // Chains of plain's own answer (see [`oracle`]): the ceiling of any drafter here.
-        Some("oracle") => sam,
-        Some(_) => return None,
-    })
-}
-
-impl ModeKind {
-    /// Parse a mode name.
-    ///
-    /// # Errors
-    /// Unknown names, and Leap modes that do not exist yet.
-    pub fn parse(name: &str) -> Result<Self> {
-        if name == "plain" {
-            return Ok(ModeKind::Plain);
-        }
-        if let Some(t) = name.strip_prefix("llama:") {
-            if TYPES.contains(&t) {
-                return Ok(ModeKind::Llama(t.to_string()));
-            }
-            bail!(
-                "unknown llama.cpp speculative type {t:?}; one of: {}",
-                TYPES.join(", ")
-            );
-        }
-        if let Some(t) = name.strip_prefix("server:") {
-            if stock::server_types().contains(&t) {
-                return Ok(ModeKind::Server(t.to_string()));
-            }
-            bail!(
-                "unknown stock llama-server mode {name:?}; one of: server:{}",
-                stock::server_types().join(", server:")
-            );
-        }
-        if name == "leap" || name.starts_with("leap:") {
-            let known = || {
-                LEAP_CONFIGS
-                    .iter()
-                    .map(|c| format!("leap:{c}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
-            return leap_config(name.strip_prefix("leap:"))
-                .map(ModeKind::Leap)
-                .with_context(|| {
-                    format!(
-                        "unknown Leap configuration {name:?}; one of: leap, {}",
-                        known()
-                    )
-                });
-        }
-        bail!(
-            "unknown mode {name:?}; modes are plain, llama:TYPE ({}), server:TYPE ({}), leap, \
-             leap:NAME ({})",
-            TYPES.join(", "),
-            stock::server_types().join(", "),
-            LEAP_CONFIGS.join(", ")
-        )
-    }
-}
-
-enum Runner {
-    /// Plain decoding; under flash streaming with Leap's chunked output projection.
-    Plain(Context, Option<OnDemand>),
-    Llama(Box<LlamaSpeculative>),
-    Leap(Context, Box<Engine>),
-    Server(Box<stock::StockServer>),
-}
-
-impl Runner {
-    fn run(
-        &mut self,
-        prompt: &[Token],
-        max_tokens: usize,
-        cfg: &BenchConfig,
-    ) -> Result<Generation> {
-        match self {
-            Runner::Plain(ctx, od) => Ok(plain::plain_with(
-                ctx,
-                od.as_ref(),
-                prompt,
-                max_tokens,
-                &cfg.sampling,
-                512,
-                &mut |_| true,
-            )?),
-            Runner::Llama(spec) => run_anchor(spec, prompt, max_tokens),
-            Runner::Server(server) => {
-                let c = server.complete(prompt, max_tokens, &cfg.sampling)?;
-                // The first token comes with the prompt; every decode call yields one token
-                // plus the drafts it accepted, from a row per token and per draft.
-                let decoded = (c.tokens.len() as u64).saturating_sub(1);
-                let rows = decoded + c.drafted;
-                Ok(Generation {
-                    target_calls: decoded.saturating_sub(c.accepted),
-                    drafted_tokens: c.drafted,
-                    verify_rows: rows,
-                    rows_after_exit: rows,
-                    output_rows: rows,
-                    tokens: c.tokens,
-                    prefill_seconds: c.prompt_seconds,
-                    decode_seconds: c.decode_seconds,
-                    decode_cpu_seconds: c.cpu_seconds,
-                    ..Default::default()
-                })
-            }
-            Runner::Leap(ctx, engine) => Ok(engine.generate_with(
-                ctx,
-                prompt,
-                max_tokens,
-                512,
-                &cfg.sampling,
-                &mut |_| true,
-            )?),
-        }
-    }
-}
-
-/// Generate with llama.cpp's speculative decoding; stops at `max_tokens` or end of generation.
-fn run_anchor(
-    spec: &mut LlamaSpeculative,
-    prompt: &[Token],
-    max_tokens: usize,
-) -> Result<Generation> {
-    let t0 = Instant::now();
-    spec.prefill(prompt)?;
-    let mut g = Generation {
-        prefill_seconds: t0.elapsed().as_secs_f64(),
-        ..Default::default()
-    };
-    let model = spec.target().model().clone();
-    let cpu0 = cpu_seconds();
-    let t1 = Instant::now();
-    let first = spec.first()?;
-    g.tokens.push(first);
-    let mut done = model.is_eog(first);
-    while !done && g.tokens.len() < max_tokens {
-        let step = spec.step(max_tokens - g.tokens.len())?;
-        g.target_calls += 1;
-        g.drafted_tokens += step.drafted as u64;
-        // llama.cpp verifies the last token and the draft, logits for every row.
-        g.verify_rows += 1 + step.drafted as u64;
-        g.rows_after_exit += 1 + step.drafted as u64;
-        g.output_rows += 1 + step.drafted as u64;
-        for t in step.tokens {
-            g.tokens.push(t);
-            if model.is_eog(t) || g.tokens.len() >= max_tokens {
-                done = true;
-                break;
-            }
-        }
-    }
-    g.decode_seconds = t1.elapsed().as_secs_f64();
-    g.decode_cpu_seconds = cpu_seconds() - cpu0;
-    Ok(g)
-}
-
 fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -353,8 +95,6 @@ fn file_name(p: &std::path::Path) -> String {
         |n| n.to_string_lossy().into_owned(),
     )
 }
-
-pub use leap_spec::session::vocab_reserve;
 
 /// Run the benchmark and return the report (the caller writes it).
 ///
@@ -775,300 +515,4 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         report.modes.insert(cfg.modes[i].clone(), m);
     }
     Ok(report)
-}
-
-/// Where a sweep writes the report of budget `b`: `out` with `.flashB` before the extension.
-pub fn sweep_path(out: &std::path::Path, b: f64) -> std::path::PathBuf {
-    let stem = out
-        .file_stem()
-        .map_or_else(|| "bench".into(), |s| s.to_string_lossy().into_owned());
-    let ext = out
-        .extension()
-        .map_or_else(|| "json".into(), |e| e.to_string_lossy().into_owned());
-    out.with_file_name(format!("{stem}.flash{b}.{ext}"))
-}
-
-/// Lever's Table 6 for a sweep of flash budgets: decode tok/s of every mode at each budget
-/// (with `plain` as flash-AR, each mode's speed-up over it and storage bytes per token), as
-/// text, and as a bar chart written to `chart`.
-///
-/// # Errors
-/// The chart cannot be written.
-pub fn sweep(reports: &[Report], modes: &[String], chart: &std::path::Path) -> Result<String> {
-    use std::fmt::Write;
-    let mut s = String::new();
-    let _ = write!(s, "{:>8}", "budget");
-    for m in modes {
-        let _ = write!(
-            s,
-            " {:>16} {:>9} {:>10}",
-            format!("{m} tok/s"),
-            "vs AR",
-            "MB/token"
-        );
-    }
-    let _ = writeln!(s);
-    let mut groups = Vec::new();
-    for r in reports {
-        let b = r.flash_budget.unwrap_or(1.0);
-        let ar = r.modes.get("plain").map(|m| m.decode_tokens_per_s);
-        let _ = write!(s, "{b:>8}");
-        let mut values = Vec::new();
-        for m in modes {
-            let Some(x) = r.modes.get(m) else {
-                let _ = write!(s, " {:>16} {:>9} {:>10}", "-", "-", "-");
-                values.push(f64::NAN);
-                continue;
-            };
-            let vs = ar
-                .filter(|a| *a > 0.0)
-                .map_or("-".into(), |a| format!("{:.2}x", x.decode_tokens_per_s / a));
-            let mb =
-                x.storage_read_bytes.unwrap_or(0) as f64 / 1e6 / x.generated_tokens.max(1) as f64;
-            let _ = write!(s, " {:>16.2} {:>9} {:>10.1}", x.decode_tokens_per_s, vs, mb);
-            values.push(x.decode_tokens_per_s);
-        }
-        let _ = writeln!(s);
-        groups.push(chart::Group {
-            label: format!("{b}"),
-            values,
-        });
-    }
-    let series: Vec<String> = modes
-        .iter()
-        .map(|m| {
-            if m == "plain" {
-                "flash-AR (plain)".into()
-            } else {
-                m.clone()
-            }
-        })
-        .collect();
-    let model = reports.first().map_or("", |r| r.model.as_str());
-    chart::bar_chart_png(
-        chart,
-        &format!("Decode speed under a DRAM budget: {model}"),
-        "DRAM budget (fraction of the weights)",
-        "decode tok/s",
-        &series,
-        &groups,
-    )?;
-    Ok(s)
-}
-
-/// The human table for stderr: mode, tok/s, speed-up over plain, accepted per call, identical.
-pub fn table(report: &Report, order: &[String]) -> String {
-    use std::fmt::Write;
-    let base = report.modes.get("plain").map(|m| m.decode_tokens_per_s);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{:<22} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9} {:>11} {:>9} {:>10}  rows verify/exit/out",
-        "mode",
-        "tok/s",
-        "vs plain",
-        "acc/call",
-        "ms/call",
-        "verify ms",
-        "draft ms",
-        "calib ms/t",
-        "cpu s",
-        "identical",
-    );
-    for name in order {
-        let Some(m) = report.modes.get(name) else {
-            continue;
-        };
-        let speed = base
-            .filter(|b| *b > 0.0)
-            .map_or("-".into(), |b| format!("{:.2}x", m.decode_tokens_per_s / b));
-        let ident = match m.identical_to_plain {
-            Some(true) => "yes".to_string(),
-            Some(false) => format!("NO ({})", m.differing_requests.len()),
-            None => "-".into(),
-        };
-        let _ = writeln!(
-            s,
-            "{:<22} {:>9.2} {:>9} {:>10.2} {:>9.2} {:>10} {:>9.3} {:>11.4} {:>9.2} {:>10}  {}/{}/{}",
-            name,
-            m.decode_tokens_per_s,
-            speed,
-            m.mean_accepted_per_call,
-            1e3 * m.decode_seconds / m.target_calls.max(1) as f64,
-            if m.verify_ms_per_call > 0.0 {
-                format!(
-                    "{:.2}+{:.2}",
-                    m.verify_ms_per_call - m.project_ms_per_call,
-                    m.project_ms_per_call
-                )
-            } else {
-                "-".into()
-            },
-            m.draft_ms_per_call,
-            m.calib_ms_per_prompt_token,
-            m.cpu_seconds,
-            ident,
-            m.verify_rows,
-            m.rows_after_exit,
-            m.output_rows
-        );
-        if m.exit_accepted > 0 {
-            let _ = writeln!(
-                s,
-                "{:<22} early exit kept {:.0}% of rows past its layer; {}/{} accepted drafts \
-                 on kept rows ({:.1}%); deciding {:.2} ms a call",
-                "",
-                100.0 * m.rows_after_exit as f64 / m.verify_rows.max(1) as f64,
-                m.exit_accepted_kept,
-                m.exit_accepted,
-                100.0 * m.exit_accepted_kept as f64 / m.exit_accepted as f64,
-                1e3 * m.exit_seconds / m.target_calls.max(1) as f64
-            );
-        }
-    }
-    if let Some(f) = report.flash_budget {
-        let _ = writeln!(
-            s,
-            "flash budget {f}: {:<11} {:>12} {:>12} {:>14} {:>12}",
-            "mode", "MB/token", "MB/call", "blocked s/tok", "peak MB"
-        );
-        for name in order {
-            let Some(m) = report.modes.get(name) else {
-                continue;
-            };
-            let read = m.storage_read_bytes.unwrap_or(0) as f64 / 1e6;
-            let _ = writeln!(
-                s,
-                "{:>24} {:>12.1} {:>12.1} {:>14.4} {:>12.1}",
-                name,
-                read / m.generated_tokens.max(1) as f64,
-                read / m.target_calls.max(1) as f64,
-                m.flash_blocked_seconds.unwrap_or(0.0) / m.generated_tokens.max(1) as f64,
-                m.flash_peak_resident_bytes.unwrap_or(0) as f64 / 1e6,
-            );
-        }
-    }
-    s.push_str(&anchor_table(report, order));
-    let _ = write!(
-        s,
-        "{} requests ({} skipped), {} threads, ctx {}, flash-attn {}",
-        report.n_requests, report.n_skipped, report.threads, report.ctx, report.flash_attn
-    );
-    s
-}
-
-/// End to end and per task, against the stock llama-server modes of the run (`server:*`):
-/// each mode's time to first token, end-to-end tok/s, and decode tok/s per task, with its
-/// decode and end-to-end ratios over every `server:*` mode (no ratio columns without one).
-/// Empty with fewer than two modes.
-pub fn anchor_table(report: &Report, order: &[String]) -> String {
-    use std::fmt::Write;
-    let anchors: Vec<&String> = order.iter().filter(|m| m.starts_with("server:")).collect();
-    let modes: Vec<&String> = order
-        .iter()
-        .filter(|m| report.modes.contains_key(*m))
-        .collect();
-    let mut s = String::new();
-    if modes.len() < 2 {
-        return s;
-    }
-    let mut tasks: Vec<&str> = Vec::new();
-    if let Some(m) = report.modes.get(modes[0]) {
-        for r in &m.requests {
-            if !tasks.contains(&r.task.as_str()) {
-                tasks.push(&r.task);
-            }
-        }
-    }
-    tasks.sort_unstable();
-    let _ = write!(s, "{:<22} {:>8} {:>9}", "mode", "TTFT s", "e2e tok/s");
-    for t in &tasks {
-        let _ = write!(s, " {:>12}", format!("{t} tok/s"));
-    }
-    for a in &anchors {
-        let _ = write!(s, " {:>24}", format!("decode/e2e vs {a}"));
-    }
-    let _ = writeln!(s);
-    for name in &modes {
-        let m = &report.modes[*name];
-        let _ = write!(
-            s,
-            "{:<22} {:>8.3} {:>9.2}",
-            name, m.mean_ttft_seconds, m.e2e_tokens_per_s
-        );
-        for t in &tasks {
-            let (n, secs) = m
-                .requests
-                .iter()
-                .filter(|r| r.task == *t)
-                .fold((0usize, 0f64), |(n, d), r| {
-                    (n + r.generated_tokens, d + r.decode_seconds)
-                });
-            let v = if secs > 0.0 { n as f64 / secs } else { 0.0 };
-            let _ = write!(s, " {v:>12.2}");
-        }
-        for a in &anchors {
-            let x = &report.modes[*a];
-            let r = |u: f64, v: f64| {
-                if v > 0.0 {
-                    format!("{:.2}x", u / v)
-                } else {
-                    "-".into()
-                }
-            };
-            let _ = write!(
-                s,
-                " {:>24}",
-                format!(
-                    "{} / {}",
-                    r(m.decode_tokens_per_s, x.decode_tokens_per_s),
-                    r(m.e2e_tokens_per_s, x.e2e_tokens_per_s)
-                )
-            );
-        }
-        let _ = writeln!(s);
-    }
-    s
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mode_names_parse() {
-        assert_eq!(ModeKind::parse("plain").unwrap(), ModeKind::Plain);
-        assert_eq!(
-            ModeKind::parse("llama:ngram-mod").unwrap(),
-            ModeKind::Llama("ngram-mod".into())
-        );
-        assert!(ModeKind::parse("llama:eagle9")
-            .unwrap_err()
-            .to_string()
-            .contains("ngram-simple"));
-        assert!(ModeKind::parse("fast").is_err());
-        assert_eq!(
-            ModeKind::parse("leap").unwrap(),
-            ModeKind::Leap(EngineConfig::default())
-        );
-        assert!(
-            matches!(ModeKind::parse("leap:tree").unwrap(), ModeKind::Leap(c) if c.max_branches > 1)
-        );
-        assert_eq!(
-            ModeKind::parse("server:ngram-mod").unwrap(),
-            ModeKind::Server("ngram-mod".into())
-        );
-        assert_eq!(
-            ModeKind::parse("server:none").unwrap(),
-            ModeKind::Server("none".into())
-        );
-        assert!(ModeKind::parse("server:leap")
-            .unwrap_err()
-            .to_string()
-            .contains("server:ngram-mod"));
-        assert!(ModeKind::parse("leap:warp")
-            .unwrap_err()
-            .to_string()
-            .contains("leap:sam"));
-    }
 }
