@@ -1,0 +1,139 @@
+//! The int8 shadow of the K caches: a `Q8_0` copy (a scale per 32 values) of each
+//! full-attention layer's K cache, one per layer per context ([`MAX_SHADOWS`] at most, the
+//! least recently used dropped first), written as the device takes the cache's `SET_ROWS`
+//! nodes (`op.rs`); cells it did not write are quantized from the f16 cache when a node reads
+//! them. [`Keys8`] is the view the estimate reads a node's keys through.
+
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+
+use super::EPOCH;
+use crate::f16;
+use crate::ffi as g;
+
+pub(super) const QK: usize = 32;
+pub(super) const Q8_BYTES: usize = 34;
+
+fn cpu_traits(t: g::ggml_type) -> &'static g::ggml_type_traits_cpu {
+    // SAFETY: ggml returns a static table entry for every type.
+    unsafe { &*g::ggml_get_type_traits_cpu(t) }
+}
+
+type FromFloat = unsafe extern "C" fn(*const f32, *mut std::ffi::c_void, i64);
+
+pub(super) fn quantizer(t: g::ggml_type) -> FromFloat {
+    cpu_traits(t).from_float.expect("ggml quantizes this type")
+}
+
+/// An int8 copy of one K cache.
+pub(super) struct Shadow {
+    base: usize,
+    pub(super) cells: usize,
+    pub(super) n_embd: usize,
+    pub(super) row_bytes: usize,
+    pub(super) data: Vec<u8>,
+    pub(super) valid: Vec<bool>,
+    epoch: u64,
+    used: u64,
+}
+
+pub(super) static SHADOWS: Mutex<(u64, Vec<Shadow>)> = Mutex::new((0, Vec::new()));
+/// Shadows kept (one per layer per context; the least recently used goes first).
+const MAX_SHADOWS: usize = 256;
+
+pub(super) fn shadow_for<'a>(
+    list: &'a mut (u64, Vec<Shadow>),
+    root: &g::ggml_tensor,
+) -> &'a mut Shadow {
+    list.0 += 1;
+    let tick = list.0;
+    let base = root.data as usize;
+    let n_embd = root.ne[0] as usize;
+    let cells = (root.ne[1] * root.ne[2] * root.ne[3]) as usize;
+    let epoch = EPOCH.load(Ordering::Relaxed);
+    let pos = list
+        .1
+        .iter()
+        .position(|s| s.base == base && s.cells == cells && s.n_embd == n_embd);
+    let i = match pos {
+        Some(i) => i,
+        None => {
+            if list.1.len() >= MAX_SHADOWS {
+                let lru = (0..list.1.len()).min_by_key(|&i| list.1[i].used).unwrap();
+                list.1.swap_remove(lru);
+            }
+            let row_bytes = n_embd / QK * Q8_BYTES;
+            list.1.push(Shadow {
+                base,
+                cells,
+                n_embd,
+                row_bytes,
+                data: vec![0; cells * row_bytes],
+                valid: vec![false; cells],
+                epoch,
+                used: tick,
+            });
+            list.1.len() - 1
+        }
+    };
+    let s = &mut list.1[i];
+    if s.epoch != epoch {
+        s.valid.fill(false);
+        s.epoch = epoch;
+    }
+    s.used = tick;
+    s
+}
+
+/// Where the int8 copy of key `j` of head `h` is: `base + (cell0 + j)*row + col0 + h*head`
+/// (`len` bytes from `base` are readable).
+#[derive(Clone, Copy, Debug)]
+pub struct Keys8 {
+    pub base: *const u8,
+    pub len: usize,
+    pub cell0: usize,
+    pub row: usize,
+    pub col0: usize,
+    pub head: usize,
+}
+
+// SAFETY: a read-only view.
+unsafe impl Send for Keys8 {}
+unsafe impl Sync for Keys8 {}
+
+impl Keys8 {
+    #[inline]
+    pub(crate) unsafe fn at(&self, j: usize, h: usize) -> *const u8 {
+        self.base
+            .add((self.cell0 + j) * self.row + self.col0 + h * self.head)
+    }
+}
+
+/// Quantize `rows` f16 rows of `n` values (`stride` bytes apart) to Q8_0 rows (`out_row`
+/// bytes apart), for shadows filled from a cache.
+///
+/// # Safety
+/// Pointers valid for the rows.
+pub unsafe fn quantize_f16_rows(
+    src: *const u8,
+    stride: usize,
+    rows: usize,
+    n: usize,
+    out: *mut u8,
+) {
+    let to_q8 = quantizer(g::GGML_TYPE_Q8_0);
+    let row_bytes = n / QK * Q8_BYTES;
+    let mut tmp = vec![0f32; n];
+    for r in 0..rows {
+        let p = src.add(r * stride).cast::<u16>();
+        for (x, t) in tmp.iter_mut().enumerate() {
+            *t = f16::to_f32(*p.add(x));
+        }
+        to_q8(tmp.as_ptr(), out.add(r * row_bytes).cast(), n as i64);
+    }
+}
+
+/// Bytes of a Q8_0 row of `n` values.
+pub fn q8_row_bytes(n: usize) -> usize {
+    n / QK * Q8_BYTES
+}
