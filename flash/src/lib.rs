@@ -8,9 +8,16 @@
 //! model file whose ranges can be prefetched, evicted from DRAM — the page cache included —
 //! and measured with `mincore`), plus [`io_read_bytes`] (what the process really read from
 //! storage), and [`Streamer`], the driver that reads blocks ahead and evicts them during a
-//! target call (llama.cpp's eval callback at layer boundaries). Not here yet: streaming the
-//! output projection in chunks, the engine's cost model with the I/O in it, and `leap bench
-//! --flash-budget`, which says so and stops.
+//! target call (llama.cpp's eval callback at layer boundaries). A streamed output projection
+//! goes through Leap's own projection a chunk at a time ([`Streamer::stream_projection`]):
+//! the next chunk is read while one computes (with `O_DIRECT` into Leap's buffers where the
+//! file system allows) and each leaves memory once done; where llama.cpp projects instead (a
+//! single node), the output weights are resident whole while that node runs.
+//!
+//! Used by `leap_spec::session` (`leap generate --flash-budget`): the engine lets token trees
+//! grow under streaming (`EngineConfig::streamed`) and sizes them by the measured cost of
+//! calls, their I/O included; by `leap bench --flash-budget` (one budget, or a sweep as in
+//! Lever's Table 6); and by `leap info --flash-budget` (the plan).
 
 mod map;
 mod pages;

@@ -4,9 +4,12 @@
 //! streamed block once the next one starts, through llama.cpp's own mapping of the file and
 //! the page cache. Pinned sections are read once and locked.
 //!
-//! The output projection is one ggml node: when it is streamed it is resident whole while
-//! that node runs and is evicted right after it (`result_output`); streaming it in chunks
-//! needs Leap's own projection (not done yet).
+//! A streamed output projection is read in chunks when Leap's own projection computes it
+//! ([`Streamer::row_stream`], [`Streamer::stream_projection`]): the first chunk during the
+//! call's last layers, the next while one computes (with `O_DIRECT` into a pool of aligned
+//! buffers where the file system allows, else through the page cache), and a chunk leaves
+//! memory once done. When llama.cpp computes it instead (one ggml node, `result_output`), it
+//! is resident whole while that node runs and is evicted right after it.
 
 use std::collections::HashSet;
 use std::path::Path;
