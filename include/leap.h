@@ -90,7 +90,7 @@ typedef struct {
     /* LEAP_MODE_LEAP or LEAP_MODE_PLAIN. */
     int32_t mode;
     /* Leap's ggml device computes the quantized matrix products (default true). Process-wide:
-     * the last model opened decides for all. */
+     * every leap_model_open sets it, so the model opened last decides for all. */
     bool leap_kernels;
     /* The model's sidecar file (its early-exit head speeds up Leap's verification), or NULL
      * for MODEL.leap.gguf next to the model, if there is one. */
@@ -254,9 +254,11 @@ leap_status leap_drafter_get_stats(const leap_drafter *drafter, leap_drafter_sta
 
 /* Put Leap's ggml device (leap-cpu) in ggml's backend registry, as llama.cpp's own backends
  * are, for contexts created afterwards; configured from the environment like the plugin
- * libggml_leap.so (LEAP_KERNELS, LEAP_SPARSE, LEAP_ESTIMATE, LEAP_STATS). Its matrix
- * products give each row of a batch what ggml gives the row alone. Once per process; later
- * calls do nothing. leap_model_open does this itself. */
+ * libggml_leap.so (LEAP_KERNELS, LEAP_SPARSE, LEAP_ESTIMATE, LEAP_QNN, LEAP_OUTPUT,
+ * LEAP_STATS). Unlike the plugin's, the device here takes the output projection too, unless
+ * LEAP_OUTPUT=ggml leaves it to ggml. Its matrix products give each row of a batch what ggml
+ * gives the row alone. Once per process; later calls do nothing. leap_model_open registers
+ * the device itself (when leap_kernels is set) but reads none of these variables. */
 leap_status leap_backend_register(void);
 
 #ifdef __cplusplus

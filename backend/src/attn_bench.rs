@@ -15,8 +15,9 @@ pub struct NodeResult {
     pub layer: usize,
     pub swa: bool,
     pub n_kv: usize,
-    /// Whether the device takes this node when sparse attention is on (full-attention layer,
-    /// enough cells); otherwise ggml computes it in both columns.
+    /// Whether Leap's path is timed on this node: a cache of at least `min_keys` cells not
+    /// tagged `swa` (this llama.cpp tags none: sliding-window layers count too, attended
+    /// densely over their window); otherwise ggml computes it in both columns.
     pub taken: bool,
     /// Visible and kept keys summed over (row, head) pairs.
     pub visible: u64,

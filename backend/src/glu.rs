@@ -1,8 +1,8 @@
 //! Gemma's GELU-gated feed-forward unit (`GGML_OP_GLU`, `GEGLU`) on the device: ggml's runs a
 //! row per thread, one element at a time, so a one-row call left it to a single thread; here
 //! it is 8 elements at a time on every thread. (A layer's feed-forward products and the unit
-//! also become one split instead of three, but fewer splits alone measured no gain: see the
-//! README.)
+//! also become one split instead of three, but fewer splits alone measured no gain: see
+//! "Leap's ggml device: kernel timings" in `docs/measurements.md`.)
 //!
 //! Bit-identical to ggml's `ggml_vec_geglu_f32` (built with `GGML_GELU_FP16`, as ggml's CPU
 //! backend is): `x <= -10` gives 0, `x >= 10` gives `x * g`, anything else

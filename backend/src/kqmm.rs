@@ -24,7 +24,8 @@ use crate::par::{parallel, Ptr};
 /// Most rows of a batch taken: decoding's one (its 4 heads share the cache rows),
 /// verification's few and prefill's batches, as the device's matrix products. With query
 /// groups outer a group's rows stay in L1 whatever the batch; taking prefill's too made Leap's
-/// prefill 20-33% faster (see the README).
+/// prefill 20-33% faster (see "Prefill" in
+/// `docs/measurements.md`).
 const MAX_ROWS: i64 = 4096;
 
 /// Whether the device computes `op`: an f16 x f32 `MUL_MAT` with contiguous rows, `src0`

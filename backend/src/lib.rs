@@ -20,11 +20,12 @@
 //! ggml's CPU backend uses (`GOMP_parallel`, found at run time), else scoped threads.
 //!
 //! With sparse attention on ([`attn::set_sparse`], contexts with flash attention), the device
-//! also takes `FLASH_ATTN_EXT` (decode and verification shapes) and the K cache writes that
-//! feed its int8 copy of the cache: shadowAttn's estimated top-k attention ([`attn`]). A
-//! second device, `leap-opencl` ([`want_opencl`]; feature `opencl`), takes the attention
-//! instead when its estimate is to run on OpenCL ([`opencl`]). On a phone with Qualcomm's
-//! QNN (feature `qnn`), `leap-cpu`'s estimate runs on the NPU ([`qnn`]).
+//! also takes `FLASH_ATTN_EXT` (decode, verification and prefill batches alike, unless
+//! [`attn::Sparse::max_rows`] sets a limit; none by default) and the K cache writes that feed
+//! its int8 copy of the cache: shadowAttn's estimated top-k attention ([`attn`]). A second
+//! device, `leap-opencl` ([`want_opencl`]; feature `opencl`), takes the attention instead
+//! when its estimate is to run on OpenCL ([`opencl`]). On a phone with Qualcomm's QNN
+//! (feature `qnn`), `leap-cpu`'s estimate runs on the NPU ([`qnn`]).
 //!
 //! Two ways in: [`register`] in-process (what `leap` does), or the cdylib of `backend/plugin`
 //! (`libggml_leap.so`), which exports `ggml_backend_init` for an unmodified llama.cpp that

@@ -256,8 +256,9 @@ pub fn attn_bench(a: &AttnBench) -> Result<()> {
         estimate: format!("{:?}", a.estimate).to_lowercase(),
         note: "one decode step's attention nodes (all layers) at each context length; \
                dense = ggml's CPU flash attention, sparse = Leap's device (ggml's time for \
-               nodes it leaves to ggml: sliding-window layers and short caches); the int8 K \
-               shadow is kept up to date by the cache writes while decoding and is not timed",
+               caches of fewer than min_keys cells; sliding-window layers, whose caches \
+               llama.cpp names like full ones, are Leap's, dense over their window); the int8 \
+               K shadow is kept up to date by the cache writes while decoding and is not timed",
         results,
     };
     for r in &report.results {

@@ -171,7 +171,9 @@ impl Pages {
         Ok(())
     }
 
-    /// Read `r` into DRAM now (one byte a page); returns the bytes covered.
+    /// Read `r` into DRAM now: `POSIX_FADV_WILLNEED`, then the whole range read through the
+    /// page cache into a 1 MB per-thread scratch buffer (no mapping's pages touched); returns
+    /// the bytes covered.
     ///
     /// # Errors
     /// `r` outside the file.

@@ -42,7 +42,10 @@ pub struct Plan {
 /// Split `map`'s per-call sections for a budget of `budget` bytes: streamed data goes
 /// through a window of `chunk * (1 + ahead)` bytes (the chunk computed and `ahead` read
 /// ahead; a section smaller than a chunk is one unit), and what fits in the rest is pinned in
-/// `strategy`'s order. A section that does not fit whole is streamed (no partial pins).
+/// `strategy`'s order ([`Strategy::FirstLayers`] stops at the first section that does not
+/// fit). A section that does not fit whole is streamed, except that with [`Strategy::Fill`],
+/// once every block is pinned, the budget left pins a prefix of the output projection's
+/// section in whole pages ([`Plan::output_pinned`]).
 pub fn plan(map: &LayerMap, budget: u64, chunk: u64, ahead: usize, strategy: Strategy) -> Plan {
     let per_call = map.per_call();
     let size = |s: Section| map.bytes(s);

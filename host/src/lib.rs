@@ -15,6 +15,9 @@
 //! | [`exit`] | [`exit::Exit`]: early exit at a layer of a verification call, as a row mask Leap's device honours |
 //! | [`usage`] | CPU time and peak RSS of the process, for benchmark accounting |
 //! | [`qdot`] | weight-stationary multi-row quantized dot products, bit-identical to ggml's one-row `vec_dot` |
+//! | [`project`] | [`project::OnDemand`]: the on-demand output projection (the decode cut at `result_norm`, logits only for the rows wanted, bit-identical to llama.cpp's), [`project::RowStream`] and [`project::DraftVocab`] for flash streaming |
+//! | [`sidecar`] | [`sidecar::Sidecar`]: `MODEL.leap.gguf`, Leap's per-model metadata (sparse-attention head profile, early-exit head) |
+//! | [`par`] | [`par::parallel`]: Leap's parallel work on ggml's OpenMP team when the process has libgomp, else scoped threads |
 //! | [`anchor`] | [`anchor::LlamaSpeculative`]: llama.cpp's own speculative decoding (`common/speculative.h`) through a small C++ shim, the baseline Leap is measured against |
 //!
 //! Ownership follows the C objects: a [`Model`] is shared through `Arc` and outlives every

@@ -1,6 +1,8 @@
 //! Leap's sidecar: `MODEL.leap.gguf` next to `MODEL.gguf`, what GGUF model distributors ship
 //! beside their models. A GGUF file of metadata written and read with ggml's own `gguf.h`:
-//! today the per-head sparse-attention profile (`leap profile-heads`, keys `leap.attn.*`).
+//! the per-head sparse-attention profile (`leap profile-heads`, keys `leap.attn.*`) and the
+//! early-exit head (`leap train-heads`, keys `leap.exit.*`, stored and loaded by `leap-spec`'s
+//! `exit` module).
 //!
 //! Saving rewrites the file from the keys loaded, so a tool that updates its own keys keeps
 //! everyone else's.

@@ -65,7 +65,8 @@ pub struct Options {
     /// Leap's engine or plain decoding.
     pub mode: Mode,
     /// Leap's ggml device computes the quantized matrix products (else ggml's CPU backend
-    /// alone). Process-wide: the first runtime opened decides for the others.
+    /// alone). Process-wide: every [`Runtime::open`] sets it, so the runtime opened last
+    /// decides for all (from their next decode).
     pub leap_kernels: bool,
     /// The model's sidecar (default: `MODEL.leap.gguf` next to the model): its early-exit
     /// head lets the engine prune verification rows. A head it cannot use is ignored with a

@@ -125,7 +125,6 @@ impl TokenTree {
         tokens.iter().fold(parent, |at, &t| self.add(at, t, None))
     }
 
-    /// Leaves in node order.
     /// The tree of the nodes `keep` marks (the root and every kept node's ancestors must be
     /// kept), and for each of its nodes the id it had here: what verification reads after an
     /// early exit pruned rows.
@@ -151,6 +150,7 @@ impl TokenTree {
         (out, old)
     }
 
+    /// Leaves in node order.
     pub fn leaves(&self) -> Vec<NodeId> {
         (0..self.nodes.len())
             .filter(|&i| self.nodes[i].children.is_empty())

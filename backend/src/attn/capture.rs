@@ -13,7 +13,8 @@ use crate::ffi as g;
 /// compact layouts: `q[i][h][d]`, `k[j][hk][d]`, `v[j][hk][dv]`, `mask[i][j]` (f16 bits).
 #[derive(Debug, Clone)]
 pub struct Captured {
-    /// The layer, and whether it is a sliding-window one.
+    /// The layer, and whether its K cache's name carries an `swa` tag (never in this
+    /// llama.cpp, whose sliding-window caches are named like full ones: see `k_cache_layer`).
     pub layer: usize,
     pub swa: bool,
     pub d: usize,

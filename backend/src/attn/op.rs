@@ -1,6 +1,7 @@
-//! The ggml side of sparse attention: which nodes the device takes (a full-attention
-//! layer's `FLASH_ATTN_EXT` of shapes and types the kernel handles, and the `SET_ROWS` that
-//! writes new keys into its K cache), a node's [`Operands`], and computing a node the device
+//! The ggml side of sparse attention: which nodes the device takes (a layer's
+//! `FLASH_ATTN_EXT` over a `cache_k_lN` K cache, sliding-window layers included in this
+//! llama.cpp, of shapes and types the kernel handles, and the `SET_ROWS` that writes new keys
+//! into that cache), a node's [`Operands`], and computing a node the device
 //! took: the shadow brought up to date, the node captured or computed (sparsely where the
 //! settings say so), an ablated head zeroed, the totals counted.
 
@@ -20,8 +21,9 @@ fn name_of(t: &g::ggml_tensor) -> &str {
     std::str::from_utf8(bytes).unwrap_or("")
 }
 
-/// A K cache (`cache_k_l7`, `cache_swa_k_l3`): its layer, and whether it is a
-/// sliding-window layer's.
+/// A K cache (`cache_k_l7`, `cache_swa_k_l3`): its layer, and whether its name carries an
+/// `swa` tag. This llama.cpp's sliding-window caches carry none (`llama_kv_cache_iswa` gives
+/// its two caches no name tag, so both name theirs `cache_k_lN`): the flag is `false` for them.
 pub(super) fn any_k_cache(root: &g::ggml_tensor) -> Option<(usize, bool)> {
     let rest = name_of(root).strip_prefix("cache_")?;
     let (tag, layer) = rest.rsplit_once("_l")?;
@@ -31,8 +33,11 @@ pub(super) fn any_k_cache(root: &g::ggml_tensor) -> Option<(usize, bool)> {
     Some((layer.parse().ok()?, tag.contains("swa")))
 }
 
-/// The K cache of a full-attention layer (`cache_k_l7`; sliding-window caches, whose
-/// queries see a window of a few hundred keys, stay with ggml), and its layer.
+/// The K cache of a layer (`cache_k_l7`), and its layer; `None` for a cache tagged `swa`
+/// (`cache_swa_k_l3`). This llama.cpp names a sliding-window layer's cache like a full one, so
+/// the device takes those layers too: their queries see through the mask only the window's
+/// keys, fewer than [`Sparse::min_keys`] for Gemma 3's 512-key window, so they attend them
+/// densely.
 fn k_cache_layer(root: &g::ggml_tensor) -> Option<usize> {
     match any_k_cache(root)? {
         (il, false) => Some(il),
@@ -295,7 +300,8 @@ pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
             let keep: Vec<f32> = (0..op.n_head).map(|h| cfg.keep_for(layer, h)).collect();
             compute(&op, fits.then_some(&keys8), &cfg, &keep, threads, None)
         }
-        // Taken for profiling (every layer, dense) or a sliding-window layer: dense.
+        // Taken for profiling (every layer, dense) or a cache tagged `swa` (which this
+        // llama.cpp never names): dense.
         _ => compute(&op, None, &cfg, &dense, threads, None),
     };
     if let (Some(ab), Some((il, _))) = (ablation(), any_k_cache(root)) {

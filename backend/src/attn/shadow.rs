@@ -1,8 +1,9 @@
-//! The int8 shadow of the K caches: a `Q8_0` copy (a scale per 32 values) of each
-//! full-attention layer's K cache, one per layer per context ([`MAX_SHADOWS`] at most, the
-//! least recently used dropped first), written as the device takes the cache's `SET_ROWS`
-//! nodes (`op.rs`); cells it did not write are quantized from the f16 cache when a node reads
-//! them. [`Keys8`] is the view the estimate reads a node's keys through.
+//! The int8 shadow of the K caches: a `Q8_0` copy (a scale per 32 values) of each K cache
+//! whose attention the device takes (every layer's in this llama.cpp, sliding-window ones
+//! included), one per layer per context ([`MAX_SHADOWS`] at most, the least recently used
+//! dropped first), written as the device takes the cache's `SET_ROWS` nodes (`op.rs`); cells
+//! it did not write are quantized from the f16 cache when a node reads them. [`Keys8`] is the
+//! view the estimate reads a node's keys through.
 
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
