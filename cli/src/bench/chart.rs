@@ -481,28 +481,18 @@ fn encode_png(width: u32, height: u32, rgb: &[u8]) -> Result<Vec<u8>> {
 
 /// Writes `bytes` to a temporary file in `path`'s directory, then renames it to `path`.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path
-        .file_name()
-        .with_context(|| format!("{}: not a file path", path.display()))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".{}.tmp", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let written = write_then_rename(&tmp, path, bytes);
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
-}
-
-fn write_then_rename(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f =
-        std::fs::File::create(tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    f.write_all(bytes)
-        .and_then(|()| f.sync_all())
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(tmp, path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)
+        .with_context(|| format!("creating a temporary file for {}", path.display()))?;
+    tmp.write_all(bytes)
+        .and_then(|()| tmp.as_file().sync_all())
+        .with_context(|| format!("writing {}", path.display()))?;
+    tmp.persist(path)
+        .with_context(|| format!("renaming a temporary file to {}", path.display()))?;
+    Ok(())
 }
 
 #[cfg(test)]
