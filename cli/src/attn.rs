@@ -332,14 +332,10 @@ fn summarise(n: usize, per: &[NodeResult]) -> AttnCtxResult {
     }
 }
 
+/// [`crate::write_json`], saying where a file went.
 fn write_json(out: &Path, v: &impl Serialize) -> Result<()> {
-    let json = serde_json::to_string_pretty(v)? + "\n";
-    if out.as_os_str() == "-" {
-        // Not `print!`, which panics when the reader has gone: the broken pipe goes back to
-        // `main`, which exits 0.
-        std::io::Write::write_all(&mut std::io::stdout().lock(), json.as_bytes())?;
-    } else {
-        std::fs::write(out, json).with_context(|| format!("writing {}", out.display()))?;
+    crate::write_json(out, v)?;
+    if out.as_os_str() != "-" {
         eprintln!("wrote {}", out.display());
     }
     Ok(())

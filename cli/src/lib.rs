@@ -17,3 +17,21 @@ pub mod heads;
 pub mod models;
 pub mod progress;
 pub mod qnn;
+
+use anyhow::Context as _;
+
+/// Writes `v` as pretty JSON and a newline to the file `out`, or to standard output when `out`
+/// is `-`. Not through `print!`, which panics when the reader has gone: a broken pipe comes
+/// back as an error, which the binary's `main` turns into exit 0.
+///
+/// # Errors
+/// Serialisation, or the file or standard output cannot be written.
+pub fn write_json(out: &std::path::Path, v: &impl serde::Serialize) -> anyhow::Result<()> {
+    let json = serde_json::to_string_pretty(v)? + "\n";
+    if out.as_os_str() == "-" {
+        std::io::Write::write_all(&mut std::io::stdout().lock(), json.as_bytes())?;
+    } else {
+        std::fs::write(out, json).with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}

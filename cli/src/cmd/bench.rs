@@ -1,10 +1,9 @@
 //! `leap bench`: its command line, and the reports and tables it writes (the benchmark
 //! itself is [`leap_cli::bench`]).
 
-use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{bail, ensure, Context as _, Result};
+use anyhow::{bail, ensure, Result};
 use clap::Args;
 use leap_cli::{bench, models};
 
@@ -106,19 +105,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         sampling: a.sampling.params(),
         progress: true,
     };
-    let write = |report: &bench::Report, out: &std::path::Path| -> Result<()> {
-        let json = serde_json::to_string_pretty(report)?;
-        if out.as_os_str() == "-" {
-            writeln!(std::io::stdout().lock(), "{json}")?;
-        } else {
-            std::fs::write(out, json + "\n")
-                .with_context(|| format!("writing {}", out.display()))?;
-        }
-        Ok(())
-    };
     if a.flash_budget.len() <= 1 {
         let report = bench::run(&cfg)?;
-        write(&report, &a.out)?;
+        leap_cli::write_json(&a.out, &report)?;
         eprintln!("{}", bench::table(&report, &a.modes));
         return Ok(());
     }
@@ -134,7 +123,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             ..cfg.clone()
         })?;
         let out = bench::sweep_path(&a.out, b);
-        write(&report, &out)?;
+        leap_cli::write_json(&out, &report)?;
         eprintln!("{}", bench::table(&report, &a.modes));
         reports.push(report);
     }
