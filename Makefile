@@ -66,10 +66,14 @@ fuzz: setup
 # Leap against what a llama.cpp user runs: a stock llama-server (scripts/stock-llama, built once
 # and cached) plain and with ngram-mod, over loopback, on dev requests nothing was tuned on (the
 # second half of the dev workload), beside plain decoding in-process (about 10 minutes on 2 cores).
+# BENCH_MODEL=smollm2-135m for the other model; BENCH_MODES to add modes (e.g. leap:oracle,
+# drafts that are always right: the ceiling of acceptance).
+BENCH_MODEL ?= gemma3-270m
+BENCH_MODES ?= plain,server:none,server:ngram-mod,leap
 bench: models
-	LEAP_STOCK_BIN="$$(scripts/stock-llama)" $(LEAP) bench --model gemma3-270m \
+	LEAP_STOCK_BIN="$$(scripts/stock-llama)" $(LEAP) bench --model $(BENCH_MODEL) \
 	  --workload ../shared/workloads/dev-all.jsonl --skip 171 --limit 24 \
-	  --modes plain,server:none,server:ngram-mod,leap --out bench.json
+	  --modes $(BENCH_MODES) --out bench.json
 
 # The ablation: plain decoding, llama.cpp's n-gram modes and Leap's engine one technique at a
 # time, on the dev workload's first half (about 20 minutes on 2 cores).
