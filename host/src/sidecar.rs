@@ -117,8 +117,8 @@ impl Sidecar {
     ///
     /// # Errors
     /// [`Error::InvalidGguf`] if it exists but is not a GGUF file ggml can read, or has a
-    /// key whose name is not UTF-8 or has a NUL byte (which Leap could not save back as it
-    /// was).
+    /// key whose name is not UTF-8, or that a NUL byte cuts short to "" or to another key's
+    /// name (which Leap could not save back as it was).
     pub fn load(path: &Path) -> Result<Option<Self>> {
         if !path.exists() {
             return Ok(None);
@@ -150,14 +150,15 @@ impl Sidecar {
                 // short by the C string gguf.h gives and takes, to "" (which ggml refuses to
                 // save) or to the name of an earlier key (which saving would overwrite).
                 let raw_key = sys::gguf_get_key(c.0, i);
-                let key = match CStr::from_ptr(raw_key).to_str() {
+                let name = CStr::from_ptr(raw_key);
+                let key = match name.to_str() {
                     Ok(k) if !k.is_empty() && sys::gguf_find_key(c.0, raw_key) == i => k.to_owned(),
                     _ => {
                         return Err(Error::InvalidGguf {
                             path: path.to_path_buf(),
                             reason: format!(
                                 "key {i} ({:?}) is not UTF-8, or has a NUL byte",
-                                CStr::from_ptr(raw_key).to_string_lossy()
+                                name.to_string_lossy()
                             ),
                         })
                     }
