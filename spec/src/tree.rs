@@ -359,8 +359,10 @@ mod tests {
                     .collect(),
             )
         }
-        /// Prepare `t`'s verification after the context and add its rows' cells.
-        fn verify(&mut self, t: &TokenTree, pos0: i32) -> Vec<Row> {
+        /// Prepare `t`'s verification after the context (every cell so far) and add its rows'
+        /// cells.
+        fn verify(&mut self, t: &TokenTree) -> Vec<Row> {
+            let pos0 = self.0.len() as i32;
             for op in t.prepare(pos0, 0) {
                 self.apply(op);
             }
@@ -399,7 +401,7 @@ mod tests {
     fn each_row_sees_exactly_its_ancestors_and_rollback_keeps_the_path() {
         let t = sample();
         let mut cells = Cells::with_context(&[70, 71, 72]);
-        let rows = cells.verify(&t, 3);
+        let rows = cells.verify(&t);
         // Attention: row r sees cells that share a sequence with it at positions <= r.pos.
         for r in &rows {
             let want: Vec<Token> = [70, 71, 72, 9].into_iter().chain(t.path(r.node)).collect();
@@ -437,34 +439,42 @@ mod tests {
             for _ in 0..adds {
                 let parent = below(t.len());
                 let path: Vec<Token> = (0..1 + below(6)).map(|_| below(4) as Token).collect();
-                t.add_path(parent, &path);
+                let end = t.add_path(parent, &path);
                 if below(4) == 0 {
-                    t.add_path(parent, &path); // the same path again: nothing new
+                    let n = t.len();
+                    let again = t.add_path(parent, &path);
+                    assert_eq!(
+                        (again, t.len()),
+                        (end, n),
+                        "case {case}: a path added twice"
+                    );
                 }
             }
-            let ctx_len = below(5) as i32;
-            let context: Vec<Token> = (0..ctx_len).map(|p| 500 + p).collect();
-            let mut cells = Cells::with_context(&context);
-            let rows = cells.verify(&t, ctx_len);
-            for r in &rows {
-                let want: Vec<Token> = context
+            let context: Vec<Token> = (0..below(5) as Token).map(|p| 500 + p).collect();
+            // The context, the root and `node`'s path: what a row sees, what rollback keeps.
+            let text = |node| -> Vec<Token> {
+                context
                     .iter()
                     .copied()
                     .chain([1000])
-                    .chain(t.path(r.node))
-                    .collect();
-                assert_eq!(cells.seen_by(r), want, "case {case}, row {}", r.node);
+                    .chain(t.path(node))
+                    .collect()
+            };
+            let mut cells = Cells::with_context(&context);
+            let rows = cells.verify(&t);
+            for r in &rows {
+                assert_eq!(
+                    cells.seen_by(r),
+                    text(r.node),
+                    "case {case}, row {}",
+                    r.node
+                );
             }
             let accepted = below(t.len());
             for op in t.rollback(&rows, accepted, 0) {
                 cells.apply(op);
             }
-            let want: Vec<Token> = context
-                .iter()
-                .copied()
-                .chain([1000])
-                .chain(t.path(accepted))
-                .collect();
+            let want = text(accepted);
             assert_eq!(cells.seq(0), want, "case {case}: accepted node {accepted}");
             assert_eq!(
                 cells.0.len(),

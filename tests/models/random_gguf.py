@@ -73,9 +73,13 @@ class Builder:
         self.qtype = qtype
         self.rng = rng
 
-    def matrix(self, name, rows, cols, std, qtype=None):
+    def matrix(self, name, rows, cols, std=None, qtype=None):
         """A random weight matrix of `rows` outputs over `cols` inputs (ggml's ne = [cols,
-        rows]), written in the model's type (or `qtype`); returns its float values."""
+        rows]), of standard deviation `std` (by default cols**-0.5, which keeps a product's
+        outputs at its inputs' scale), written in the model's type (or `qtype`); returns its
+        float values."""
+        if std is None:
+            std = cols**-0.5
         x = self.rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
         self.write(name, x, qtype)
         return x
@@ -88,7 +92,7 @@ class Builder:
     def vector(self, name, n, mean=0.0, std=0.0):
         """A 1-D tensor (norm weights, biases): always F32, as llama.cpp's converters keep them."""
         x = np.float32(mean) + self.rng.standard_normal(n, dtype=np.float32) * np.float32(std)
-        self.w.add_tensor(name, x.astype(np.float32))
+        self.w.add_tensor(name, x)
 
 
 def read_tokenizer(path):
@@ -192,11 +196,11 @@ def attention_layers(w, b, arch, s, window):
         p = f"blk.{i}."
         b.vector(p + "attn_norm.weight", n_embd, 1.0, 0.1)
         if arch == "phi3":
-            b.matrix(p + "attn_qkv.weight", n_q + 2 * n_kv, n_embd, n_embd**-0.5)
+            b.matrix(p + "attn_qkv.weight", n_q + 2 * n_kv, n_embd)
         else:
-            b.matrix(p + "attn_q.weight", n_q, n_embd, n_embd**-0.5)
-            b.matrix(p + "attn_k.weight", n_kv, n_embd, n_embd**-0.5)
-            b.matrix(p + "attn_v.weight", n_kv, n_embd, n_embd**-0.5)
+            b.matrix(p + "attn_q.weight", n_q, n_embd)
+            b.matrix(p + "attn_k.weight", n_kv, n_embd)
+            b.matrix(p + "attn_v.weight", n_kv, n_embd)
         if arch == "qwen2":
             b.vector(p + "attn_q.bias", n_q, 0.0, 0.2)
             b.vector(p + "attn_k.bias", n_kv, 0.0, 0.2)
@@ -204,17 +208,17 @@ def attention_layers(w, b, arch, s, window):
         if arch == "qwen3":
             b.vector(p + "attn_q_norm.weight", head, 1.0, 0.1)
             b.vector(p + "attn_k_norm.weight", head, 1.0, 0.1)
-        b.matrix(p + "attn_output.weight", n_embd, n_q, n_q**-0.5)
+        b.matrix(p + "attn_output.weight", n_embd, n_q)
         # Gemma's post-norms: larger than 1, so the blocks outweigh the (scaled) embedding.
         if arch == "gemma2":
             b.vector(p + "post_attention_norm.weight", n_embd, 4.0, 0.2)
         b.vector(p + "ffn_norm.weight", n_embd, 1.0, 0.1)
         if arch == "phi3":
-            b.matrix(p + "ffn_up.weight", 2 * n_ff, n_embd, n_embd**-0.5)
+            b.matrix(p + "ffn_up.weight", 2 * n_ff, n_embd)
         else:
-            b.matrix(p + "ffn_gate.weight", n_ff, n_embd, n_embd**-0.5)
-            b.matrix(p + "ffn_up.weight", n_ff, n_embd, n_embd**-0.5)
-        b.matrix(p + "ffn_down.weight", n_embd, n_ff, n_ff**-0.5)
+            b.matrix(p + "ffn_gate.weight", n_ff, n_embd)
+            b.matrix(p + "ffn_up.weight", n_ff, n_embd)
+        b.matrix(p + "ffn_down.weight", n_embd, n_ff)
         if arch == "gemma2":
             b.vector(p + "post_ffw_norm.weight", n_embd, 4.0, 0.2)
 
@@ -234,20 +238,20 @@ def lfm2_layers(w, b, s):
         b.vector(p + "attn_norm.weight", n_embd, 1.0, 0.1)
         if n_kv_heads == 0:
             # l_cache (3) wide: F32, as llama.cpp keeps it.
-            b.matrix(p + "shortconv.conv.weight", n_embd, l_cache, l_cache**-0.5, qtype=Q.F32)
-            b.matrix(p + "shortconv.in_proj.weight", 3 * n_embd, n_embd, n_embd**-0.5)
-            b.matrix(p + "shortconv.out_proj.weight", n_embd, n_embd, n_embd**-0.5)
+            b.matrix(p + "shortconv.conv.weight", n_embd, l_cache, qtype=Q.F32)
+            b.matrix(p + "shortconv.in_proj.weight", 3 * n_embd, n_embd)
+            b.matrix(p + "shortconv.out_proj.weight", n_embd, n_embd)
         else:
             b.vector(p + "attn_q_norm.weight", head, 1.0, 0.1)
             b.vector(p + "attn_k_norm.weight", head, 1.0, 0.1)
-            b.matrix(p + "attn_q.weight", n_embd, n_embd, n_embd**-0.5)
-            b.matrix(p + "attn_k.weight", n_kv_heads * head, n_embd, n_embd**-0.5)
-            b.matrix(p + "attn_v.weight", n_kv_heads * head, n_embd, n_embd**-0.5)
-            b.matrix(p + "attn_output.weight", n_embd, n_embd, n_embd**-0.5)
+            b.matrix(p + "attn_q.weight", n_embd, n_embd)
+            b.matrix(p + "attn_k.weight", n_kv_heads * head, n_embd)
+            b.matrix(p + "attn_v.weight", n_kv_heads * head, n_embd)
+            b.matrix(p + "attn_output.weight", n_embd, n_embd)
         b.vector(p + "ffn_norm.weight", n_embd, 1.0, 0.1)
-        b.matrix(p + "ffn_gate.weight", n_ff, n_embd, n_embd**-0.5)
-        b.matrix(p + "ffn_up.weight", n_ff, n_embd, n_embd**-0.5)
-        b.matrix(p + "ffn_down.weight", n_embd, n_ff, n_ff**-0.5)
+        b.matrix(p + "ffn_gate.weight", n_ff, n_embd)
+        b.matrix(p + "ffn_up.weight", n_ff, n_embd)
+        b.matrix(p + "ffn_down.weight", n_embd, n_ff)
 
 
 def mamba_layers(w, b, s):
@@ -264,12 +268,12 @@ def mamba_layers(w, b, s):
     for i in range(n_layer):
         p = f"blk.{i}."
         b.vector(p + "attn_norm.weight", n_embd, 1.0, 0.1)
-        b.matrix(p + "ssm_in.weight", 2 * d_inner, n_embd, n_embd**-0.5)
+        b.matrix(p + "ssm_in.weight", 2 * d_inner, n_embd)
         # d_conv (4) wide: not a block type's multiple of 32, F32 as llama.cpp keeps it.
-        b.matrix(p + "ssm_conv1d.weight", d_inner, d_conv, d_conv**-0.5, qtype=Q.F32)
+        b.matrix(p + "ssm_conv1d.weight", d_inner, d_conv, qtype=Q.F32)
         b.vector(p + "ssm_conv1d.bias", d_inner, 0.0, 0.1)
-        b.matrix(p + "ssm_x.weight", dt_rank + 2 * d_state, d_inner, d_inner**-0.5)
-        b.matrix(p + "ssm_dt.weight", d_inner, dt_rank, dt_rank**-0.5)
+        b.matrix(p + "ssm_x.weight", dt_rank + 2 * d_state, d_inner)
+        b.matrix(p + "ssm_dt.weight", d_inner, dt_rank)
         # dt = softplus(x + bias) in [0.001, 0.1], as Mamba initialises it.
         dt = np.exp(b.rng.uniform(np.log(1e-3), np.log(1e-1), d_inner)).astype(np.float32)
         w.add_tensor(p + "ssm_dt.bias", (dt + np.log(-np.expm1(-dt))).astype(np.float32))
@@ -277,7 +281,7 @@ def mamba_layers(w, b, s):
         a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
         w.add_tensor(p + "ssm_a", a)
         w.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
-        b.matrix(p + "ssm_out.weight", n_embd, d_inner, d_inner**-0.5)
+        b.matrix(p + "ssm_out.weight", n_embd, d_inner)
 
 
 def main():

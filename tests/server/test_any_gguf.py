@@ -27,7 +27,7 @@ import sys
 import pytest
 
 from conftest import REPO, Server
-from conftest import request as http_request
+from test_server import complete, leap_generate
 
 sys.path.insert(0, str(REPO / "tests" / "models"))
 try:
@@ -113,6 +113,8 @@ def check_identical(report):
         m = report["modes"][name]
         diff = m["differing_requests"]
         assert m["identical_to_plain"] and not diff, f"{name} differs from plain on {diff}"
+        # (`leap bench` compares a mode's requests with plain's pairwise: all of them here.)
+        assert sorted(q["id"] for q in m["requests"]) == sorted(want), (name, m["requests"])
         for q in m["requests"]:
             assert q["generated_tokens"] == MAX_TOKENS, (name, q["id"], q["generated_tokens"])
             assert q["output_sha256"] == want[q["id"]], (name, q["id"])
@@ -161,19 +163,11 @@ def test_recurrent_model_served_with_prompt_reuse(leap, model):
     `leap generate --mode plain`'s."""
     shared = "apple banana cherry " * 4
     prompts = [shared + "The river", shared + "The mill", shared + "The river"]
-    want = {}
-    for p in set(prompts):
-        r = subprocess.run([leap, "generate", "-m", model, "--mode", "plain", "-p", p, "-n", "32",
-                            "-t", "1"], capture_output=True, timeout=180, env=ENV)
-        assert r.returncode == 0, r.stderr.decode(errors="replace")
-        want[p] = r.stdout.decode()[:-1]
+    want = {p: leap_generate(leap, model, p, 32) for p in set(prompts)}
     s = Server(leap, model, ctx=512, parallel=1, threads=1)
     try:
         for p in prompts:
-            status, _, raw = http_request(s.port, "POST", "/v1/completions",
-                                          {"prompt": p, "max_tokens": 32, "temperature": 0})
-            assert status == 200, (raw, s.stderr())
-            assert json.loads(raw)["choices"][0]["text"] == want[p], p
+            assert complete(s.port, p, 32)["choices"][0]["text"] == want[p], (p, s.stderr())
         assert sum(FALLBACK in l for l in s.lines) == 1, s.stderr()
     finally:
         s.stop_and_check()

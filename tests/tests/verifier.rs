@@ -27,8 +27,7 @@ enum Kind {
     Mixed,
     /// The same proposal many times, and prefixes of it.
     Duplicates,
-    /// As many proposals as allowed, each as long as allowed, random mixes of the above,
-    /// with end-of-generation tokens and the extreme token ids among the wrong ones.
+    /// As many proposals as allowed, each as long as allowed, random mixes of the above.
     Longest,
 }
 
@@ -42,8 +41,10 @@ struct Adversary {
 }
 
 impl Adversary {
+    /// A token the target will not choose at `at`: among them (in every kind) end-of-generation
+    /// tokens and the extreme token ids.
     fn wrong(&mut self, at: usize) -> Token {
-        let right = self.oracle.get(at).copied();
+        let right = self.right(at);
         loop {
             let r = self.rng.uniform();
             let t = if r < 0.1 {
@@ -96,16 +97,6 @@ impl Drafter for Adversary {
         if budget == 0 || max == 0 {
             return;
         }
-        let mut push = |tokens: Vec<Token>| {
-            if !tokens.is_empty() {
-                out.push(Proposal {
-                    tokens,
-                    // Trusted beyond any retrieval match: it goes first, whole.
-                    match_len: 1000,
-                    source: Source::Request,
-                });
-            }
-        };
         let drafts = match self.kind {
             Kind::AllWrong => vec![self.draft(0, budget)],
             Kind::AllRight => vec![self.draft(budget, budget)],
@@ -129,9 +120,13 @@ impl Drafter for Adversary {
                 })
                 .collect(),
         };
-        for d in drafts {
-            push(d);
-        }
+        // None is empty (every draft is `budget` long, or a prefix of one of 1 token or more).
+        out.extend(drafts.into_iter().map(|tokens| Proposal {
+            tokens,
+            // Trusted beyond any retrieval match: it goes first, whole.
+            match_len: 1000,
+            source: Source::Request,
+        }));
     }
 }
 
@@ -150,15 +145,12 @@ fn configs() -> Vec<(&'static str, EngineConfig)> {
         max_draft: 12,
         max_branches: 8,
         max_rows: 16,
-        vocab: None,
-        ..Default::default()
+        ..chain.clone()
     };
     let flat_tree = EngineConfig {
-        adaptive: false,
         max_draft: 8,
         max_branches: 4,
-        vocab: None,
-        ..Default::default()
+        ..chain.clone()
     };
     vec![("chain", chain), ("tree", tree), ("flat tree", flat_tree)]
 }
