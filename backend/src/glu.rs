@@ -1,25 +1,24 @@
 //! Gemma's GELU-gated feed-forward unit (`GGML_OP_GLU`, `GEGLU`) on the device: ggml's runs a
 //! row per thread, one element at a time, so a one-row call left it to a single thread; here
-//! it is 8 elements at a time on every thread. (A layer's feed-forward products and the unit
-//! also become one split instead of three, but fewer splits alone measured no gain: see
-//! "Leap's ggml device: kernel timings" in `docs/measurements.md`.)
+//! the kernel of [`leap_kernels::geglu`] (8 elements at a time on x86-64, 4 on AArch64, ggml's
+//! arithmetic bit for bit: see there) runs on every thread. (A layer's feed-forward products and
+//! the unit also become one split instead of three, but fewer splits alone measured no gain:
+//! see "Leap's ggml device: kernel timings" in `docs/measurements.md`.)
 //!
-//! Bit-identical to ggml's `ggml_vec_geglu_f32` (built with `GGML_GELU_FP16`, as ggml's CPU
-//! backend is): `x <= -10` gives 0, `x >= 10` gives `x * g`, anything else
-//! `f16_to_f32(table[f32_to_f16(x)]) * g`, where the table is ggml's own
-//! `ggml_table_gelu_f16` (filled by `ggml_cpu_init`, looked up in the process at run time,
-//! widened to f32 once) and the conversions are F16C's, as ggml's on x86-64. Checked against
+//! The table the kernel indexes is ggml's own `ggml_table_gelu_f16` (filled by
+//! `ggml_cpu_init`, looked up in the process at run time, widened to f32 once). Checked against
 //! ggml's own op once per process before the device claims the unit ([`agrees_with_ggml`]).
 
-use std::arch::x86_64::*;
 use std::sync::OnceLock;
+
+use leap_kernels::geglu as kernel;
 
 use crate::ffi as g;
 use crate::par::{parallel, Ptr};
 
 /// Whether the device computes `op`: an f32 `GEGLU` over 2-D rows, the gate and the value in
-/// two tensors or the two halves of one, on a CPU with AVX2/F16C where [`agrees_with_ggml`]
-/// passed.
+/// two tensors or the two halves of one, on a CPU that runs the unit (x86-64: AVX2/F16C;
+/// AArch64: all) where [`agrees_with_ggml`] passed.
 pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
     if op.op != g::GGML_OP_GLU || op.op_params[0] != g::GGML_GLU_OP_GEGLU as i32 {
         return false;
@@ -41,14 +40,12 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
 }
 
 /// ggml's GELU table widened to f32 (65536 entries), when the process has ggml's CPU backend
-/// and the CPU has AVX2/F16C.
+/// and the CPU runs the unit.
 fn table() -> Option<&'static [f32]> {
     static TABLE: OnceLock<Option<Vec<f32>>> = OnceLock::new();
     TABLE
         .get_or_init(|| {
-            if !(std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("f16c"))
-            {
+            if !kernel::cpu_ok() {
                 return None;
             }
             // SAFETY: idempotent init, then dlsym on the global namespace; the symbol, when
@@ -62,25 +59,11 @@ fn table() -> Option<&'static [f32]> {
                     return None;
                 }
                 let h = std::slice::from_raw_parts(p as *const u16, 1 << 16);
-                Some(widen(h))
+                // The CPU runs the unit (above); 65536 entries.
+                Some(kernel::widen(h))
             }
         })
         .as_deref()
-}
-
-/// `h` as f32 with F16C's conversion (ggml's `GGML_CPU_FP16_TO_FP32` on x86-64).
-fn widen(h: &[u16]) -> Vec<f32> {
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn go(h: &[u16], out: &mut [f32]) {
-        for (o, c) in out.chunks_exact_mut(8).zip(h.chunks_exact(8)) {
-            let v = _mm256_cvtph_ps(_mm_loadu_si128(c.as_ptr().cast()));
-            _mm256_storeu_ps(o.as_mut_ptr(), v);
-        }
-    }
-    let mut out = vec![0f32; h.len()];
-    // SAFETY: the caller checked AVX2/F16C; both lengths are multiples of 8.
-    unsafe { go(h, &mut out) };
-    out
 }
 
 /// The unit passed [`agrees_with_ggml`] (checked once per process).
@@ -165,53 +148,53 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     }
 }
 
-/// `y = gelu(x) * g` element by element, ggml's way (see the module docs).
+/// `y = gelu(x) * g` element by element, ggml's way (see [`leap_kernels::geglu`]).
 fn geglu(table: &[f32], x: &[f32], g: &[f32], y: &mut [f32]) {
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn go(table: &[f32], x: &[f32], g: &[f32], y: &mut [f32]) {
-        let n8 = x.len() / 8 * 8;
-        let (lo, hi) = (_mm256_set1_ps(-10.0), _mm256_set1_ps(10.0));
-        for i in (0..n8).step_by(8) {
-            let xv = _mm256_loadu_ps(x.as_ptr().add(i));
-            let gv = _mm256_loadu_ps(g.as_ptr().add(i));
-            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(xv);
-            let t = _mm256_i32gather_ps::<4>(table.as_ptr(), _mm256_cvtepu16_epi32(h));
-            let mut v = _mm256_mul_ps(t, gv);
-            v = _mm256_blendv_ps(
-                v,
-                _mm256_mul_ps(xv, gv),
-                _mm256_cmp_ps::<_CMP_GE_OQ>(xv, hi),
-            );
-            v = _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LE_OQ>(xv, lo));
-            _mm256_storeu_ps(y.as_mut_ptr().add(i), v);
-        }
-        for i in n8..x.len() {
-            y[i] = if x[i] <= -10.0 {
-                0.0
-            } else if x[i] >= 10.0 {
-                x[i] * g[i]
-            } else {
-                let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x[i]));
-                table[_mm_extract_epi16::<0>(h) as u16 as usize] * g[i]
-            };
-        }
-    }
-    // SAFETY: `table` exists only where the CPU has AVX2/F16C; slices of equal length.
-    unsafe { go(table, x, g, y) }
+    // SAFETY: `table` ([`table`]'s 65536 entries) exists only where the CPU runs the unit;
+    // slices of equal length.
+    unsafe { kernel::geglu(table, x, g, y) }
 }
 
 /// Whether [`geglu`] reproduces ggml's own `GEGLU` op bit for bit: both forms (split and
 /// fused, swapped or not are the same elements), on values across the table's range and past
-/// both cut-offs, with a length that leaves a tail.
+/// both cut-offs, on the cut-offs and their neighbours, infinities, zeros, values that round
+/// to f16 subnormals, zero or infinity, and NaN (on AArch64 times a NaN), with a length that
+/// leaves a tail.
 pub fn agrees_with_ggml() -> bool {
     let Some(table) = table() else { return false };
     const NC: usize = 1003;
     const NR: usize = 3;
+    const SPECIAL: [f32; 14] = [
+        -10.0,
+        10.0,
+        -9.999999,
+        9.999999,
+        -10.000001,
+        10.000001,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        3.0e-6,
+        -1.0e-8,
+        65520.0,
+        f32::NAN,
+    ];
     let mut rnd = crate::check_values(0x2545_F491_4F6C_DD1Du64);
     let x: Vec<f32> = (0..NC * NR)
-        .map(|i| rnd(if i % 3 == 0 { 30.0 } else { 6.0 }))
+        .map(|i| match SPECIAL.get(i) {
+            Some(&v) => v,
+            None => rnd(if i % 3 == 0 { 30.0 } else { 6.0 }),
+        })
         .collect();
-    let gv: Vec<f32> = (0..NC * NR).map(|_| rnd(4.0)).collect();
+    // On AArch64 a NaN gate on the NaN value: of two NaNs, the one ggml's product keeps (the
+    // x86-64 unit does not pin that order).
+    let gv: Vec<f32> = (0..NC * NR)
+        .map(|i| match i {
+            13 if cfg!(target_arch = "aarch64") => f32::from_bits(0x7fc0_1234),
+            _ => rnd(4.0),
+        })
+        .collect();
     // SAFETY: a private ggml context with room for three tensors, a graph and its work; the
     // data pointers are that context's, sized as created.
     let want = unsafe {
@@ -252,10 +235,8 @@ mod tests {
     /// The unit gives ggml's `GEGLU` bit for bit (where the CPU and ggml allow it at all).
     #[test]
     fn geglu_matches_ggml() {
-        if !(std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("f16c"))
-        {
-            eprintln!("no AVX2/F16C here");
+        if !leap_kernels::geglu::cpu_ok() {
+            eprintln!("the CPU does not run the unit (x86-64 needs AVX2/F16C)");
             return;
         }
         assert!(

@@ -1,22 +1,11 @@
 //! Attention's two matrix products over ggml's f16 KV cache without flash attention
-//! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`), in batches of up to 4096 rows: each cache row
-//! is converted from f16 once and multiplied with every query row of every head that shares it
-//! (grouped-query attention: Gemma 3 270M has 4 query heads on 1 KV head), where ggml's CPU
-//! backend converts and loads it again for each (head, row) pair. With AVX-512 two cache rows
-//! meet four query rows at a time ([`dots_wide`]); on a warm cache, one thread, that is
-//! 2.3-3.2x (Gemma) and 2.2-3.4x (SmolLM2) faster than ggml at 1 to 8 rows
-//! (`tests/examples/attntime.rs` at `1bc4334`; a cache row at a time it was 12-22% and
-//! 1.4-1.8x). In a real call the cache comes mostly from memory, so the rows are prefetched
-//! ahead: without that (`6e523d9`) SmolLM2's one-row call took 12.1-13.1 ms, with it
-//! (`5124809`) 7.4-8.0 (`tests/examples/hiddentime.rs`, context 1000, the call cut before the
-//! output projection).
-//!
-//! Each output is bit-identical to ggml's `ggml_vec_dot_f16` on an AVX2/F16C build for that
-//! pair alone: the query row is rounded to f16 (ggml converts `src1` to its `vec_dot_type`),
-//! products are accumulated with fused multiply-adds in four 8-lane sums over steps of 32,
-//! reduced as `GGML_F32x8_REDUCE` does, and the leftovers added in `f64`.
+//! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`) on the device, in batches of up to 4096 rows,
+//! with the kernels of [`leap_kernels::kq`] (where their speed and their bit-for-bit match with
+//! ggml's `ggml_vec_dot_f16` are described): here is what ggml's graph needs, which nodes the
+//! device takes, how a node is split over threads, and the check against the ggml this process
+//! loaded before the device claims any.
 
-use std::arch::x86_64::*;
+use leap_kernels::kq;
 
 use crate::ffi as g;
 use crate::par::{parallel, Ptr};
@@ -29,8 +18,8 @@ use crate::par::{parallel, Ptr};
 const MAX_ROWS: i64 = 4096;
 
 /// Whether the device computes `op`: an f16 x f32 `MUL_MAT` with contiguous rows, `src0`
-/// broadcast over `src1`'s third dimension, of 1 to [`MAX_ROWS`] rows, on a CPU with
-/// AVX2/FMA/F16C where the kernels passed [`agrees_with_ggml`].
+/// broadcast over `src1`'s third dimension, of 1 to [`MAX_ROWS`] rows, on a CPU that runs the
+/// kernels (x86-64: AVX2/FMA/F16C; AArch64: all) where they passed [`agrees_with_ggml`].
 pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
     if op.op != g::GGML_OP_MUL_MAT || op.type_ != g::GGML_TYPE_F32 || !checked() {
         return false;
@@ -60,29 +49,10 @@ fn checked() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| {
         let ok = agrees_with_ggml();
-        if cpu_ok() && !ok {
+        if kq::cpu_ok() && !ok {
             log::warn!("Leap's f16 attention products do not reproduce ggml's vec_dot_f16 here; not using them");
         }
         ok
-    })
-}
-
-fn cpu_ok() -> bool {
-    use std::sync::OnceLock;
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-    })
-}
-
-fn wide() -> bool {
-    use std::sync::OnceLock;
-    static WIDE: OnceLock<bool> = OnceLock::new();
-    *WIDE.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512vl")
     })
 }
 
@@ -117,7 +87,7 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
                 .add(i12 * s1.nb[2] + i11 * s1.nb[1])
                 .cast::<f32>();
             let dst = &mut q[(i12 * ne11 + i11) * n..][..n];
-            round_f16(std::slice::from_raw_parts(src, n), dst);
+            kq::round_f16(std::slice::from_raw_parts(src, n), dst);
         }
     }
     let q = &q[..ne12 * ne11 * n];
@@ -128,7 +98,7 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
     let block = ne01.div_ceil(4 * threads).clamp(4, 64);
     let tasks = ne01.div_ceil(block);
     let (dst, dst_nb1, dst_nb2) = (Ptr(node.data.cast()), node.nb[1], node.nb[2]);
-    let wide = wide();
+    let dots = kq::kernels()[0];
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
     let work = |b: usize, sums: &mut Vec<f32>| {
         let (r0, r1) = (b * block, ((b + 1) * block).min(ne01));
@@ -137,11 +107,7 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
         for i02 in 0..ne02 {
             let qs = &q[i02 * per * n..(i02 + 1) * per * n];
             let x = x0.at(i02 * nb02 + r0 * nb01);
-            if wide {
-                dots_wide(x, nb01, r1 - r0, qs, n, sums);
-            } else {
-                dots(x, nb01, r1 - r0, qs, n, sums);
-            }
+            dots(x, nb01, r1 - r0, qs, n, sums);
             // Each output row's run r0..r1 in address order (one row after another, the
             // stores went 4 KB apart on Gemma's 1024 cells and stalled).
             for k in 0..per {
@@ -165,212 +131,12 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
     });
 }
 
-/// `out` = `x` rounded to f16 (nearest even, F16C's `vcvtps2ph` as ggml uses) and back.
-unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn go(x: &[f32], out: &mut [f32]) {
-        let n8 = x.len() / 8 * 8;
-        for i in (0..n8).step_by(8) {
-            let h =
-                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(x.as_ptr().add(i)));
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-        }
-        for i in n8..x.len() {
-            let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x[i]));
-            out[i] = _mm_cvtss_f32(_mm_cvtph_ps(h));
-        }
-    }
-    go(x, out)
-}
-
-/// How far ahead the kernels prefetch cache rows: the cache is read once per call, mostly from
-/// memory, and SmolLM2's 128-byte key rows are too short for the hardware's streams (see the
-/// module's figures).
-const AHEAD_BYTES: usize = 2048;
-
-/// `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row k of `qs`
-/// (rows of `n`; `m = sums.len() / rows` of them), ggml's way, with AVX2's 16 registers: one
-/// cache row at a time against two query rows, query pairs outer (as [`dots_wide`], so a
-/// pair's rows stay in L1 while the block's cache rows come again from L2).
-///
-/// # Safety
-/// The CPU has AVX2/FMA/F16C; `rows` rows of `n` f16 values at `x`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots(x: *const u8, stride: usize, rows: usize, qs: &[f32], n: usize, sums: &mut [f32]) {
-    let m = sums.len() / rows;
-    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
-    let mut k = 0;
-    while k < m {
-        let g = 2.min(m - k);
-        for (i, out) in sums.chunks_exact_mut(m).enumerate() {
-            // The first pair's pass reads the cache from memory: fetch ahead of it.
-            if k == 0 && i + ahead < rows {
-                let next = x.add((i + ahead) * stride);
-                for l in (0..2 * n).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
-                }
-            }
-            let x = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
-            match g {
-                1 => group::<1>(x, qs, n, k, out),
-                _ => group::<2>(x, qs, n, k, out),
-            }
-        }
-        k += g;
-    }
-}
-
-/// [`dots`] with AVX-512's 32 registers: two cache rows at a time against four query rows
-/// (16 accumulators), so each query load feeds two fused multiply-adds; and query groups outer,
-/// cache rows inner, so a group's rows (16 KB for Gemma's `kqv`) stay in L1 while the cache
-/// rows of the block come again from L2 for each group. (Cache rows outer, Gemma's 8-row `kqv`
-/// streamed its 128 KB of query rows through L2 for every cache row, slower than ggml.) The
-/// arithmetic is [`group`]'s: a 512-bit lane holds what one of ggml's four 256-bit sums holds.
-///
-/// # Safety
-/// As [`dots`], and the CPU has AVX-512F/VL.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn dots_wide(
-    x: *const u8,
-    stride: usize,
-    rows: usize,
-    qs: &[f32],
-    n: usize,
-    sums: &mut [f32],
-) {
-    let m = sums.len() / rows;
-    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
-    let row = |i: usize| std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
-    let mut k = 0;
-    while k < m {
-        let g = 4.min(m - k);
-        let mut i = 0;
-        while i < rows {
-            // The first group's pass reads the cache from memory: fetch ahead of it.
-            if k == 0 {
-                for j in [i, i + 1] {
-                    if j + ahead < rows {
-                        let next = x.add((j + ahead) * stride);
-                        for l in (0..2 * n).step_by(64) {
-                            _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
-                        }
-                    }
-                }
-            }
-            if i + 1 < rows {
-                let (a, b) = sums[i * m..(i + 2) * m].split_at_mut(m);
-                match g {
-                    1 => pair::<1>(row(i), row(i + 1), qs, n, k, a, b),
-                    2 => pair::<2>(row(i), row(i + 1), qs, n, k, a, b),
-                    3 => pair::<3>(row(i), row(i + 1), qs, n, k, a, b),
-                    _ => pair::<4>(row(i), row(i + 1), qs, n, k, a, b),
-                }
-                i += 2;
-            } else {
-                let out = &mut sums[i * m..(i + 1) * m];
-                match g {
-                    1 => group::<1>(row(i), qs, n, k, out),
-                    2 => group::<2>(row(i), qs, n, k, out),
-                    3 => group::<3>(row(i), qs, n, k, out),
-                    _ => group::<4>(row(i), qs, n, k, out),
-                }
-                i += 1;
-            }
-        }
-        k += g;
-    }
-}
-
-/// Query rows `k0..k0 + G` of `qs` against cache rows `xa` and `xb` into `sa` and `sb`, in
-/// 512-bit registers: for each of ggml's steps of 32 the low half of `acc[.][.][0]` is ggml's
-/// first 8-lane sum, its high half the second, `acc[.][.][1]` the third and fourth.
-#[inline(always)]
-unsafe fn pair<const G: usize>(
-    xa: &[u16],
-    xb: &[u16],
-    qs: &[f32],
-    n: usize,
-    k0: usize,
-    sa: &mut [f32],
-    sb: &mut [f32],
-) {
-    let np = n / 32 * 32;
-    let (pa, pb) = (xa.as_ptr(), xb.as_ptr());
-    let ys: [*const f32; G] = std::array::from_fn(|g| qs.as_ptr().add((k0 + g) * n));
-    let mut acc = [[[_mm512_setzero_ps(); 2]; G]; 2];
-    let mut i = 0;
-    while i < np {
-        let a0 = _mm512_cvtph_ps(_mm256_loadu_si256(pa.add(i).cast()));
-        let a1 = _mm512_cvtph_ps(_mm256_loadu_si256(pa.add(i + 16).cast()));
-        let b0 = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(i).cast()));
-        let b1 = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(i + 16).cast()));
-        for g in 0..G {
-            let y0 = _mm512_loadu_ps(ys[g].add(i));
-            let y1 = _mm512_loadu_ps(ys[g].add(i + 16));
-            acc[0][g][0] = _mm512_fmadd_ps(a0, y0, acc[0][g][0]);
-            acc[0][g][1] = _mm512_fmadd_ps(a1, y1, acc[0][g][1]);
-            acc[1][g][0] = _mm512_fmadd_ps(b0, y0, acc[1][g][0]);
-            acc[1][g][1] = _mm512_fmadd_ps(b1, y1, acc[1][g][1]);
-        }
-        i += 32;
-    }
-    for (r, (x, out)) in [(xa, &mut *sa), (xb, &mut *sb)].into_iter().enumerate() {
-        for g in 0..G {
-            // (a0 + a2) + (a1 + a3), ggml's first two reduction steps, then as `group`.
-            let s = _mm512_add_ps(acc[r][g][0], acc[r][g][1]);
-            let x0 = _mm256_add_ps(
-                _mm512_castps512_ps256(s),
-                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s))),
-            );
-            out[k0 + g] = finish(x0, x, ys[g], np);
-        }
-    }
-}
-
-/// ggml's last reduction steps of one 8-lane sum `x0`, plus the leftovers past `np` in `f64`.
-#[inline(always)]
-unsafe fn finish(x0: __m256, x: &[u16], y: *const f32, np: usize) -> f32 {
-    let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
-    let t1 = _mm_hadd_ps(t0, t0);
-    let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64;
-    for (i, &h) in x.iter().enumerate().skip(np) {
-        let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
-        s += (xv * *y.add(i)) as f64;
-    }
-    s as f32
-}
-
-/// Query rows `k0..k0 + G` of `qs` against `x` into `sums`.
-#[inline(always)]
-unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums: &mut [f32]) {
-    let np = n / 32 * 32;
-    let xp = x.as_ptr();
-    let ys: [*const f32; G] = std::array::from_fn(|g| qs.as_ptr().add((k0 + g) * n));
-    let mut acc = [[_mm256_setzero_ps(); 4]; G];
-    let mut i = 0;
-    while i < np {
-        let ax: [__m256; 4] =
-            std::array::from_fn(|j| _mm256_cvtph_ps(_mm_loadu_si128(xp.add(i + 8 * j).cast())));
-        for g in 0..G {
-            for j in 0..4 {
-                let ay = _mm256_loadu_ps(ys[g].add(i + 8 * j));
-                acc[g][j] = _mm256_fmadd_ps(ax[j], ay, acc[g][j]);
-            }
-        }
-        i += 32;
-    }
-    for g in 0..G {
-        let [a0, a1, a2, a3] = acc[g];
-        let x0 = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
-        sums[k0 + g] = finish(x0, x, ys[g], np);
-    }
-}
-
 /// Whether [`compute`]'s arithmetic reproduces ggml's own `vec_dot_f16` (with ggml's f32 to
-/// f16 conversion of the query) bit for bit, on pseudo-random rows of several lengths and
-/// magnitudes, in groups of every size both kernels use.
+/// f16 conversion of the query) bit for bit, on pseudo-random rows of several lengths (with
+/// and without leftovers past ggml's steps, shorter than one step too) and magnitudes, in
+/// groups of every size, for every kernel the CPU runs.
 pub fn agrees_with_ggml() -> bool {
-    if !cpu_ok() {
+    if !kq::cpu_ok() {
         return false;
     }
     // SAFETY: static traits table; idempotent init.
@@ -384,7 +150,7 @@ pub fn agrees_with_ggml() -> bool {
     let mut rnd = crate::check_values(0x9E37_79B9_7F4A_7C15u64);
     // Three cache rows: the wide kernel takes them as a pair and a single.
     const ROWS: usize = 3;
-    for n in [64usize, 256, 1000, 1024, 1057] {
+    for n in [7usize, 64, 256, 1000, 1024, 1057] {
         let x: Vec<u16> = (0..ROWS * n)
             .map(|i| crate::f16::from_f32(rnd(1.0 + (i % 7) as f32)))
             .collect();
@@ -392,41 +158,42 @@ pub fn agrees_with_ggml() -> bool {
             .map(|i| rnd(if i % 5 == 0 { 30.0 } else { 0.3 }))
             .collect();
         let mut qs = vec![0f32; raw.len()];
-        // SAFETY: plain slices of equal length.
-        unsafe { round_f16(&raw, &mut qs) };
+        // SAFETY: the CPU runs the kernels; slices of equal length.
+        unsafe { kq::round_f16(&raw, &mut qs) };
+        let mut h = vec![0u16; raw.len()];
+        // SAFETY: slices of raw.len() elements.
+        unsafe { from(raw.as_ptr(), h.as_mut_ptr().cast(), raw.len() as i64) };
+        // The rounded query is ggml's (no NaN here: `to_f32` widens the rest exactly).
+        if h.iter()
+            .zip(&qs)
+            .any(|(&h, q)| crate::f16::to_f32(h).to_bits() != q.to_bits())
+        {
+            return false;
+        }
         for m in 1..=9 {
-            let (mut a, mut b) = (vec![0f32; ROWS * m], vec![0f32; ROWS * m]);
-            // SAFETY: the CPU features were checked (`wide` for the second).
-            unsafe {
-                dots(x.as_ptr().cast(), 2 * n, ROWS, &qs[..m * n], n, &mut a);
-                if wide() {
-                    dots_wide(x.as_ptr().cast(), 2 * n, ROWS, &qs[..m * n], n, &mut b);
-                } else {
-                    b.copy_from_slice(&a);
-                }
-            }
-            for k in 0..m {
-                let mut h = vec![0u16; n];
-                // SAFETY: rows of n elements.
-                unsafe { from(raw[k * n..].as_ptr(), h.as_mut_ptr().cast(), n as i64) };
-                for r in 0..ROWS {
-                    let mut want = 0f32;
-                    // SAFETY: rows of n elements; nrc = 1 as ggml's mul_mat calls it.
-                    unsafe {
-                        vec_dot(
-                            n as i32,
-                            &mut want,
-                            0,
-                            x[r * n..].as_ptr() as *mut _,
-                            0,
-                            h.as_mut_ptr().cast(),
-                            0,
-                            1,
-                        );
-                    }
-                    let (ga, gb) = (a[r * m + k], b[r * m + k]);
-                    if want.to_bits() != ga.to_bits() || want.to_bits() != gb.to_bits() {
-                        return false;
+            for dots in kq::kernels() {
+                let mut got = vec![0f32; ROWS * m];
+                // SAFETY: the CPU runs the kernels; ROWS rows of n f16 at x.
+                unsafe { dots(x.as_ptr().cast(), 2 * n, ROWS, &qs[..m * n], n, &mut got) };
+                for k in 0..m {
+                    for r in 0..ROWS {
+                        let mut want = 0f32;
+                        // SAFETY: rows of n elements; nrc = 1 as ggml's mul_mat calls it.
+                        unsafe {
+                            vec_dot(
+                                n as i32,
+                                &mut want,
+                                0,
+                                x[r * n..].as_ptr() as *mut _,
+                                0,
+                                h[k * n..].as_mut_ptr().cast(),
+                                0,
+                                1,
+                            );
+                        }
+                        if want.to_bits() != got[r * m + k].to_bits() {
+                            return false;
+                        }
                     }
                 }
             }
@@ -437,9 +204,17 @@ pub fn agrees_with_ggml() -> bool {
 
 /// Diagnostic (`tests/examples/attntime.rs`): seconds for `reps` passes over `rows` f16 rows
 /// of `n` (`stride` bytes apart) against `m` query rows, of Leap's kernel as the device runs
-/// it, of Leap's 256-bit kernel, and of ggml's `vec_dot_f16` pair by pair.
+/// it, of Leap's narrowest kernel (x86-64: the 256-bit one), and of ggml's `vec_dot_f16` pair
+/// by pair.
+///
+/// # Panics
+/// If the CPU does not run the kernels.
 #[doc(hidden)]
 pub fn time_products(n: usize, rows: usize, stride: usize, m: usize, reps: usize) -> [f64; 3] {
+    assert!(
+        kq::cpu_ok(),
+        "the CPU does not run Leap's f16 attention kernels"
+    );
     // SAFETY: static traits table; idempotent init.
     let tr = unsafe {
         g::ggml_cpu_init();
@@ -450,18 +225,16 @@ pub fn time_products(n: usize, rows: usize, stride: usize, m: usize, reps: usize
     let qs: Vec<f32> = (0..m * n).map(|i| (i % 13) as f32 * 0.01).collect();
     let qh: Vec<u16> = qs.iter().map(|&v| crate::f16::from_f32(v)).collect();
     let mut sums = vec![0f32; rows * m];
+    let kernels = kq::kernels();
     let mut leap = [0f64; 2];
-    for (narrow, secs) in [false, true].into_iter().zip(&mut leap) {
+    for (dots, secs) in [kernels[0], kernels[kernels.len() - 1]]
+        .into_iter()
+        .zip(&mut leap)
+    {
         let t = std::time::Instant::now();
         for _ in 0..reps {
-            // SAFETY: rows of n f16 inside x (stride >= 2n).
-            unsafe {
-                if wide() && !narrow {
-                    dots_wide(x.as_ptr(), stride, rows, &qs, n, &mut sums)
-                } else {
-                    dots(x.as_ptr(), stride, rows, &qs, n, &mut sums)
-                }
-            }
+            // SAFETY: the CPU runs the kernels; rows of n f16 inside x (stride >= 2n).
+            unsafe { dots(x.as_ptr(), stride, rows, &qs, n, &mut sums) }
         }
         *secs = t.elapsed().as_secs_f64();
     }
@@ -490,14 +263,115 @@ pub fn time_products(n: usize, rows: usize, stride: usize, m: usize, reps: usize
 
 #[cfg(test)]
 mod tests {
-    /// Both kernels (256-bit, and 32 registers where the CPU has AVX-512VL) give ggml's
-    /// `vec_dot_f16` bit for bit, in every group size and with leftovers past the last 32.
+    use leap_kernels::kq;
+
+    /// Every kernel the CPU runs (x86-64: 256-bit, and 32 registers where the CPU has
+    /// AVX-512VL; AArch64: NEON) gives ggml's `vec_dot_f16` bit for bit, in every group size
+    /// and with leftovers past ggml's last step.
     #[test]
     fn products_match_ggml_vec_dot_f16() {
-        if !super::cpu_ok() {
-            eprintln!("no AVX2/FMA/F16C here");
+        if !kq::cpu_ok() {
+            eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
             return;
         }
         assert!(super::agrees_with_ggml());
+    }
+
+    /// Of a NaN cache element and a NaN query element (always ggml's `0x7e00` once rounded),
+    /// the result keeps the payload ggml's armv8-a build keeps: the cache's within its steps of
+    /// 16 (`fmla` returns its first NaN operand), the query's in the leftovers (gcc's `fmul`
+    /// has the query first).
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn nan_payloads_match_ggml_vec_dot_f16() {
+        // SAFETY: static traits table; idempotent init.
+        let tr = unsafe {
+            crate::ffi::ggml_cpu_init();
+            &*crate::ffi::ggml_get_type_traits_cpu(crate::ffi::GGML_TYPE_F16)
+        };
+        let (vec_dot, from) = (tr.vec_dot.unwrap(), tr.from_float.unwrap());
+        const N: usize = 21;
+        // Cache row 0: a signalling NaN in the first step; row 1: a quiet one in the leftovers.
+        let mut x = vec![0x3c00u16; 2 * N];
+        x[3] = 0x7d01;
+        x[N + 18] = 0xff21;
+        // Query row 0: a NaN on row 0's; query row 1: on row 1's.
+        let mut raw = vec![0.5f32; 2 * N];
+        raw[3] = f32::from_bits(0x7fa0_0001);
+        raw[N + 18] = f32::from_bits(0xffc0_4321);
+        let mut qs = vec![0f32; 2 * N];
+        let mut h = vec![0u16; 2 * N];
+        // SAFETY: slices of 2N elements; the CPU runs the kernels (all AArch64 CPUs).
+        unsafe {
+            kq::round_f16(&raw, &mut qs);
+            from(raw.as_ptr(), h.as_mut_ptr().cast(), 2 * N as i64);
+        }
+        for dots in kq::kernels() {
+            let mut got = [0f32; 4];
+            // SAFETY: two rows of N f16 at x.
+            unsafe { dots(x.as_ptr().cast(), 2 * N, 2, &qs, N, &mut got) };
+            for (i, got) in got.iter().enumerate() {
+                let (r, k) = (i / 2, i % 2);
+                let mut want = 0f32;
+                // SAFETY: rows of N elements; nrc = 1.
+                unsafe {
+                    vec_dot(
+                        N as i32,
+                        &mut want,
+                        0,
+                        x[r * N..].as_ptr() as *mut _,
+                        0,
+                        h[k * N..].as_mut_ptr().cast(),
+                        0,
+                        1,
+                    )
+                };
+                assert_eq!(got.to_bits(), want.to_bits(), "row {r} query {k}: {want:?}");
+            }
+            assert!(got[0].is_nan() && got[3].is_nan());
+        }
+    }
+
+    /// The query rows are rounded as ggml's f16 `from_float` rounds them, on every exponent
+    /// with the rounding bits just below, at and above halfway, on pseudo-random bit patterns
+    /// (half subnormals, overflow to infinity), and on NaNs (both give a NaN).
+    #[test]
+    fn query_rounding_matches_ggml_from_float() {
+        if !kq::cpu_ok() {
+            eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
+            return;
+        }
+        // SAFETY: static traits table; idempotent init.
+        let from = unsafe {
+            crate::ffi::ggml_cpu_init();
+            (*crate::ffi::ggml_get_type_traits_cpu(crate::ffi::GGML_TYPE_F16))
+                .from_float
+                .expect("f16 from_float")
+        };
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut bits: Vec<u32> = (0..1u32 << 19)
+            .flat_map(|i| [0, 1, 0xfff, 0x1000, 0x1001, 0x1fff].map(|low| i << 13 | low))
+            .collect();
+        bits.extend((0..1 << 20).map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 32) as u32
+        }));
+        let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+        let mut got = vec![0f32; x.len()];
+        // SAFETY: checked above; slices of equal length.
+        unsafe { kq::round_f16(&x, &mut got) };
+        let mut want = vec![0u16; x.len()];
+        // SAFETY: slices of x.len() elements.
+        unsafe { from(x.as_ptr(), want.as_mut_ptr().cast(), x.len() as i64) };
+        for ((&x, &g), &w) in x.iter().zip(&got).zip(&want) {
+            let w = crate::f16::to_f32(w);
+            if x.is_nan() {
+                assert!(g.is_nan() && w.is_nan(), "{x:?}");
+            } else {
+                assert_eq!(g.to_bits(), w.to_bits(), "{x:e} ({:#x})", x.to_bits());
+            }
+        }
     }
 }

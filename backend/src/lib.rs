@@ -36,9 +36,9 @@ pub mod attn_bench;
 mod est;
 pub mod f16;
 pub mod ffi;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub mod glu;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub mod kqmm;
 mod matmul;
 #[cfg(feature = "opencl")]
@@ -155,15 +155,11 @@ pub fn registry() -> g::ggml_backend_reg_t {
     }) as g::ggml_backend_reg_t
 }
 
-/// Configure the device from the environment, for a host that knows nothing of Leap (ggml's
-/// plugin loader, or llama.cpp built with `LLAMA_LEAP=ON`); `who` prefixes what it prints.
-/// Call before the device is first used. The variables: `LEAP_KERNELS` (`on`, `off`),
-/// `LEAP_SPARSE` (`off` or the fraction of keys a query attends), `LEAP_ESTIMATE` (`cpu`,
-/// `opencl`), `LEAP_OUTPUT` (`device` or `ggml`: who computes the output projection, see
-/// [`set_take_output`]; unset, as the caller set it), and `LEAP_STATS` (`1`: at exit, how
-/// many graph nodes `leap-cpu` computed, how many of them were attention, how many query
-/// rows attended sparsely). `LEAP_QNN` is read where the estimate starts.
-pub fn configure_from_env(who: &'static str) {
+/// With `LEAP_STATS=1` (not `0`, `off` or empty), print at exit how many graph nodes
+/// `leap-cpu` computed, how many of them were attention, how many query rows attended
+/// sparsely: `WHO: leap-cpu computed N nodes (A attention nodes, S query rows sparse)`, the
+/// way to see on any CPU that the device ran. Once per process (the first `who` wins).
+pub fn stats_at_exit_from_env(who: &'static str) {
     static WHO: OnceLock<&'static str> = OnceLock::new();
     extern "C" fn report() {
         // Nothing may unwind out of an exit handler.
@@ -185,6 +181,17 @@ pub fn configure_from_env(who: &'static str) {
             unsafe { libc::atexit(report) };
         }
     }
+}
+
+/// Configure the device from the environment, for a host that knows nothing of Leap (ggml's
+/// plugin loader, or llama.cpp built with `LLAMA_LEAP=ON`); `who` prefixes what it prints.
+/// Call before the device is first used. The variables: `LEAP_KERNELS` (`on`, `off`),
+/// `LEAP_SPARSE` (`off` or the fraction of keys a query attends), `LEAP_ESTIMATE` (`cpu`,
+/// `opencl`), `LEAP_OUTPUT` (`device` or `ggml`: who computes the output projection, see
+/// [`set_take_output`]; unset, as the caller set it), and `LEAP_STATS`
+/// ([`stats_at_exit_from_env`]). `LEAP_QNN` is read where the estimate starts.
+pub fn configure_from_env(who: &'static str) {
+    stats_at_exit_from_env(who);
     if let Ok(v) = std::env::var("LEAP_KERNELS") {
         set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
     }
@@ -457,13 +464,13 @@ unsafe extern "C" fn dev_supports_op(
     // Read only for attention nodes (the settings are cloned under a lock).
     let on_opencl = || attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
     guard("supports_op", false, || match (kind(dev), op.op) {
-        // Attention's f16 products and Gemma's GELU unit have x86-64 kernels only.
-        #[cfg(target_arch = "x86_64")]
+        // Attention's f16 products and Gemma's GELU unit have x86-64 and AArch64 kernels only.
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm::supports(op),
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op),
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         (Kind::Cpu, g::GGML_OP_GLU) => glu::supports(op),
         // Attention goes to the device its estimate runs on.
         (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && attn::supports_fa(op),
@@ -474,7 +481,7 @@ unsafe extern "C" fn dev_supports_op(
 
 /// Pseudo-random values for the kernels' checks against ggml (xorshift from `seed`): each
 /// call gives a value in `[-scale / 2, scale / 2)`.
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub(crate) fn check_values(mut seed: u64) -> impl FnMut(f32) -> f32 {
     move |scale| {
         seed ^= seed << 13;
@@ -509,9 +516,9 @@ unsafe extern "C" fn backend_graph_compute(
                 | g::GGML_OP_PERMUTE
                 | g::GGML_OP_TRANSPOSE => continue,
                 g::GGML_OP_MUL_MAT if matmul::supports(node) => matmul::compute(node, threads),
-                #[cfg(target_arch = "x86_64")]
+                #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_MUL_MAT if kqmm::supports(node) => kqmm::compute(node, threads),
-                #[cfg(target_arch = "x86_64")]
+                #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_GLU => glu::compute(node, threads),
                 // Taken when the schedule was made (a reused graph keeps its schedule even if
                 // sparse attention was turned off since: computed with the defaults then).

@@ -49,6 +49,9 @@ pub enum Error {
     /// The engine failed.
     #[error(transparent)]
     Engine(#[from] session::Error),
+    /// The CPU lacks an instruction-set feature this build of Leap was compiled for.
+    #[error("{0}")]
+    Cpu(String),
     /// A Rust panic, caught at the boundary.
     #[error("internal error in Leap (please report it): {0}")]
     Panic(String),
@@ -69,7 +72,7 @@ impl Error {
                 LEAP_ERR_INVALID_ARGUMENT
             }
             Error::Engine(e) => e.code(),
-            Error::Poisoned | Error::Panic(_) => LEAP_ERR_INTERNAL,
+            Error::Poisoned | Error::Panic(_) | Error::Cpu(_) => LEAP_ERR_INTERNAL,
         }
     }
 }

@@ -329,6 +329,10 @@ pub unsafe extern "C" fn leap_model_open(
         logging::init();
         // SAFETY: `path` is NULL or NUL-terminated (contract), read only during this call.
         let path = unsafe { str_arg(path, "path") }?;
+        // Before any kernel could run an instruction this CPU does not have.
+        if let Some(f) = leap_kernels::cpu::missing_baseline() {
+            return Err(Error::Cpu(leap_kernels::cpu::below_baseline_message(f)));
+        }
         let opts = if params.is_null() {
             Options::default()
         } else {

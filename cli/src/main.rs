@@ -60,6 +60,14 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // Before anything that may run the build's instructions on a CPU that lacks them.
+    if let Some(f) = leap_kernels::cpu::missing_baseline() {
+        eprintln!(
+            "leap: error: {}",
+            leap_kernels::cpu::below_baseline_message(f)
+        );
+        return ExitCode::FAILURE;
+    }
     let cli = Cli::parse();
     leap_flash::exit_on_sigbus(
         "leap: error: the model file could not be read through its mapping (SIGBUS): it was \

@@ -50,6 +50,10 @@ fn configure() {
 /// ggml's plugin entry point: the registry (the same pointer on every call).
 #[no_mangle]
 pub extern "C" fn ggml_backend_init() -> *mut c_void {
+    // A CPU below the build's baseline: no device (ggml_backend_score said why).
+    if leap_kernels::cpu::missing_baseline().is_some() {
+        return std::ptr::null_mut();
+    }
     std::panic::catch_unwind(|| {
         configure();
         leap_backend::registry().cast::<c_void>()
@@ -57,9 +61,20 @@ pub extern "C" fn ggml_backend_init() -> *mut c_void {
     .unwrap_or(std::ptr::null_mut())
 }
 
-/// ggml's plugin score: nonzero, the device runs on any CPU (it checks its kernels against
-/// ggml's at run time and leaves to ggml what it cannot compute exactly).
+/// ggml's plugin score: nonzero, the device runs on any CPU this build was compiled for (it
+/// checks its kernels against ggml's at run time and leaves to ggml what it cannot compute
+/// exactly); 0, with one line on stderr, on a CPU below the build's baseline, so that ggml
+/// does not load it.
 #[no_mangle]
 pub extern "C" fn ggml_backend_score() -> i32 {
-    1
+    match leap_kernels::cpu::missing_baseline() {
+        None => 1,
+        Some(f) => {
+            eprintln!(
+                "libggml_leap: not loaded: {}",
+                leap_kernels::cpu::below_baseline_message(f)
+            );
+            0
+        }
+    }
 }

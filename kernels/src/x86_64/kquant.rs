@@ -12,16 +12,7 @@
 
 use std::arch::x86_64::*;
 
-/// Values per super-block.
-pub(super) const QK_K: usize = 256;
-/// Bytes of a `Q8_K` super-block: `f32 d`, 256 `i8` quants, 16 `i16` sums of 16 quants.
-pub(super) const Q8K_BYTES: usize = 292;
-/// Bytes of a `Q4_K` super-block: `f16 d, dmin`, 12 bytes of packed 6-bit scales and mins,
-/// 128 bytes of 4-bit quants.
-pub(super) const Q4K_BYTES: usize = 144;
-/// Bytes of a `Q6_K` super-block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 `i8`
-/// scales, `f16 d`.
-pub(super) const Q6K_BYTES: usize = 210;
+use super::{Q4K_BYTES, Q6K_BYTES, Q8K_BYTES};
 
 #[inline(always)]
 unsafe fn f16_at(p: *const u8) -> f32 {

@@ -1,0 +1,127 @@
+//! Attention's f16 products (`kq = K x Q`, `kqv = Vᵀ x softmax(kq)`) over ggml's f16 KV cache:
+//! each cache row is converted from f16 once and multiplied with every query row of every head
+//! that shares it (grouped-query attention: Gemma 3 270M has 4 query heads on 1 KV head),
+//! where ggml's CPU backend converts and loads it again for each (head, row)
+//! pair. On x86-64 with AVX-512 two cache rows meet four query rows at a time
+//! (`x86::dots_wide`); on a warm cache, one thread, that is 2.3-3.2x (Gemma) and 2.2-3.4x
+//! (SmolLM2) faster than ggml at 1 to 8 rows (`tests/examples/attntime.rs` at `1bc4334`; a
+//! cache row at a time it was 12-22% and 1.4-1.8x). In a real call the cache comes mostly from
+//! memory, so the rows are prefetched ahead: without that (`6e523d9`) SmolLM2's one-row call
+//! took 12.1-13.1 ms, with it (`5124809`) 7.4-8.0 (`tests/examples/hiddentime.rs`, context
+//! 1000, the call cut before the output projection). On AArch64 (`neon`) one cache row meets up
+//! to four query rows at a time; it has not been timed on hardware yet.
+//!
+//! Each output is bit-identical to ggml's `ggml_vec_dot_f16` for that pair alone, as ggml's
+//! CPU backend for the architecture computes it: the query row is rounded to f16 as ggml's
+//! `from_float` does (ggml converts `src1` to its `vec_dot_type`), and products are
+//! accumulated, reduced and their leftovers added as ggml's build does. The kernels are per
+//! architecture (same interface: [`cpu_ok`], [`kernels`], [`round_f16`]): `x86_64/kq.rs`
+//! (AVX2/F16C build: fused multiply-adds in four 8-lane sums over steps of 32, reduced as
+//! `GGML_F32x8_REDUCE`, leftovers in `f64`) and `aarch64/kq.rs` (armv8-a build: four 4-lane
+//! sums over steps of 16, see there). The caller (`leap_backend::kqmm`) checks them against
+//! the ggml the process loaded before use.
+
+#[cfg(target_arch = "aarch64")]
+#[path = "aarch64/kq.rs"]
+pub(crate) mod neon;
+#[cfg(target_arch = "x86_64")]
+#[path = "x86_64/kq.rs"]
+mod x86;
+
+#[cfg(target_arch = "aarch64")]
+pub use neon::{cpu_ok, kernels, round_f16};
+#[cfg(target_arch = "x86_64")]
+pub use x86::{cpu_ok, kernels, round_f16};
+
+/// A kernel: `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row
+/// k of `qs` (rows of `n`, rounded through f16 by [`round_f16`]; `m = sums.len() / rows` of
+/// them), ggml's way. A plain function pointer so that the caller picks one per node and its
+/// threads share it. Unsafe to call: the CPU has the kernel's features and `x` holds the rows.
+pub type Dots = unsafe fn(*const u8, usize, usize, &[f32], usize, &mut [f32]);
+
+/// How far ahead the kernels prefetch cache rows: the cache is read once per call, mostly from
+/// memory, and SmolLM2's 128-byte key rows are too short for the hardware's streams (see the
+/// module's figures).
+const AHEAD_BYTES: usize = 2048;
+
+#[cfg(test)]
+mod tests {
+    use crate::f16::{from_f32, to_f32};
+
+    /// Query rows round to the nearest half, ties to even (as ggml's `from_float` rounds on
+    /// both architectures; its NaNs are checked against ggml by the caller), across the half
+    /// range, its subnormals and past its largest value.
+    #[test]
+    fn round_f16_rounds_to_nearest_even() {
+        if !super::cpu_ok() {
+            eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
+            return;
+        }
+        let x: Vec<f32> = (0..1u32 << 16)
+            .flat_map(|i| [0, 0xfff, 0x1000, 0x1001].map(|low| (0x3300_0000 + (i << 13)) | low))
+            .map(|b| f32::from_bits(b) * if b & 1 == 0 { 1.0 } else { -1.0 })
+            .filter(|x| !x.is_nan())
+            .collect();
+        let mut got = vec![0f32; x.len()];
+        // SAFETY: checked above; slices of equal length.
+        unsafe { super::round_f16(&x, &mut got) };
+        for (x, g) in x.iter().zip(&got) {
+            assert_eq!(g.to_bits(), to_f32(from_f32(*x)).to_bits(), "{x:e}");
+        }
+    }
+
+    /// Every kernel the CPU runs gives the same bits (they are ggml's arithmetic, regrouped
+    /// only in which rows meet), near the exact products, for every group size, cache rows
+    /// apart by more than their length, and lengths with leftovers or shorter than one step.
+    #[test]
+    fn kernels_agree_and_are_near_exact() {
+        if !super::cpu_ok() {
+            eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
+            return;
+        }
+        const ROWS: usize = 3;
+        for n in [7usize, 48, 64, 100] {
+            let stride = 2 * n + 6;
+            let mut x = vec![0u8; ROWS * stride];
+            for r in 0..ROWS {
+                for i in 0..n {
+                    let h = from_f32(((r * n + i) as f32 * 0.37).sin() * 3.0);
+                    x[r * stride + 2 * i..][..2].copy_from_slice(&h.to_le_bytes());
+                }
+            }
+            let raw: Vec<f32> = (0..9 * n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let mut qs = vec![0f32; raw.len()];
+            // SAFETY: checked above; slices of equal length.
+            unsafe { super::round_f16(&raw, &mut qs) };
+            for m in 1..=9 {
+                let mut first: Option<Vec<f32>> = None;
+                for dots in super::kernels() {
+                    let mut got = vec![0f32; ROWS * m];
+                    // SAFETY: the CPU runs the kernels; ROWS rows of n halves, stride apart.
+                    unsafe { dots(x.as_ptr(), stride, ROWS, &qs[..m * n], n, &mut got) };
+                    for (i, g) in got.iter().enumerate() {
+                        let (r, k) = (i / m, i % m);
+                        let exact: f64 = (0..n)
+                            .map(|j| {
+                                let h = u16::from_le_bytes([
+                                    x[r * stride + 2 * j],
+                                    x[r * stride + 2 * j + 1],
+                                ]);
+                                f64::from(to_f32(h)) * f64::from(qs[k * n + j])
+                            })
+                            .sum();
+                        assert!(
+                            (f64::from(*g) - exact).abs() < 1e-4 * n as f64,
+                            "{n} {m} {i}"
+                        );
+                    }
+                    let first = first.get_or_insert_with(|| got.clone());
+                    assert!(first
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()));
+                }
+            }
+        }
+    }
+}

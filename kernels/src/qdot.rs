@@ -1,0 +1,419 @@
+//! Weight-stationary dot products of one quantized weight row against several activation rows,
+//! each bit-identical to ggml's single-row `vec_dot` for the type.
+//!
+//! ggml's CPU `mul_mat` computes every output element with one `vec_dot` call: for k activation
+//! rows it unpacks each weight block k times. These kernels unpack it once and reuse it for
+//! every row. They keep ggml's arithmetic exactly, so a row's result does not depend on how many
+//! rows were computed with it (the batch invariance greedy speculation needs): per 32-weight
+//! block the integer products are summed into the same 8 lanes (elements 4m..4m+3), each lane
+//! is converted to `f32` and accumulated with one fused multiply-add by the block's scale
+//! product, block after block, and the 8 lanes are reduced in ggml's `hsum_float_8` order.
+//!
+//! x86-64 with AVX2/FMA/F16C (what ggml's own single-row kernels use in Leap's build) in
+//! `x86_64/`, and AArch64 with NEON (dotprod and i8mm chosen at run time) in `aarch64/`;
+//! [`Kernel::new`] returns `None` elsewhere and callers fall back to ggml's `vec_dot` one row at
+//! a time. Callers check a kernel against ggml on random data ([`Kernel::agrees`]) before use;
+//! [`crate::reference`] is the same arithmetic in portable scalar code, which every
+//! architecture's kernels are tested against.
+
+/// A weight type with a weight-stationary kernel here, and the activation type it pairs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// `Q8_0` weights x `Q8_0` activations.
+    Q8_0,
+    /// `Q5_0` weights x `Q8_0` activations.
+    Q5_0,
+    /// `Q4_1` weights x `Q8_1` activations.
+    Q4_1,
+    /// `Q4_K` weights (super-blocks of 256) x `Q8_K` activations.
+    Q4K,
+    /// `Q6_K` weights x `Q8_K` activations.
+    Q6K,
+}
+
+impl Kind {
+    /// The kernel for a ggml type name, if there is one.
+    pub fn from_ggml_name(name: &str) -> Option<Self> {
+        match name {
+            "q8_0" => Some(Self::Q8_0),
+            "q5_0" => Some(Self::Q5_0),
+            "q4_1" => Some(Self::Q4_1),
+            "q4_K" => Some(Self::Q4K),
+            "q6_K" => Some(Self::Q6K),
+            _ => None,
+        }
+    }
+
+    /// Values per block (32, or 256 for the k-quants' super-blocks).
+    pub fn block_len(self) -> usize {
+        if self.is_k() {
+            QK_K
+        } else {
+            32
+        }
+    }
+
+    /// A k-quant (super-blocks, `Q8_K` activations).
+    pub fn is_k(self) -> bool {
+        matches!(self, Self::Q4K | Self::Q6K)
+    }
+
+    /// Bytes of one weight block ([`Kind::block_len`] weights).
+    pub fn weight_block(self) -> usize {
+        match self {
+            Self::Q8_0 => 34,
+            Self::Q5_0 => 22,
+            Self::Q4_1 => 20,
+            Self::Q4K => Q4K_BYTES,
+            Self::Q6K => Q6K_BYTES,
+        }
+    }
+
+    /// Bytes of one activation block (`Q8_0`: 34, `Q8_1`: 36, `Q8_K`: 292).
+    pub fn act_block(self) -> usize {
+        match self {
+            Self::Q8_0 | Self::Q5_0 => 34,
+            Self::Q4_1 => 36,
+            Self::Q4K | Self::Q6K => Q8K_BYTES,
+        }
+    }
+}
+
+/// Sizes of the k-quants' super-blocks.
+mod ksize {
+    /// Values per super-block.
+    pub(crate) const QK_K: usize = 256;
+    /// Bytes of a `Q8_K` super-block: `f32 d`, 256 `i8` quants, 16 `i16` sums of 16 quants.
+    pub(crate) const Q8K_BYTES: usize = 292;
+    /// Bytes of a `Q4_K` super-block: `f16 d, dmin`, 12 bytes of packed 6-bit scales and mins,
+    /// 128 bytes of 4-bit quants.
+    pub(crate) const Q4K_BYTES: usize = 144;
+    /// Bytes of a `Q6_K` super-block: 128 bytes of low 4 bits, 64 of high 2 bits, 16 `i8`
+    /// scales, `f16 d`.
+    pub(crate) const Q6K_BYTES: usize = 210;
+}
+pub(crate) use ksize::{Q4K_BYTES, Q6K_BYTES, Q8K_BYTES, QK_K};
+
+// The kernels of each architecture live in its own folder; `#[path]` keeps them child modules
+// of this one (they use its private types).
+#[cfg(target_arch = "x86_64")]
+#[path = "x86_64/kquant.rs"]
+mod kquant;
+#[cfg(target_arch = "aarch64")]
+#[path = "aarch64/qdot.rs"]
+mod neon;
+#[cfg(target_arch = "aarch64")]
+#[path = "aarch64/kquant.rs"]
+mod neon_k;
+#[cfg(target_arch = "x86_64")]
+#[path = "x86_64/qdot.rs"]
+mod x86;
+
+/// Rows per pass over a weight block: enough to amortise the unpacking, few enough to keep
+/// every accumulator in a register.
+const GROUP: usize = 4;
+
+/// A checked-available kernel for one weight type.
+#[derive(Clone, Copy, Debug)]
+pub struct Kernel {
+    kind: Kind,
+    /// AVX-512 VNNI (`vpdpbusd`): the same integer lane sums in one instruction.
+    vnni: bool,
+    /// AVX-512 registers holding two weight rows' lanes each (with VNNI); for the k-quants,
+    /// their 256-bit code with AVX-512VL's 32 registers.
+    zmm: bool,
+    /// AArch64: the integer sums with `sdot` (FEAT_DotProd) instead of `smull` + `sadalp`;
+    /// the same integers.
+    sdot: bool,
+    /// AArch64: the integer sums with `smmla` (FEAT_I8MM) where a kernel has such a path; the
+    /// same integers.
+    i8mm: bool,
+    /// AArch64: the ggml this kernel must match was built with dotprod, so its 32-weight blocks
+    /// sum bytes 4l..4l+3 into lane l (`vdotq_s32`); without, ggml's `ggml_vdotq_s32` sums
+    /// bytes 2l, 2l+1, 2l+8, 2l+9 (Leap's own build of ggml is armv8-a: without).
+    #[cfg_attr(not(target_arch = "aarch64"), allow(dead_code))]
+    ggml_dotprod: bool,
+}
+
+/// Activation rows prepared for [`Kernel::dot_many`]: the rows and their block scales as `f32`.
+pub struct Acts<'a> {
+    rows: Vec<&'a [u8]>,
+    /// `scales[r * nb + b]`: row r's block b scale.
+    scales: Vec<f32>,
+    /// For the AVX-512 kernels: row r's 32 quants of block b at `(r * nb + b) * 32`, with the
+    /// sign bit flipped (`q + 128` as unsigned) for the signed-weight types.
+    qs: Vec<u8>,
+    /// `Q8_1`'s block sums as `f32` (`Q4_1` only), indexed like `scales`.
+    sums: Vec<f32>,
+    nb: usize,
+}
+
+impl Acts<'_> {
+    /// Rows.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// No rows.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
+
+impl Kernel {
+    /// The kernel for `kind` when this CPU can run it: x86-64 with AVX2, FMA and F16C (VNNI
+    /// and AVX-512 where present), or any AArch64 CPU (NEON; dotprod and i8mm where present).
+    pub fn new(kind: Kind) -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                let vnni = std::arch::is_x86_feature_detected!("avx512vnni")
+                    && std::arch::is_x86_feature_detected!("avx512vl");
+                // Not for Q8_0: its 512-bit kernel ran a 65536 x 640 pass 4x slower than the
+                // 256-bit ones (6.1 ms against 1.6 ms, one thread, one row), where Q5_0's and
+                // Q4_1's run faster (`tests/examples/qdottime.rs`).
+                let zmm = vnni
+                    && kind != Kind::Q8_0
+                    && std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw");
+                return Some(Self {
+                    kind,
+                    vnni,
+                    zmm,
+                    sdot: false,
+                    i8mm: false,
+                    ggml_dotprod: false,
+                });
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            // NEON is the AArch64 baseline (armv8.0-a); dotprod and i8mm where the CPU has them.
+            return Some(Self {
+                kind,
+                vnni: false,
+                zmm: false,
+                sdot: std::arch::is_aarch64_feature_detected!("dotprod"),
+                i8mm: std::arch::is_aarch64_feature_detected!("i8mm"),
+                ggml_dotprod: false,
+            });
+        }
+        #[allow(unreachable_code)]
+        {
+            let _ = kind;
+            None
+        }
+    }
+
+    /// The same kernel without `sdot` and `smmla` (plain NEON): for comparing them.
+    pub fn without_dotprod(self) -> Self {
+        Self {
+            sdot: false,
+            i8mm: false,
+            ..self
+        }
+    }
+
+    /// The same kernel without `smmla`: for comparing them.
+    pub fn without_i8mm(self) -> Self {
+        Self {
+            i8mm: false,
+            ..self
+        }
+    }
+
+    /// The same kernel for a ggml built with (`true`) or without dotprod (see the field).
+    pub fn for_ggml_dotprod(self, on: bool) -> Self {
+        Self {
+            ggml_dotprod: on,
+            ..self
+        }
+    }
+
+    /// Which instructions this kernel runs (for `-v` and tests): e.g. `neon+sdot`.
+    pub fn variant(&self) -> &'static str {
+        match (self.zmm, self.vnni, self.sdot, self.i8mm) {
+            (true, _, _, _) => "avx512",
+            (_, true, _, _) => "avx2+vnni",
+            (_, _, _, true) if cfg!(target_arch = "aarch64") => "neon+i8mm",
+            (_, _, true, _) => "neon+sdot",
+            _ if cfg!(target_arch = "aarch64") => "neon",
+            _ => "avx2",
+        }
+    }
+
+    /// The same kernel without AVX-512 VNNI (nor AVX-512 registers): for comparing them.
+    pub fn without_vnni(self) -> Self {
+        Self {
+            vnni: false,
+            zmm: false,
+            ..self
+        }
+    }
+
+    /// The same kernel on 256-bit registers only: for comparing them.
+    pub fn without_zmm(self) -> Self {
+        Self { zmm: false, ..self }
+    }
+
+    /// The same kernel on AVX-512 registers where this CPU has them, also for `Q8_0`, which
+    /// [`Kernel::new`] keeps off them: for comparing them.
+    pub fn with_zmm(self) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let zmm = self.vnni
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw");
+            Self { zmm, ..self }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        self
+    }
+
+    /// The weight type.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Check `acts` (rows of `n` values of the activation type) and convert their scales.
+    ///
+    /// # Panics
+    /// When `n` is not a multiple of 32 or a row is shorter than `n` needs.
+    pub fn prepare<'a>(&self, n: usize, acts: &[&'a [u8]]) -> Acts<'a> {
+        if self.kind.is_k() {
+            assert_eq!(n % QK_K, 0, "row length not a multiple of 256");
+            let nb = n / QK_K;
+            for a in acts {
+                assert!(a.len() >= nb * Q8K_BYTES, "activation row too short");
+            }
+            return Acts {
+                rows: acts.to_vec(),
+                scales: Vec::new(),
+                qs: Vec::new(),
+                sums: Vec::new(),
+                nb,
+            };
+        }
+        assert_eq!(n % 32, 0, "row length not a multiple of 32");
+        let (nb, ab) = (n / 32, self.kind.act_block());
+        let mut scales = Vec::with_capacity(acts.len() * nb);
+        let mut qs = Vec::new();
+        let mut sums = Vec::new();
+        let f16 = |a: &[u8], at: usize| crate::f16::to_f32(u16::from_le_bytes([a[at], a[at + 1]]));
+        // Where a block's 32 quants start (after d, and s for Q8_1).
+        let q_at = ab - 32;
+        for a in acts {
+            assert!(a.len() >= nb * ab, "activation row too short");
+            scales.extend((0..nb).map(|b| f16(a, b * ab)));
+            if self.zmm {
+                let flip = if self.kind == Kind::Q4_1 { 0 } else { 0x80 };
+                for b in 0..nb {
+                    qs.extend(a[b * ab + q_at..(b + 1) * ab].iter().map(|&q| q ^ flip));
+                }
+                if self.kind == Kind::Q4_1 {
+                    sums.extend((0..nb).map(|b| f16(a, b * ab + 2)));
+                }
+            }
+            // NEON: the quants permuted where the kernel's integer lanes differ from the
+            // ggml's it matches (see `aarch64/qdot.rs`), and `Q8_1`'s sums.
+            #[cfg(target_arch = "aarch64")]
+            {
+                if let Some(p) = neon::permutation(self) {
+                    for b in 0..nb {
+                        let q = &a[b * ab + q_at..(b + 1) * ab];
+                        qs.extend(
+                            q.chunks_exact(16)
+                                .flat_map(|h| p.map(|i| h[usize::from(i)])),
+                        );
+                    }
+                }
+                if self.kind == Kind::Q4_1 {
+                    sums.extend((0..nb).map(|b| f16(a, b * ab + 2)));
+                }
+            }
+        }
+        Acts {
+            rows: acts.to_vec(),
+            scales,
+            qs,
+            sums,
+            nb,
+        }
+    }
+
+    /// Dot products of every weight row in `w` (consecutive rows of `acts`' length) with every
+    /// activation row: `out[i * acts.len() + r]` for weight row i and activation row r.
+    ///
+    /// # Panics
+    /// When `w` is not whole rows or `out` has the wrong length.
+    pub fn dot_many(&self, acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
+        let row = acts.nb * self.kind.weight_block();
+        assert!(
+            row > 0 && w.len().is_multiple_of(row),
+            "not whole weight rows"
+        );
+        assert_eq!(out.len(), w.len() / row * acts.len());
+        if acts.is_empty() {
+            return;
+        }
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: `new` checked the CPU features; lengths checked above and in `prepare`.
+        unsafe {
+            match self.kind {
+                Kind::Q4K => neon_k::q4k(self, &acts.rows, acts.nb, w, out),
+                Kind::Q6K => neon_k::q6k(self, &acts.rows, acts.nb, w, out),
+                _ => neon::many(self, acts, w, out),
+            }
+        };
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `new` checked the CPU features; lengths checked above and in `prepare`.
+        unsafe {
+            if self.kind == Kind::Q4K && self.zmm {
+                kquant::q4k_wide(&acts.rows, acts.nb, w, out)
+            } else if self.kind == Kind::Q4K {
+                kquant::q4k(&acts.rows, acts.nb, w, out)
+            } else if self.kind == Kind::Q6K && self.zmm {
+                kquant::q6k_wide(&acts.rows, acts.nb, w, out)
+            } else if self.kind == Kind::Q6K {
+                kquant::q6k(&acts.rows, acts.nb, w, out)
+            } else if self.zmm {
+                x86::zmm::many(self.kind, acts, w, out)
+            } else if self.vnni {
+                x86::vnni::many(self.kind, acts, w, out)
+            } else {
+                x86::avx2::many(self.kind, acts, w, out)
+            }
+        };
+    }
+
+    /// Whether this kernel reproduces `reference` (ggml's single-row `vec_dot`) bit for bit on
+    /// every weight row of `weights` against every row of `acts` (made by the caller with
+    /// ggml's own quantizers), computed together.
+    pub fn agrees(
+        &self,
+        n: usize,
+        weights: &[u8],
+        acts: &[&[u8]],
+        mut reference: impl FnMut(&[u8], &[u8]) -> f32,
+    ) -> bool {
+        let row = n / self.kind.block_len() * self.kind.weight_block();
+        let a = self.prepare(n, acts);
+        let mut out = vec![0.0f32; weights.len() / row * acts.len()];
+        self.dot_many(
+            &a,
+            &weights[..out.len() / acts.len().max(1) * row],
+            &mut out,
+        );
+        weights
+            .chunks_exact(row)
+            .zip(out.chunks_exact(acts.len().max(1)))
+            .all(|(w, o)| {
+                acts.iter()
+                    .zip(o)
+                    .all(|(a, o)| reference(w, a).to_bits() == o.to_bits())
+            })
+    }
+}

@@ -1,0 +1,237 @@
+//! The x86-64 kernels: 256-bit (AVX2/FMA/F16C) and, where the CPU has AVX-512F/VL, two cache
+//! rows against four query rows in 32 registers; F16C's conversions, as ggml's on x86-64.
+
+use std::arch::x86_64::*;
+
+use super::{Dots, AHEAD_BYTES};
+
+/// The CPU runs [`dots`] (AVX2/FMA/F16C).
+pub fn cpu_ok() -> bool {
+    use std::sync::OnceLock;
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    })
+}
+
+fn wide() -> bool {
+    use std::sync::OnceLock;
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    *WIDE.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    })
+}
+
+/// The kernels this CPU runs (where [`cpu_ok`]), the device's first: [`dots_wide`] with
+/// AVX-512VL, and [`dots`].
+pub fn kernels() -> &'static [Dots] {
+    const WIDE: &[Dots] = &[dots_wide, dots];
+    const NARROW: &[Dots] = &[dots];
+    if wide() {
+        WIDE
+    } else {
+        NARROW
+    }
+}
+
+/// `out` = `x` rounded to f16 (nearest even, F16C's `vcvtps2ph` as ggml uses) and back.
+///
+/// # Safety
+/// [`cpu_ok`]; `out` is at least as long as `x`.
+pub unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn go(x: &[f32], out: &mut [f32]) {
+        let n8 = x.len() / 8 * 8;
+        for i in (0..n8).step_by(8) {
+            let h =
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(x.as_ptr().add(i)));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        for i in n8..x.len() {
+            let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x[i]));
+            out[i] = _mm_cvtss_f32(_mm_cvtph_ps(h));
+        }
+    }
+    go(x, out)
+}
+
+/// `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row k of `qs`
+/// (rows of `n`; `m = sums.len() / rows` of them), ggml's way, with AVX2's 16 registers: one
+/// cache row at a time against two query rows, query pairs outer (as [`dots_wide`], so a
+/// pair's rows stay in L1 while the block's cache rows come again from L2).
+///
+/// # Safety
+/// The CPU has AVX2/FMA/F16C; `rows` rows of `n` f16 values at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots(x: *const u8, stride: usize, rows: usize, qs: &[f32], n: usize, sums: &mut [f32]) {
+    let m = sums.len() / rows;
+    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
+    let mut k = 0;
+    while k < m {
+        let g = 2.min(m - k);
+        for (i, out) in sums.chunks_exact_mut(m).enumerate() {
+            // The first pair's pass reads the cache from memory: fetch ahead of it.
+            if k == 0 && i + ahead < rows {
+                let next = x.add((i + ahead) * stride);
+                for l in (0..2 * n).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
+                }
+            }
+            let x = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
+            match g {
+                1 => group::<1>(x, qs, n, k, out),
+                _ => group::<2>(x, qs, n, k, out),
+            }
+        }
+        k += g;
+    }
+}
+
+/// [`dots`] with AVX-512's 32 registers: two cache rows at a time against four query rows
+/// (16 accumulators), so each query load feeds two fused multiply-adds; and query groups outer,
+/// cache rows inner, so a group's rows (16 KB for Gemma's `kqv`) stay in L1 while the cache
+/// rows of the block come again from L2 for each group. (Cache rows outer, Gemma's 8-row `kqv`
+/// streamed its 128 KB of query rows through L2 for every cache row, slower than ggml.) The
+/// arithmetic is [`group`]'s: a 512-bit lane holds what one of ggml's four 256-bit sums holds.
+///
+/// # Safety
+/// As [`dots`], and the CPU has AVX-512F/VL.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn dots_wide(
+    x: *const u8,
+    stride: usize,
+    rows: usize,
+    qs: &[f32],
+    n: usize,
+    sums: &mut [f32],
+) {
+    let m = sums.len() / rows;
+    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
+    let row = |i: usize| std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
+    let mut k = 0;
+    while k < m {
+        let g = 4.min(m - k);
+        let mut i = 0;
+        while i < rows {
+            // The first group's pass reads the cache from memory: fetch ahead of it.
+            if k == 0 {
+                for j in [i, i + 1] {
+                    if j + ahead < rows {
+                        let next = x.add((j + ahead) * stride);
+                        for l in (0..2 * n).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
+                        }
+                    }
+                }
+            }
+            if i + 1 < rows {
+                let (a, b) = sums[i * m..(i + 2) * m].split_at_mut(m);
+                match g {
+                    1 => pair::<1>(row(i), row(i + 1), qs, n, k, a, b),
+                    2 => pair::<2>(row(i), row(i + 1), qs, n, k, a, b),
+                    3 => pair::<3>(row(i), row(i + 1), qs, n, k, a, b),
+                    _ => pair::<4>(row(i), row(i + 1), qs, n, k, a, b),
+                }
+                i += 2;
+            } else {
+                let out = &mut sums[i * m..(i + 1) * m];
+                match g {
+                    1 => group::<1>(row(i), qs, n, k, out),
+                    2 => group::<2>(row(i), qs, n, k, out),
+                    3 => group::<3>(row(i), qs, n, k, out),
+                    _ => group::<4>(row(i), qs, n, k, out),
+                }
+                i += 1;
+            }
+        }
+        k += g;
+    }
+}
+
+/// Query rows `k0..k0 + G` of `qs` against cache rows `xa` and `xb` into `sa` and `sb`, in
+/// 512-bit registers: for each of ggml's steps of 32 the low half of `acc[.][.][0]` is ggml's
+/// first 8-lane sum, its high half the second, `acc[.][.][1]` the third and fourth.
+#[inline(always)]
+unsafe fn pair<const G: usize>(
+    xa: &[u16],
+    xb: &[u16],
+    qs: &[f32],
+    n: usize,
+    k0: usize,
+    sa: &mut [f32],
+    sb: &mut [f32],
+) {
+    let np = n / 32 * 32;
+    let (pa, pb) = (xa.as_ptr(), xb.as_ptr());
+    let ys: [*const f32; G] = std::array::from_fn(|g| qs.as_ptr().add((k0 + g) * n));
+    let mut acc = [[[_mm512_setzero_ps(); 2]; G]; 2];
+    let mut i = 0;
+    while i < np {
+        let a0 = _mm512_cvtph_ps(_mm256_loadu_si256(pa.add(i).cast()));
+        let a1 = _mm512_cvtph_ps(_mm256_loadu_si256(pa.add(i + 16).cast()));
+        let b0 = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(i).cast()));
+        let b1 = _mm512_cvtph_ps(_mm256_loadu_si256(pb.add(i + 16).cast()));
+        for g in 0..G {
+            let y0 = _mm512_loadu_ps(ys[g].add(i));
+            let y1 = _mm512_loadu_ps(ys[g].add(i + 16));
+            acc[0][g][0] = _mm512_fmadd_ps(a0, y0, acc[0][g][0]);
+            acc[0][g][1] = _mm512_fmadd_ps(a1, y1, acc[0][g][1]);
+            acc[1][g][0] = _mm512_fmadd_ps(b0, y0, acc[1][g][0]);
+            acc[1][g][1] = _mm512_fmadd_ps(b1, y1, acc[1][g][1]);
+        }
+        i += 32;
+    }
+    for (r, (x, out)) in [(xa, &mut *sa), (xb, &mut *sb)].into_iter().enumerate() {
+        for g in 0..G {
+            // (a0 + a2) + (a1 + a3), ggml's first two reduction steps, then as `group`.
+            let s = _mm512_add_ps(acc[r][g][0], acc[r][g][1]);
+            let x0 = _mm256_add_ps(
+                _mm512_castps512_ps256(s),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s))),
+            );
+            out[k0 + g] = finish(x0, x, ys[g], np);
+        }
+    }
+}
+
+/// ggml's last reduction steps of one 8-lane sum `x0`, plus the leftovers past `np` in `f64`.
+#[inline(always)]
+unsafe fn finish(x0: __m256, x: &[u16], y: *const f32, np: usize) -> f32 {
+    let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
+    let t1 = _mm_hadd_ps(t0, t0);
+    let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64;
+    for (i, &h) in x.iter().enumerate().skip(np) {
+        let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
+        s += (xv * *y.add(i)) as f64;
+    }
+    s as f32
+}
+
+/// Query rows `k0..k0 + G` of `qs` against `x` into `sums`.
+#[inline(always)]
+unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums: &mut [f32]) {
+    let np = n / 32 * 32;
+    let xp = x.as_ptr();
+    let ys: [*const f32; G] = std::array::from_fn(|g| qs.as_ptr().add((k0 + g) * n));
+    let mut acc = [[_mm256_setzero_ps(); 4]; G];
+    let mut i = 0;
+    while i < np {
+        let ax: [__m256; 4] =
+            std::array::from_fn(|j| _mm256_cvtph_ps(_mm_loadu_si128(xp.add(i + 8 * j).cast())));
+        for g in 0..G {
+            for j in 0..4 {
+                let ay = _mm256_loadu_ps(ys[g].add(i + 8 * j));
+                acc[g][j] = _mm256_fmadd_ps(ax[j], ay, acc[g][j]);
+            }
+        }
+        i += 32;
+    }
+    for g in 0..G {
+        let [a0, a1, a2, a3] = acc[g];
+        let x0 = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+        sums[k0 + g] = finish(x0, x, ys[g], np);
+    }
+}

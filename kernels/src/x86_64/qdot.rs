@@ -1,0 +1,375 @@
+//! AVX2 (and AVX-512 VNNI) kernels for the 32-weight block types (`Q8_0`, `Q5_0`, `Q4_1`):
+//! ggml's x86-64 `vec_dot` arithmetic, one weight block unpacked once for several rows.
+
+// Accumulators are indexed by row inside fully unrolled constant-length loops.
+#![allow(clippy::needless_range_loop)]
+
+/// The kernels, once per instruction set: `$lanes(ax, sy)` sums u8 x i8 products of 4
+/// consecutive bytes into 8 `i32` lanes (ggml's `mul_sum_us8_pairs_float` before the
+/// conversion; maddubs + madd and vpdpbusd give the same integers for these ranges).
+macro_rules! kernels {
+    ($name:ident, $feat:literal, $lanes:ident) => {
+        pub(super) mod $name {
+            use super::super::{Acts, Kind, GROUP};
+            use std::arch::x86_64::*;
+
+            #[inline]
+            #[target_feature(enable = $feat)]
+            pub(in crate::qdot) unsafe fn f16(p: *const u8) -> f32 {
+                let bits = u16::from_le_bytes([*p, *p.add(1)]);
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+            }
+
+            /// ggml's `hsum_float_8`: halves, then pairs, then the last two.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            pub(in crate::qdot) unsafe fn hsum(x: __m256) -> f32 {
+                let mut r = _mm256_extractf128_ps(x, 1);
+                r = _mm_add_ps(r, _mm256_castps256_ps128(x));
+                r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+                r = _mm_add_ss(r, _mm_movehdup_ps(r));
+                _mm_cvtss_f32(r)
+            }
+
+            /// 32 nibbles as bytes: low nibbles (elements 0..15) then high (16..31), as
+            /// ggml's `bytes_from_nibbles_32`.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            pub(in crate::qdot) unsafe fn nibbles(p: *const u8) -> __m256i {
+                let t = _mm_loadu_si128(p.cast());
+                let b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+                _mm256_and_si256(_mm256_set1_epi8(0x0F), b)
+            }
+
+            /// ggml's `bytes_from_bits_32`: 0xFF where bit j of the 32-bit word is set.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            pub(in crate::qdot) unsafe fn bits(p: *const u8) -> __m256i {
+                let x = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
+                let shuf = _mm256_set_epi64x(
+                    0x0303030303030303,
+                    0x0202020202020202,
+                    0x0101010101010101,
+                    0,
+                );
+                let b = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
+                let b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+                _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1))
+            }
+
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn lanes(ax: __m256i, sy: __m256i) -> __m256 {
+                _mm256_cvtepi32_ps(super::$lanes(ax, sy))
+            }
+
+            /// K activation rows against one weight row.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn group<const K: usize>(
+                kind: Kind,
+                nb: usize,
+                x: *const u8,
+                y: [*const u8; K],
+                yd: [*const f32; K],
+                out: *mut f32,
+            ) {
+                let (wb, ab) = (kind.weight_block(), kind.act_block());
+                let mut acc = [_mm256_setzero_ps(); K];
+                let mut summs = [0.0f32; K];
+                match kind {
+                    Kind::Q8_0 | Kind::Q5_0 => {
+                        for b in 0..nb {
+                            let xb = x.add(b * wb);
+                            let qx = if kind == Kind::Q8_0 {
+                                _mm256_loadu_si256(xb.add(2).cast())
+                            } else {
+                                let hi = _mm256_andnot_si256(
+                                    bits(xb.add(2)),
+                                    _mm256_set1_epi8(0xF0u8 as i8),
+                                );
+                                _mm256_or_si256(nibbles(xb.add(6)), hi)
+                            };
+                            let dx = _mm256_set1_ps(f16(xb));
+                            // ggml's `mul_sum_i8_pairs_float`: |x| times y with x's sign.
+                            let ax = _mm256_sign_epi8(qx, qx);
+                            for r in 0..K {
+                                let d = _mm256_mul_ps(dx, _mm256_broadcast_ss(&*yd[r].add(b)));
+                                let qy = _mm256_loadu_si256(y[r].add(b * ab + 2).cast());
+                                let q = lanes(ax, _mm256_sign_epi8(qy, qx));
+                                acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+                            }
+                        }
+                        for r in 0..K {
+                            *out.add(r) = hsum(acc[r]);
+                        }
+                    }
+                    Kind::Q4_1 => {
+                        for b in 0..nb {
+                            let xb = x.add(b * wb);
+                            let (d0, m) = (_mm256_set1_ps(f16(xb)), f16(xb.add(2)));
+                            let qx = nibbles(xb.add(4));
+                            for r in 0..K {
+                                let yb = y[r].add(b * ab);
+                                // ggml's `summs += m * s` (fused there; the f16 x f16
+                                // product is exact in f32, so fused or not agree).
+                                summs[r] = m.mul_add(f16(yb.add(2)), summs[r]);
+                                let d = _mm256_mul_ps(d0, _mm256_broadcast_ss(&*yd[r].add(b)));
+                                let qy = _mm256_loadu_si256(yb.add(4).cast());
+                                acc[r] = _mm256_fmadd_ps(d, lanes(qx, qy), acc[r]);
+                            }
+                        }
+                        for r in 0..K {
+                            *out.add(r) = hsum(acc[r]) + summs[r];
+                        }
+                    }
+                    Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
+                }
+            }
+
+            #[target_feature(enable = $feat)]
+            pub(in crate::qdot) unsafe fn many(
+                kind: Kind,
+                acts: &Acts<'_>,
+                w: &[u8],
+                out: &mut [f32],
+            ) {
+                let (nb, k) = (acts.nb, acts.rows.len());
+                let row = nb * kind.weight_block();
+                let y: Vec<*const u8> = acts.rows.iter().map(|a| a.as_ptr()).collect();
+                let yd: Vec<*const f32> =
+                    (0..k).map(|r| acts.scales.as_ptr().add(r * nb)).collect();
+                for (i, o) in out.chunks_exact_mut(k).enumerate() {
+                    let x = w.as_ptr().add(i * row);
+                    let mut r = 0;
+                    while r < k {
+                        let o = o.as_mut_ptr().add(r);
+                        match k - r {
+                            1 => group::<1>(kind, nb, x, [y[r]], [yd[r]], o),
+                            2 => group::<2>(kind, nb, x, [y[r], y[r + 1]], [yd[r], yd[r + 1]], o),
+                            3 => group::<3>(
+                                kind,
+                                nb,
+                                x,
+                                [y[r], y[r + 1], y[r + 2]],
+                                [yd[r], yd[r + 1], yd[r + 2]],
+                                o,
+                            ),
+                            _ => group::<GROUP>(
+                                kind,
+                                nb,
+                                x,
+                                [y[r], y[r + 1], y[r + 2], y[r + 3]],
+                                [yd[r], yd[r + 1], yd[r + 2], yd[r + 3]],
+                                o,
+                            ),
+                        }
+                        r += GROUP;
+                    }
+                }
+            }
+        }
+    };
+}
+
+use std::arch::x86_64::*;
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn maddubs(ax: __m256i, sy: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(ax, sy))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+unsafe fn dpbusd(ax: __m256i, sy: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+}
+
+/// Two weight rows at once in 512-bit registers: lanes 0-7 are the first row's ggml
+/// lanes, 8-15 the second's, each accumulated and reduced exactly as on 256 bits. The
+/// integer lane sums come from one `vpdpbusd` a row: for signed weights x and activations
+/// y, `sum (y + 128) x - sum 128 x = sum x y` (the second sum once per weight block).
+pub(super) mod zmm {
+    use super::super::{Acts, Kind, GROUP};
+    use std::arch::x86_64::*;
+
+    // The 256-bit helpers (their features are a subset of these kernels': they inline).
+    use super::avx2::{bits, f16, hsum, nibbles};
+
+    /// A block's 32 weights as signed bytes (`Q8_0`, `Q5_0`) or nibbles (`Q4_1`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn weights(kind: Kind, x: *const u8) -> __m256i {
+        match kind {
+            Kind::Q8_0 => _mm256_loadu_si256(x.add(2).cast()),
+            Kind::Q5_0 => {
+                let hi = _mm256_andnot_si256(bits(x.add(2)), _mm256_set1_epi8(0xF0u8 as i8));
+                _mm256_or_si256(nibbles(x.add(6)), hi)
+            }
+            Kind::Q4_1 => nibbles(x.add(4)),
+            Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
+        }
+    }
+
+    /// Two blocks' 16 bytes of nibbles as 64 bytes: [a low, a high, b low, b high].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn nibbles_pair(pa: *const u8, pb: *const u8) -> __m512i {
+        let t = _mm256_set_m128i(_mm_loadu_si128(pb.cast()), _mm_loadu_si128(pa.cast()));
+        let z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+        // 128-bit lanes (a, b, a>>4, b>>4) -> (a, a>>4, b, b>>4).
+        let z = _mm512_shuffle_i64x2(z, z, 0b11_01_10_00);
+        _mm512_and_si512(z, _mm512_set1_epi8(0x0F))
+    }
+
+    /// Two `Q5_0` blocks unpacked together: lanes 0-255 the first block's 32 weights (as
+    /// `weights` gives them), 256-511 the second's.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q5_0_pair(xa: *const u8, xb: *const u8) -> __m512i {
+        let nib = nibbles_pair(xa.add(6), xb.add(6));
+        // Fifth bits: byte j of each block is set where bit j of its qh is.
+        let qa = u32::from_le_bytes([*xa.add(2), *xa.add(3), *xa.add(4), *xa.add(5)]);
+        let qb = u32::from_le_bytes([*xb.add(2), *xb.add(3), *xb.add(4), *xb.add(5)]);
+        let w = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set1_epi32(qa as i32)),
+            _mm256_set1_epi32(qb as i32),
+            1,
+        );
+        let shuf = _mm512_set_epi64(
+            0x0303030303030303,
+            0x0202020202020202,
+            0x0101010101010101,
+            0,
+            0x0303030303030303,
+            0x0202020202020202,
+            0x0101010101010101,
+            0,
+        );
+        let b = _mm512_shuffle_epi8(w, shuf);
+        let set = _mm512_test_epi8_mask(b, _mm512_set1_epi64(0x8040201008040201u64 as i64));
+        // Where the bit is clear, the weight is nibble - 16 (0xF0 | nibble), as ggml's
+        // andnot/or.
+        _mm512_or_si512(
+            nib,
+            _mm512_maskz_mov_epi8(!set, _mm512_set1_epi8(0xF0u8 as i8)),
+        )
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn pair256(lo: __m256i, hi: __m256i) -> __m512i {
+        _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn pair_ps(lo: f32, hi: f32) -> __m512 {
+        let l = _mm512_castps_pd(_mm512_set1_ps(lo));
+        _mm512_castpd_ps(_mm512_insertf64x4(
+            l,
+            _mm256_castps_pd(_mm256_set1_ps(hi)),
+            1,
+        ))
+    }
+
+    /// Weight rows `x0`, `x1` against K activation rows starting at `r0`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn pair<const K: usize>(
+        kind: Kind,
+        acts: &Acts<'_>,
+        r0: usize,
+        x0: *const u8,
+        x1: *const u8,
+        o0: *mut f32,
+        o1: *mut f32,
+    ) {
+        let nb = acts.nb;
+        let wb = kind.weight_block();
+        let q = acts.qs.as_ptr().add(r0 * nb * 32);
+        let yd = acts.scales.as_ptr().add(r0 * nb);
+        let mut acc = [_mm512_setzero_ps(); K];
+        let mut summs = [[0.0f32; K]; 2];
+        for b in 0..nb {
+            let (xa, xb) = (x0.add(b * wb), x1.add(b * wb));
+            let qx = match kind {
+                Kind::Q5_0 => q5_0_pair(xa, xb),
+                Kind::Q4_1 => nibbles_pair(xa.add(4), xb.add(4)),
+                Kind::Q8_0 => pair256(weights(kind, xa), weights(kind, xb)),
+                Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
+            };
+            let d = pair_ps(f16(xa), f16(xb));
+            if kind == Kind::Q4_1 {
+                let (m0, m1) = (f16(xa.add(2)), f16(xb.add(2)));
+                let ys = acts.sums.as_ptr().add(r0 * nb);
+                for r in 0..K {
+                    let y =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(q.add((r * nb + b) * 32).cast()));
+                    let lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, y);
+                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(*yd.add(r * nb + b)));
+                    acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[r]);
+                    let s = *ys.add(r * nb + b);
+                    summs[0][r] = m0.mul_add(s, summs[0][r]);
+                    summs[1][r] = m1.mul_add(s, summs[1][r]);
+                }
+            } else {
+                let c =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(0x80u8 as i8), qx);
+                let negc = _mm512_sub_epi32(_mm512_setzero_si512(), c);
+                for r in 0..K {
+                    let y =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(q.add((r * nb + b) * 32).cast()));
+                    let lanes = _mm512_dpbusd_epi32(negc, y, qx);
+                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(*yd.add(r * nb + b)));
+                    acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[r]);
+                }
+            }
+        }
+        for r in 0..K {
+            let lo = _mm512_castps512_ps256(acc[r]);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+            if kind == Kind::Q4_1 {
+                *o0.add(r) = hsum(lo) + summs[0][r];
+                *o1.add(r) = hsum(hi) + summs[1][r];
+            } else {
+                *o0.add(r) = hsum(lo);
+                *o1.add(r) = hsum(hi);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(in crate::qdot) unsafe fn many(kind: Kind, acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
+        let (nb, k) = (acts.nb, acts.rows.len());
+        let row = nb * kind.weight_block();
+        let n_w = out.len() / k;
+        let mut i = 0;
+        while i + 2 <= n_w {
+            let x0 = w.as_ptr().add(i * row);
+            let (o0, o1) = (
+                out.as_mut_ptr().add(i * k),
+                out.as_mut_ptr().add((i + 1) * k),
+            );
+            let mut r = 0;
+            while r < k {
+                let (a, b) = (o0.add(r), o1.add(r));
+                match k - r {
+                    1 => pair::<1>(kind, acts, r, x0, x0.add(row), a, b),
+                    2 => pair::<2>(kind, acts, r, x0, x0.add(row), a, b),
+                    3 => pair::<3>(kind, acts, r, x0, x0.add(row), a, b),
+                    _ => pair::<GROUP>(kind, acts, r, x0, x0.add(row), a, b),
+                }
+                r += GROUP;
+            }
+            i += 2;
+        }
+        if i < n_w {
+            super::vnni::many(kind, acts, &w[i * row..], &mut out[i * k..]);
+        }
+    }
+}
+
+kernels!(avx2, "avx2,fma,f16c", maddubs);
+kernels!(vnni, "avx2,fma,f16c,avx512vnni,avx512vl", dpbusd);
