@@ -47,6 +47,8 @@ pub struct GenerateArgs {
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
+    // LEAP_STATS=1: at exit, how many nodes Leap's device computed (as the plugin reports it).
+    leap_backend::stats_at_exit_from_env("leap");
     let path = models::resolve(&a.model)?;
     let text = match (&a.prompt, &a.file) {
         (Some(p), _) => p.clone(),
