@@ -3,7 +3,7 @@ CARGO  ?= cargo
 LEAP   := target/release/leap
 PROMPT ?= The three most useful things to know about running language models on a phone are
 
-.PHONY: all setup build plugin llama models run test fuzz bench ablation fmt clippy clean
+.PHONY: all setup build plugin llama models run test aarch64 test-aarch64 fuzz bench ablation fmt clippy clean
 
 all: build
 
@@ -39,6 +39,20 @@ test: models build llama
 	$(CARGO) test --release --workspace
 	LEAP_STOCK_BIN="$$(scripts/stock-llama)" LEAP_LLAMA_BIN=$(abspath $(LLAMA_BIN)) LEAP=$(abspath $(LEAP)) \
 	  python3 -m pytest -q tests/server
+
+# aarch64 Linux (scripts/aarch64): `leap`, libleap.so and libggml_leap.so cross-built with Debian's
+# rustc and cross compilers (installed through apt when missing) into
+# target/aarch64-unknown-linux-gnu/release/ (under CARGO_TARGET_DIR when set), llama.cpp's
+# libraries beside them; the llama.cpp build (~10 minutes on 2 cores) is cached there.
+aarch64: setup
+	@scripts/aarch64 build
+
+# The aarch64 build on emulated Cortex-A53, Cortex-A76 and qemu's `max` core (qemu-user): every
+# ARM kernel against the portable reference and ggml's ARM code, greedy `leap` against plain
+# decoding on both models with Leap's device computing, `leap serve`, the C API example.
+# Results only: emulated time is no speed. Needs the models (`make models`).
+test-aarch64: models
+	LEAP=$(abspath $(LEAP)) scripts/aarch64 test
 
 # Fuzzing (scripts/fuzz): cargo-fuzz targets (fuzz/, nightly) for every parser of outside input:
 # the sidecar (and the early-exit head and attention profile read from it), model GGUF headers
