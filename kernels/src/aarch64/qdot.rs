@@ -230,6 +230,28 @@ macro_rules! kernels {
                 }
             }
 
+            /// [`group`] on the first K of the rows given (as slices).
+            #[inline]
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn rows<const T: u8, const K: usize>(
+                nb: usize,
+                perm: Option<uint8x16_t>,
+                x: *const u8,
+                y: &[*const u8],
+                ys: usize,
+                yd: &[*const f32],
+                ysum: &[*const f32],
+                out: *mut f32,
+            ) {
+                let (y, yd, ysum) = (
+                    std::array::from_fn(|j| y[j]),
+                    std::array::from_fn(|j| yd[j]),
+                    std::array::from_fn(|j| ysum[j]),
+                );
+                group::<T, K>(nb, perm, x, y, ys, yd, ysum, out)
+            }
+
             #[target_feature(enable = $feat)]
             pub(super) unsafe fn many<const T: u8>(
                 acts: &Acts<'_>,
@@ -265,60 +287,11 @@ macro_rules! kernels {
                         let o = o.as_mut_ptr().add(r);
                         let (y, yd, ysum) = (&y[r..], &yd[r..], &ysum[r..]);
                         // K constant in each arm so the accumulators stay in registers.
-                        let a = |j: usize| (y[j], yd[j], ysum[j]);
                         match k - r {
-                            1 => {
-                                let g: [_; 1] = std::array::from_fn(a);
-                                group::<T, 1>(
-                                    nb,
-                                    perm,
-                                    x,
-                                    g.map(|g| g.0),
-                                    ys,
-                                    g.map(|g| g.1),
-                                    g.map(|g| g.2),
-                                    o,
-                                )
-                            }
-                            2 => {
-                                let g: [_; 2] = std::array::from_fn(a);
-                                group::<T, _>(
-                                    nb,
-                                    perm,
-                                    x,
-                                    g.map(|g| g.0),
-                                    ys,
-                                    g.map(|g| g.1),
-                                    g.map(|g| g.2),
-                                    o,
-                                )
-                            }
-                            3 => {
-                                let g: [_; 3] = std::array::from_fn(a);
-                                group::<T, _>(
-                                    nb,
-                                    perm,
-                                    x,
-                                    g.map(|g| g.0),
-                                    ys,
-                                    g.map(|g| g.1),
-                                    g.map(|g| g.2),
-                                    o,
-                                )
-                            }
-                            _ => {
-                                let g: [_; GROUP] = std::array::from_fn(a);
-                                group::<T, _>(
-                                    nb,
-                                    perm,
-                                    x,
-                                    g.map(|g| g.0),
-                                    ys,
-                                    g.map(|g| g.1),
-                                    g.map(|g| g.2),
-                                    o,
-                                )
-                            }
+                            1 => rows::<T, 1>(nb, perm, x, y, ys, yd, ysum, o),
+                            2 => rows::<T, 2>(nb, perm, x, y, ys, yd, ysum, o),
+                            3 => rows::<T, 3>(nb, perm, x, y, ys, yd, ysum, o),
+                            _ => rows::<T, GROUP>(nb, perm, x, y, ys, yd, ysum, o),
                         }
                         r += GROUP;
                     }
