@@ -313,26 +313,22 @@ impl Kernel {
                 for b in 0..nb {
                     qs.extend(a[b * ab + q_at..(b + 1) * ab].iter().map(|&q| q ^ flip));
                 }
-                if self.kind == Kind::Q4_1 {
-                    sums.extend((0..nb).map(|b| f16(a, b * ab + 2)));
-                }
             }
             // NEON: the quants permuted where the kernel's integer lanes differ from the
-            // ggml's it matches (see `aarch64/qdot.rs`), and `Q8_1`'s sums.
+            // ggml's it matches (see `aarch64/qdot.rs`).
             #[cfg(target_arch = "aarch64")]
-            {
-                if let Some(p) = neon::permutation(self) {
-                    for b in 0..nb {
-                        let q = &a[b * ab + q_at..(b + 1) * ab];
-                        qs.extend(
-                            q.chunks_exact(16)
-                                .flat_map(|h| p.map(|i| h[usize::from(i)])),
-                        );
-                    }
+            if let Some(p) = neon::permutation(self) {
+                for b in 0..nb {
+                    let q = &a[b * ab + q_at..(b + 1) * ab];
+                    qs.extend(
+                        q.chunks_exact(16)
+                            .flat_map(|h| p.map(|i| h[usize::from(i)])),
+                    );
                 }
-                if self.kind == Kind::Q4_1 {
-                    sums.extend((0..nb).map(|b| f16(a, b * ab + 2)));
-                }
+            }
+            // `Q8_1`'s block sums, for the kernels that read them as `f32` (AVX-512, NEON).
+            if self.kind == Kind::Q4_1 && (self.zmm || cfg!(target_arch = "aarch64")) {
+                sums.extend((0..nb).map(|b| f16(a, b * ab + 2)));
             }
         }
         Acts {
