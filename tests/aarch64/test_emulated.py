@@ -8,6 +8,7 @@ to find the cached models). Emulation is 10-50x slower than a real core: these t
 results, never speed, and keep generations short.
 """
 
+import json
 import os
 import re
 import stat
@@ -19,6 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "server"))
+import conftest  # noqa: E402
 from conftest import Server, request, model_path  # noqa: E402
 
 SYSROOT = "/usr/aarch64-linux-gnu"
@@ -107,11 +109,10 @@ def wrapper(tmp_path, arm_dir, cpu):
     return str(w)
 
 
-def test_leap_serve_answers_a_chat_completion(tmp_path, arm_dir, host_leap):
-    import conftest
-
+def test_leap_serve_answers_a_chat_completion(tmp_path, monkeypatch, arm_dir, host_leap):
     model = model_path(host_leap, "smollm2-135m")
-    conftest.READY_TIMEOUT = 600  # loading and the kernels' checks run emulated
+    # Loading and the kernels' checks run emulated: more time to get ready, for this test only.
+    monkeypatch.setattr(conftest, "READY_TIMEOUT", 600)
     s = Server(wrapper(tmp_path, arm_dir, "cortex-a76"), model, ctx=512, parallel=1, threads=2)
     try:
         status, _, body = request(s.port, "POST", "/v1/chat/completions", {
@@ -119,8 +120,6 @@ def test_leap_serve_answers_a_chat_completion(tmp_path, arm_dir, host_leap):
             "max_tokens": 8, "temperature": 0,
         }, timeout=EMULATED_TIMEOUT)
         assert status == 200, body
-        import json
-
         r = json.loads(body)
         assert r["choices"][0]["message"]["content"].strip(), r
         assert r["usage"]["completion_tokens"] > 0, r
