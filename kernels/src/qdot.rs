@@ -113,6 +113,35 @@ mod x86;
 /// every accumulator in a register.
 const GROUP: usize = 4;
 
+/// Calls `f(activation rows, weight row, outputs)` for every weight row of `w` (`nb`
+/// super-blocks of `block` bytes) and every group of up to [`GROUP`] activation rows: the
+/// k-quant kernels' driver on every architecture (inlined into each one's `target_feature`
+/// function, so that `f`'s kernel is too).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn by_groups(
+    rows: &[&[u8]],
+    nb: usize,
+    w: &[u8],
+    block: usize,
+    out: &mut [f32],
+    f: impl Fn(&[*const u8], *const u8, &mut [f32]),
+) {
+    let m = rows.len();
+    for g0 in (0..m).step_by(GROUP) {
+        let gl = (m - g0).min(GROUP);
+        let ptrs: [*const u8; GROUP] =
+            std::array::from_fn(|r| rows.get(g0 + r).map_or(std::ptr::null(), |a| a.as_ptr()));
+        for (i, x) in w.chunks_exact(nb * block).enumerate() {
+            f(
+                &ptrs[..gl],
+                x.as_ptr(),
+                &mut out[i * m + g0..i * m + g0 + gl],
+            );
+        }
+    }
+}
+
 /// A checked-available kernel for one weight type.
 #[derive(Clone, Copy, Debug)]
 pub struct Kernel {

@@ -147,7 +147,7 @@ macro_rules! entries {
         /// [`q4k`] with these integer sums.
         #[target_feature(enable = $features)]
         unsafe fn $q4k(ys: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-            by_groups(ys, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
+            super::by_groups(ys, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
                 1 => q4k_rows::<$sums, 1>(ys, nb, x, o),
                 2 => q4k_rows::<$sums, 2>(ys, nb, x, o),
                 3 => q4k_rows::<$sums, 3>(ys, nb, x, o),
@@ -158,7 +158,7 @@ macro_rules! entries {
         /// [`q6k`] with these integer sums.
         #[target_feature(enable = $features)]
         unsafe fn $q6k(ys: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-            by_groups(ys, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
+            super::by_groups(ys, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
                 1 => q6k_rows::<$sums, 1>(ys, nb, x, o),
                 2 => q6k_rows::<$sums, 2>(ys, nb, x, o),
                 3 => q6k_rows::<$sums, 3>(ys, nb, x, o),
@@ -170,32 +170,6 @@ macro_rules! entries {
 
 entries!("neon", Neon, q4k_neon, q6k_neon);
 entries!("neon,dotprod", Sdot, q4k_sdot, q6k_sdot);
-
-/// Calls `f(activation rows, weight row, outputs)` for every weight row of `w` (`nb`
-/// super-blocks of `block` bytes) and every group of up to [`GROUP`] activation rows.
-#[inline(always)]
-unsafe fn by_groups(
-    rows: &[&[u8]],
-    nb: usize,
-    w: &[u8],
-    block: usize,
-    out: &mut [f32],
-    f: impl Fn(&[*const u8], *const u8, &mut [f32]),
-) {
-    let m = rows.len();
-    for g0 in (0..m).step_by(GROUP) {
-        let gl = (m - g0).min(GROUP);
-        let ptrs: [*const u8; GROUP] =
-            std::array::from_fn(|r| rows.get(g0 + r).map_or(std::ptr::null(), |a| a.as_ptr()));
-        for (i, x) in w.chunks_exact(nb * block).enumerate() {
-            f(
-                &ptrs[..gl],
-                x.as_ptr(),
-                &mut out[i * m + g0..i * m + g0 + gl],
-            );
-        }
-    }
-}
 
 #[inline(always)]
 unsafe fn f16_at(p: *const u8) -> f32 {

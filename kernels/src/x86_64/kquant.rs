@@ -82,7 +82,7 @@ macro_rules! entries {
         /// `w` whole rows; `out` one value per weight row and activation row.
         #[target_feature(enable = $features)]
         pub(super) unsafe fn $q4k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-            by_groups(rows, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
+            super::by_groups(rows, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
                 1 => q4k_rows::<1>(ys, nb, x, o),
                 2 => q4k_rows::<2>(ys, nb, x, o),
                 3 => q4k_rows::<3>(ys, nb, x, o),
@@ -96,7 +96,7 @@ macro_rules! entries {
         /// As that kernel.
         #[target_feature(enable = $features)]
         pub(super) unsafe fn $q6k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-            by_groups(rows, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
+            super::by_groups(rows, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
                 1 => q6k_rows::<1>(ys, nb, x, o),
                 2 => q6k_rows::<2>(ys, nb, x, o),
                 3 => q6k_rows::<3>(ys, nb, x, o),
@@ -115,32 +115,6 @@ entries!(
     q4k_wide,
     q6k_wide
 );
-
-/// Calls `f(activation rows, weight row, outputs)` for every weight row of `w` (`nb`
-/// super-blocks of `block` bytes) and every group of up to 4 activation rows.
-#[inline(always)]
-unsafe fn by_groups(
-    rows: &[&[u8]],
-    nb: usize,
-    w: &[u8],
-    block: usize,
-    out: &mut [f32],
-    f: impl Fn(&[*const u8], *const u8, &mut [f32]),
-) {
-    let m = rows.len();
-    for g0 in (0..m).step_by(super::GROUP) {
-        let gl = (m - g0).min(super::GROUP);
-        let ptrs: [*const u8; super::GROUP] =
-            std::array::from_fn(|r| rows.get(g0 + r).map_or(std::ptr::null(), |a| a.as_ptr()));
-        for (i, x) in w.chunks_exact(nb * block).enumerate() {
-            f(
-                &ptrs[..gl],
-                x.as_ptr(),
-                &mut out[i * m + g0..i * m + g0 + gl],
-            );
-        }
-    }
-}
 
 /// One `Q4_K` weight row (at `x`) against `R` activation rows: ggml's AVX2 `vec_dot_q4_K_q8_K`
 /// for each row, with the weight quants and scales unpacked once per 64 values for all rows
