@@ -7,6 +7,8 @@
 
 use leap_kernels::kq;
 
+use std::ffi::c_void;
+
 use crate::ffi as g;
 use crate::par::{parallel, Ptr};
 
@@ -131,6 +133,31 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
     });
 }
 
+/// ggml's f16 `vec_dot` of one row of `n` halves at `x` with one at `y` (nrc = 1, as its
+/// `mul_mat` calls it): what the kernels are checked and timed against.
+///
+/// # Safety
+/// `x` and `y` each hold `n` f16 values.
+unsafe fn ggml_dot(
+    vec_dot: unsafe extern "C" fn(
+        i32,
+        *mut f32,
+        usize,
+        *const c_void,
+        usize,
+        *const c_void,
+        usize,
+        i32,
+    ),
+    n: usize,
+    x: *const u8,
+    y: *const u16,
+) -> f32 {
+    let mut s = 0f32;
+    vec_dot(n as i32, &mut s, 0, x.cast(), 0, y.cast(), 0, 1);
+    s
+}
+
 /// Whether [`compute`]'s arithmetic reproduces ggml's own `vec_dot_f16` (with ggml's f32 to
 /// f16 conversion of the query) bit for bit, on pseudo-random rows of several lengths (with
 /// and without leftovers past ggml's steps, shorter than one step too) and magnitudes, in
@@ -177,20 +204,10 @@ pub fn agrees_with_ggml() -> bool {
                 unsafe { dots(x.as_ptr().cast(), 2 * n, ROWS, &qs[..m * n], n, &mut got) };
                 for k in 0..m {
                     for r in 0..ROWS {
-                        let mut want = 0f32;
-                        // SAFETY: rows of n elements; nrc = 1 as ggml's mul_mat calls it.
-                        unsafe {
-                            vec_dot(
-                                n as i32,
-                                &mut want,
-                                0,
-                                x[r * n..].as_ptr() as *mut _,
-                                0,
-                                h[k * n..].as_mut_ptr().cast(),
-                                0,
-                                1,
-                            );
-                        }
+                        // SAFETY: rows of n elements.
+                        let want = unsafe {
+                            ggml_dot(vec_dot, n, x[r * n..].as_ptr().cast(), h[k * n..].as_ptr())
+                        };
                         if want.to_bits() != got[r * m + k].to_bits() {
                             return false;
                         }
@@ -243,16 +260,12 @@ pub fn time_products(n: usize, rows: usize, stride: usize, m: usize, reps: usize
         for r in 0..rows {
             for k in 0..m {
                 // SAFETY: one row of n f16 each.
-                unsafe {
-                    vec_dot(
-                        n as i32,
-                        &mut sums[r * m + k],
-                        0,
-                        x.as_ptr().add(r * stride) as *mut _,
-                        0,
-                        qh.as_ptr().add(k * n) as *mut _,
-                        0,
-                        1,
+                sums[r * m + k] = unsafe {
+                    ggml_dot(
+                        vec_dot,
+                        n,
+                        x.as_ptr().add(r * stride),
+                        qh.as_ptr().add(k * n),
                     )
                 };
             }
@@ -312,19 +325,9 @@ mod tests {
             unsafe { dots(x.as_ptr().cast(), 2 * N, 2, &qs, N, &mut got) };
             for (i, got) in got.iter().enumerate() {
                 let (r, k) = (i / 2, i % 2);
-                let mut want = 0f32;
-                // SAFETY: rows of N elements; nrc = 1.
-                unsafe {
-                    vec_dot(
-                        N as i32,
-                        &mut want,
-                        0,
-                        x[r * N..].as_ptr() as *mut _,
-                        0,
-                        h[k * N..].as_mut_ptr().cast(),
-                        0,
-                        1,
-                    )
+                // SAFETY: rows of N elements.
+                let want = unsafe {
+                    super::ggml_dot(vec_dot, N, x[r * N..].as_ptr().cast(), h[k * N..].as_ptr())
                 };
                 assert_eq!(got.to_bits(), want.to_bits(), "row {r} query {k}: {want:?}");
             }
