@@ -101,6 +101,32 @@ pub struct Context {
     // Keeps the eval observer at a stable address for the C callback; never touched while
     // llama_decode runs. Declared after `raw` so it drops after the context is freed.
     observer: Option<Box<crate::eval::Hook>>,
+    // What llama.cpp's abort callback reads, at a stable address (same drop order).
+    abort: Box<Abort>,
+}
+
+/// A check that stops a decode: returning true aborts `llama_decode` between graph nodes
+/// (the decode then fails with [`Error::Cancelled`]). Set with [`Context::set_cancel`].
+pub type Cancel = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// What the abort callback consults: the observer's failure flag and the caller's check.
+struct Abort {
+    flag: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cancel: Option<Cancel>,
+}
+
+/// llama.cpp's abort callback: `data` is the context's [`Abort`].
+unsafe extern "C" fn abort_trampoline(data: *mut c_void) -> bool {
+    if data.is_null() {
+        return false;
+    }
+    // SAFETY: the Context keeps its Abort alive as long as llama.cpp may call this, and
+    // changes it only through `&mut self` (never while llama_decode runs).
+    let a = unsafe { &*(data as *const Abort) };
+    a.flag.load(std::sync::atomic::Ordering::Relaxed)
+        || a.cancel.as_ref().is_some_and(|c| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c())).unwrap_or(true)
+        })
 }
 
 // SAFETY: a llama_context may move between threads; it is not used concurrently (`&mut self`
@@ -168,9 +194,15 @@ impl Context {
         if let Some(hook) = observer.as_mut() {
             cp.cb_eval = Some(eval_trampoline);
             cp.cb_eval_user_data = (&mut **hook as *mut crate::eval::Hook).cast::<c_void>();
-            cp.abort_callback = Some(crate::eval::abort_trampoline);
-            cp.abort_callback_data = std::sync::Arc::as_ptr(&hook.abort) as *mut c_void;
         }
+        let abort = Box::new(Abort {
+            flag: observer
+                .as_ref()
+                .map_or_else(Default::default, |h| std::sync::Arc::clone(&h.abort)),
+            cancel: None,
+        });
+        cp.abort_callback = Some(abort_trampoline);
+        cp.abort_callback_data = (&*abort as *const Abort).cast_mut().cast::<c_void>();
         backend::take_last_problem();
         // SAFETY: the model is live (held by the Arc we clone below); `cp` is initialised; the
         // observer box outlives the context (field order in `Context`).
@@ -187,7 +219,15 @@ impl Context {
             n_seq_max: cp.n_seq_max,
             n_ctx,
             observer,
+            abort,
         })
+    }
+
+    /// Check `cancel` during every decode from now on (`None`: no check): when it returns
+    /// true, the decode stops between graph nodes and fails with [`Error::Cancelled`]. The
+    /// KV cells of a cancelled batch are not to be relied on.
+    pub fn set_cancel(&mut self, cancel: Option<Cancel>) {
+        self.abort.cancel = cancel;
     }
 
     /// The raw pointer, for the anchor shim in this crate.
@@ -227,7 +267,8 @@ impl Context {
     /// Run the batch through the model, appending its tokens to the KV memory.
     ///
     /// # Errors
-    /// [`Error::KvCacheFull`], [`Error::Aborted`], [`Error::InvalidBatch`], [`Error::Decode`].
+    /// [`Error::KvCacheFull`], [`Error::Cancelled`], [`Error::Aborted`],
+    /// [`Error::InvalidBatch`], [`Error::Decode`].
     pub fn decode(&mut self, batch: &Batch) -> Result<()> {
         // llama.cpp asserts (aborts the process) on a batch larger than n_batch.
         // SAFETY: live context.
@@ -253,6 +294,7 @@ impl Context {
                 n_tokens: batch.len(),
                 n_ctx: self.n_ctx,
             }),
+            2 if self.abort.cancel.as_ref().is_some_and(|c| c()) => Err(Error::Cancelled),
             2 => Err(Error::Aborted),
             -1 => Err(Error::InvalidBatch {
                 n_tokens: batch.len(),

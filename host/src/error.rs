@@ -34,6 +34,10 @@ pub enum Error {
     /// A decode's observer stopped it for a failure (a streamed model file that changed).
     #[error("decode stopped: {reason}")]
     Stopped { reason: String },
+    /// The check set with `Context::set_cancel` stopped `llama_decode` (the caller gave up
+    /// on the work: a client hung up).
+    #[error("cancelled")]
+    Cancelled,
     /// `llama_decode` was aborted by the abort callback.
     #[error("llama_decode was aborted")]
     Aborted,

@@ -123,14 +123,6 @@ pub(crate) struct Hook {
     pub(crate) abort: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// llama.cpp's abort callback: `data` is the `AtomicBool` of a [`Hook`].
-pub(crate) unsafe extern "C" fn abort_trampoline(data: *mut c_void) -> bool {
-    // SAFETY: the Context keeps the flag alive as long as llama.cpp may call this.
-    !data.is_null()
-        && unsafe { &*(data as *const std::sync::atomic::AtomicBool) }
-            .load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// The `cb_eval` trampoline. `user` is a `*mut Hook` owned by the Context.
 pub(crate) unsafe extern "C" fn eval_trampoline(
     t: *mut sys::ggml_tensor,

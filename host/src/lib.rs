@@ -42,7 +42,7 @@ pub mod sidecar;
 pub mod usage;
 
 pub use batch::Batch;
-pub use context::{Context, ContextParams, FlashAttn};
+pub use context::{Cancel, Context, ContextParams, FlashAttn};
 pub use error::{Error, Result};
 pub use eval::{Chain, EvalObserver, TensorView};
 pub use gguf::GgufInfo;
