@@ -38,6 +38,19 @@ pub struct Model {
     raw: NonNull<sys::llama_model>,
     vocab: NonNull<sys::llama_vocab>,
     path: PathBuf,
+    /// What the tokenizer can make of text, read off the vocabulary at first use.
+    text_facts: std::sync::OnceLock<TextFacts>,
+}
+
+/// Read off the vocabulary once: how much text a token can cover, and the control tokens'
+/// texts (what `parse_special` turns into control tokens).
+struct TextFacts {
+    /// The longest token text in bytes (as stored: `▁`, `Ġ` and `<0x0A>` are longer than the
+    /// text they stand for, so no token covers more bytes of a prompt than this).
+    longest: usize,
+    /// The texts of control (and unknown) tokens, which llama.cpp matches only with
+    /// `parse_special`; `None` when the vocabulary has none.
+    control: Option<aho_corasick::AhoCorasick>,
 }
 
 // SAFETY: a llama_model is immutable after loading; llama.cpp documents concurrent contexts on
@@ -108,6 +121,7 @@ impl Model {
             raw,
             vocab,
             path: path.to_path_buf(),
+            text_facts: std::sync::OnceLock::new(),
         }))
     }
 
@@ -358,6 +372,166 @@ impl Model {
             }
             buf.resize((-n) as usize, 0);
         }
+    }
+
+    fn text_facts(&self) -> &TextFacts {
+        self.text_facts.get_or_init(|| {
+            let mut longest = 1;
+            let mut control = Vec::new();
+            for t in 0..self.n_vocab() {
+                // SAFETY: `t` is in the vocabulary; the text is owned by the model.
+                let (p, attr) = unsafe {
+                    (
+                        sys::llama_vocab_get_text(self.vocab(), t),
+                        sys::llama_vocab_get_attr(self.vocab(), t),
+                    )
+                };
+                if p.is_null() {
+                    continue;
+                }
+                // SAFETY: non-null NUL-terminated string owned by the model.
+                let text = unsafe { CStr::from_ptr(p) }.to_bytes();
+                longest = longest.max(text.len());
+                let special = sys::LLAMA_TOKEN_ATTR_CONTROL | sys::LLAMA_TOKEN_ATTR_UNKNOWN;
+                if attr & special != 0 && !text.is_empty() {
+                    control.push(text.to_vec());
+                }
+            }
+            let control = (!control.is_empty())
+                .then(|| aho_corasick::AhoCorasick::new(&control).ok())
+                .flatten();
+            TextFacts { longest, control }
+        })
+    }
+
+    /// The most bytes of text one token can stand for: a prompt of more than `n_ctx` times
+    /// this many bytes cannot fit a context of `n_ctx` tokens (so it can be refused without
+    /// tokenizing it).
+    pub fn max_token_bytes(&self) -> usize {
+        self.text_facts().longest
+    }
+
+    /// Whether `text` holds the text of a control token (`<|im_end|>`, `<start_of_turn>`):
+    /// what tokenizing with `parse_special` would turn into one.
+    pub fn has_control_text(&self, text: &str) -> bool {
+        self.text_facts()
+            .control
+            .as_ref()
+            .is_some_and(|ac| ac.is_match(text))
+    }
+
+    /// `messages` in the model's chat template, as tokens: the template's own control tokens
+    /// (`<|im_start|>`, `<start_of_turn>`) as control tokens, the messages' text as text (a
+    /// message that says `<|im_end|>` cannot end its turn). BOS as the model wants it.
+    ///
+    /// When no message holds control-token text (nearly always), these are the tokens of the
+    /// rendered prompt tokenized whole with `parse_special`, as llama-server tokenizes it.
+    /// Otherwise the prompt is tokenized piece by piece: the template's text between the
+    /// messages with `parse_special`, each message's text without.
+    ///
+    /// # Errors
+    /// [`Error::ChatTemplate`] when llama.cpp cannot apply the template, or when it changes
+    /// a message that holds control-token text in a way this cannot follow; tokenization.
+    pub fn chat_tokens(&self, messages: &[ChatMessage], add_assistant: bool) -> Result<Vec<Token>> {
+        let text = self.apply_chat_template(messages, add_assistant)?;
+        if !messages.iter().any(|m| self.has_control_text(&m.content)) {
+            return self.tokenize(&text, true, true);
+        }
+        let pieces = self.template_pieces(messages, add_assistant, &text)?;
+        let mut out = Vec::new();
+        if self.add_bos() {
+            out.extend(self.token_bos());
+        }
+        for (i, (piece, is_message)) in pieces.iter().enumerate() {
+            let mut toks = self.tokenize(piece, false, !is_message)?;
+            // The template may begin with BOS's text itself: one BOS, as a whole tokenize
+            // would give (llama.cpp warns about two).
+            if i == 0 && !out.is_empty() && toks.first() == out.first() {
+                toks.remove(0);
+            }
+            out.extend(toks);
+        }
+        Ok(out)
+    }
+
+    /// `text` (the messages rendered) cut into the template's own text and the messages' text,
+    /// in order: `(piece, true)` for a message's. The template's pieces come from rendering
+    /// it with markers for the messages; each message's text is found between them as the
+    /// template wrote it (whole, or trimmed as some templates do).
+    fn template_pieces(
+        &self,
+        messages: &[ChatMessage],
+        add_assistant: bool,
+        text: &str,
+    ) -> Result<Vec<(String, bool)>> {
+        let mark = |i: usize| format!("\u{E000}{i}\u{E001}");
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ChatMessage {
+                role: m.role.clone(),
+                content: mark(i),
+            })
+            .collect();
+        let skeleton = self.apply_chat_template(&marked, add_assistant)?;
+        // Alternate template text and message indices, as the markers appear.
+        let mut parts: Vec<Result<String, usize>> = Vec::new();
+        let mut rest = skeleton.as_str();
+        while let Some(at) = rest.find('\u{E000}') {
+            let end = rest[at..].find('\u{E001}').map(|e| at + e);
+            let idx = end.and_then(|e| rest[at + 3..e].parse::<usize>().ok());
+            let (Some(end), Some(idx)) = (end, idx.filter(|&i| i < messages.len())) else {
+                break;
+            };
+            parts.push(Ok(rest[..at].to_string()));
+            parts.push(Err(idx));
+            rest = &rest[end + 3..];
+        }
+        parts.push(Ok(rest.to_string()));
+        let changed = || Error::ChatTemplate {
+            reason: "this model's chat template changes message text in a way Leap cannot \
+                     follow, and a message holds control-token text"
+                .into(),
+        };
+        let mut out = Vec::new();
+        let mut at = 0;
+        for (k, part) in parts.iter().enumerate() {
+            match part {
+                Ok(t) => {
+                    if !text[at..].starts_with(t.as_str()) {
+                        return Err(changed());
+                    }
+                    at += t.len();
+                    out.push((t.clone(), false));
+                }
+                Err(i) => {
+                    let c = messages[*i].content.as_str();
+                    let next = match parts.get(k + 1) {
+                        Some(Ok(t)) => t.as_str(),
+                        _ => "",
+                    };
+                    let last = k + 2 == parts.len();
+                    let found = [c, c.trim(), c.trim_start(), c.trim_end()]
+                        .into_iter()
+                        .find(|cand| {
+                            let after = &text[at..];
+                            after.starts_with(cand)
+                                && if last {
+                                    after[cand.len()..] == *next
+                                } else {
+                                    after[cand.len()..].starts_with(next)
+                                }
+                        })
+                        .ok_or_else(changed)?;
+                    at += found.len();
+                    out.push((found.to_string(), true));
+                }
+            }
+        }
+        if at != text.len() {
+            return Err(changed());
+        }
+        Ok(out.into_iter().filter(|(p, _)| !p.is_empty()).collect())
     }
 
     /// The model's chat template (the default one when `name` is `None`).
