@@ -9,7 +9,7 @@ use crate::{backend, Context, Token};
 /// Settings for a sampled (non-greedy) chain.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
-    /// Temperature; `<= 0` means greedy.
+    /// Temperature; below [`SamplingParams::GREEDY_BELOW`] (0 included) means greedy.
     pub temp: f32,
     /// Keep the `top_k` most likely tokens (0: all).
     pub top_k: i32,
@@ -19,6 +19,18 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Seed of the final random draw.
     pub seed: u32,
+}
+
+impl SamplingParams {
+    /// Temperatures below this decode greedily. The chain divides logits by the temperature:
+    /// at 1e-38 they overflow to infinity and the softmax is NaN; well before that, only
+    /// logits within a hair of the best keep any probability.
+    pub const GREEDY_BELOW: f32 = 1e-4;
+
+    /// Whether these settings decode greedily (a NaN temperature too).
+    pub fn is_greedy(&self) -> bool {
+        self.temp.is_nan() || self.temp < Self::GREEDY_BELOW
+    }
 }
 
 impl Default for SamplingParams {
@@ -75,9 +87,10 @@ impl Sampler {
         Self::chain([unsafe { sys::llama_sampler_init_greedy() }])
     }
 
-    /// Greedy when `p.temp <= 0`, else top-k, top-p, min-p, temperature and a seeded draw.
+    /// Greedy when [`SamplingParams::is_greedy`], else top-k, top-p, min-p, temperature and
+    /// a seeded draw.
     pub fn new(p: &SamplingParams) -> Self {
-        if p.temp <= 0.0 {
+        if p.is_greedy() {
             return Self::greedy();
         }
         // SAFETY: each call creates a new sampler that the chain will own.

@@ -6,12 +6,14 @@
 //!
 //! - [`greedy`]: token equality with the target's argmax; the output is exactly what plain
 //!   greedy decoding would produce, whatever the drafts.
-//! - [`stochastic`]: multi-candidate speculative sampling for deterministic drafts (SpecInfer's
-//!   multi-round rejection with one-hot draft distributions): at a node with target
-//!   distribution `p` and candidate children `c_1..c_k`, accept `c_i` with probability
-//!   `p(c_i)`, else remove `c_i` from `p` and renormalise; if every candidate is rejected,
-//!   sample from what is left. Every emitted token is then distributed exactly as the target's
-//!   `p` given the tokens before it.
+//! - [`stochastic`]: speculative sampling for deterministic drafts by coupling: at a node with
+//!   target distribution `p`, the target's token is drawn from `p` with the uniform of its
+//!   position ([`position_uniform`]: a function of the seed and the position only), and the
+//!   child drafting that token, if any, is accepted. Every emitted token is then distributed
+//!   exactly as the target's `p` given the tokens before it, a node accepts with probability
+//!   `sum p(c_i)` over its candidates (as SpecInfer's multi-round rejection with one-hot
+//!   drafts), and the tokens are those plain sampling draws with the same seed, whatever was
+//!   drafted.
 
 use crate::sam::Token;
 use crate::tree::{NodeId, TokenTree};
@@ -61,51 +63,45 @@ impl Uniform for SplitMix64 {
     }
 }
 
-/// Draw from an unnormalised distribution.
-fn draw(p: &[f32], rng: &mut impl Uniform) -> Token {
-    let total: f64 = p.iter().map(|&x| x as f64).sum();
-    let mut r = rng.uniform() * total;
-    let mut last = 0;
-    for (i, &x) in p.iter().enumerate() {
-        if x > 0.0 {
-            last = i;
-            r -= x as f64;
-            if r < 0.0 {
-                return i as Token;
-            }
-        }
-    }
-    last as Token
+/// The uniform number in `[0, 1)` that draws the token at sequence position `pos` of a
+/// generation seeded with `seed`. Every sampling path draws position `pos`'s token from the
+/// target's distribution with this number, so a seed gives the same text whatever was drafted
+/// (and whether anything was).
+pub fn position_uniform(seed: u32, pos: usize) -> f64 {
+    SplitMix64((u64::from(seed) << 32) ^ (pos as u64) ^ 0x1EA9_5EED_0000_0000).uniform()
 }
 
-/// Stochastic acceptance for deterministic drafts. `dist(node)` is the target's next-token
-/// distribution after `node`'s path (softmax of that row's logits at the sampling
-/// temperature, after any truncation the sampler applies); it need not be normalised.
+/// The token `u` (uniform in `[0, 1)`) picks from `entries` (`(token, probability)`, summing
+/// to 1): the first whose cumulative probability exceeds `u` (the last one when rounding left
+/// `u` beyond the sum).
+pub fn pick(entries: &[(Token, f32)], u: f64) -> Token {
+    let mut r = u;
+    for &(t, p) in entries {
+        r -= f64::from(p);
+        if r < 0.0 {
+            return t;
+        }
+    }
+    entries.last().map_or(0, |e| e.0)
+}
+
+/// Stochastic acceptance. `dist(node)` is the target's distribution after `node`'s path
+/// (`(token, probability)`, in a fixed order: the sampler chain's); `uniform(k)` the uniform
+/// number of the `k`-th token this acceptance emits (its position's: [`position_uniform`]).
 pub fn stochastic(
     tree: &TokenTree,
-    mut dist: impl FnMut(NodeId) -> Vec<f32>,
-    rng: &mut impl Uniform,
+    mut dist: impl FnMut(NodeId) -> Vec<(Token, f32)>,
+    mut uniform: impl FnMut(usize) -> f64,
 ) -> Accepted {
     let mut at = 0;
     let mut tokens = Vec::new();
-    'walk: loop {
-        let mut p = dist(at);
-        let mut mass: f64 = p.iter().map(|&x| x as f64).sum();
-        for &c in &tree.nodes()[at].children {
-            let t = tree.nodes()[c].token as usize;
-            let pc = p.get(t).copied().unwrap_or(0.0) as f64;
-            if mass > 0.0 && rng.uniform() * mass < pc {
-                tokens.push(t as Token);
-                at = c;
-                continue 'walk;
-            }
-            if let Some(x) = p.get_mut(t) {
-                mass -= *x as f64;
-                *x = 0.0;
-            }
+    loop {
+        let t = pick(&dist(at), uniform(tokens.len()));
+        tokens.push(t);
+        match tree.child(at, t) {
+            Some(c) => at = c,
+            None => return Accepted { tokens, node: at },
         }
-        tokens.push(draw(&p, rng));
-        return Accepted { tokens, node: at };
     }
 }
 
@@ -180,6 +176,57 @@ mod tests {
         (0..6).map(|i| base[(i + shift) % 6]).collect()
     }
 
+    /// A dense distribution's entries, normalised.
+    fn sparse(p: &[f32]) -> Vec<(Token, f32)> {
+        let z: f32 = p.iter().sum();
+        p.iter()
+            .enumerate()
+            .filter(|(_, &x)| x > 0.0)
+            .map(|(i, &x)| (i as Token, x / z))
+            .collect()
+    }
+
+    #[test]
+    fn a_seed_gives_the_same_tokens_whatever_was_drafted() {
+        // The target: after any path, tokens 0..6 with target(path)'s probabilities.
+        let d = |path: &[Token]| sparse(&target(path));
+        let seed = 11;
+        // Plain sampling: one token per position.
+        let mut path = vec![0];
+        for pos in 0..8 {
+            let t = pick(&d(&path), position_uniform(seed, pos));
+            path.push(t);
+        }
+        let plain = &path[1..];
+        // Any drafts, right or wrong: the tokens are plain sampling's.
+        let mut rng = SplitMix64(5);
+        for _ in 0..200 {
+            let mut out: Vec<Token> = Vec::new();
+            while out.len() < 8 {
+                let mut root_path = vec![0];
+                root_path.extend(&out);
+                let mut tree = TokenTree::new(*root_path.last().unwrap());
+                for _ in 0..3 {
+                    let draft: Vec<Token> =
+                        (0..3).map(|_| (rng.uniform() * 6.0) as Token).collect();
+                    tree.add_path(0, &draft);
+                }
+                let base = out.len();
+                let a = stochastic(
+                    &tree,
+                    |n| {
+                        let mut p = root_path.clone();
+                        p.extend(tree.path(n));
+                        d(&p)
+                    },
+                    |k| position_uniform(seed, base + k),
+                );
+                out.extend(a.tokens);
+            }
+            assert_eq!(&out[..8], plain);
+        }
+    }
+
     /// Pearson's chi-square statistic of counts against probabilities.
     fn chi2(counts: &[u64], p: &[f32]) -> f64 {
         let n: u64 = counts.iter().sum();
@@ -229,7 +276,7 @@ mod tests {
             target(&p)
         };
         let (first, second) = run(60_000, 7, |tree, rng| {
-            stochastic(tree, |n| tree_dist(tree, n), rng)
+            stochastic(tree, |n| sparse(&tree_dist(tree, n)), |_| rng.uniform())
         });
         let c1 = chi2(&first, &target(&[0]));
         let c2 = chi2(&second, &target(&[0, 2]));
@@ -244,7 +291,7 @@ mod tests {
         tree.add_path(0, &[0, 0]);
         let long = (0..1000)
             .filter(|_| {
-                stochastic(&tree, |n| tree_dist(&tree, n), &mut rng)
+                stochastic(&tree, |n| sparse(&tree_dist(&tree, n)), |_| rng.uniform())
                     .tokens
                     .len()
                     > 1
@@ -270,7 +317,8 @@ mod tests {
     #[test]
     fn a_tree_without_drafts_yields_one_sampled_token() {
         let tree = TokenTree::new(3);
-        let a = stochastic(&tree, |_| vec![0.0, 0.0, 1.0], &mut SplitMix64(3));
+        let mut rng = SplitMix64(3);
+        let a = stochastic(&tree, |_| vec![(2, 1.0)], |_| rng.uniform());
         assert_eq!(
             a,
             Accepted {

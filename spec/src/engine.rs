@@ -14,7 +14,7 @@ use leap_host::sampler::SamplingParams;
 use leap_host::usage::cpu_seconds;
 use leap_host::{Batch, Context, Error, Result, Token};
 
-use crate::accept::{self, SplitMix64, Uniform};
+use crate::accept;
 use crate::calib::{self, CalibratedDrafter, Calibration};
 use crate::control::{Controller, Evidence};
 use crate::dist::Truncation;
@@ -159,6 +159,17 @@ impl Engine {
             vocab: Default::default(),
             vocab_pays: None,
         }
+    }
+
+    /// Forget what earlier requests left: the history of their texts, drafts kept for reuse,
+    /// calibration, and the acceptance learned from them (the machine's measured costs stay).
+    /// The next request is drafted as if it were the first: nothing about another client's
+    /// text can show in how it is drafted or how long it takes.
+    pub fn forget(&mut self) {
+        self.history = HistoryDrafter::new(self.cfg.min_match, self.cfg.history_tokens);
+        self.reuse = ReuseDrafter::new(self.cfg.reuse_lifetime, 2);
+        self.calibrated = CalibratedDrafter::new(self.cfg.min_match);
+        self.control.forget_acceptance();
     }
 
     /// Draft with `d` too (a draft model: [`crate::model_draft::ModelDrafter`]).
@@ -365,12 +376,12 @@ impl Engine {
         .map(Some)
     }
 
-    /// Generation with `sampling`: greedy when `sampling.temp <= 0` (as [`Engine::generate`]),
-    /// else speculative sampling: each step's tree is accepted by multi-round rejection
+    /// Generation with `sampling`: greedy when [`SamplingParams::is_greedy`] (as [`Engine::generate`]),
+    /// else speculative sampling: each step's tree is accepted by coupling
     /// ([`accept::stochastic`]) against the distribution llama.cpp's sampler chain with the
-    /// same parameters draws from ([`Truncation`]), so every token is distributed exactly as
-    /// plain sampling's (not the same tokens: the random streams differ). Seeded by
-    /// `sampling.seed`.
+    /// same parameters draws from ([`Truncation`]), each position's token drawn with the
+    /// uniform of (`sampling.seed`, position): every token is distributed exactly as plain
+    /// sampling's, and they are the tokens plain sampling gives with that seed.
     ///
     /// # Errors
     /// As [`Engine::generate`].
@@ -418,9 +429,8 @@ impl Engine {
             );
         }
         let cached = cached.min(prompt.len().saturating_sub(1));
-        let sampled = sampling.temp > 0.0;
+        let sampled = !sampling.is_greedy();
         let trunc = Truncation::from(sampling);
-        let mut rng = SplitMix64(u64::from(sampling.seed) ^ 0x1EA9_5EED_0000_0000);
         if prompt.is_empty() {
             return Err(Error::InvalidBatch {
                 n_tokens: 0,
@@ -470,9 +480,11 @@ impl Engine {
         let cpu0 = cpu_seconds();
         let t1 = Instant::now();
         let mut pos0 = prompt.len() as i32;
-        let n_vocab = model.n_vocab() as usize;
         let first = if sampled {
-            draw(&trunc, ctx.logits(-1)?, &mut rng)
+            accept::pick(
+                &trunc.apply(ctx.logits(-1)?).entries,
+                accept::position_uniform(sampling.seed, prompt.len()),
+            )
         } else {
             argmax(ctx.logits(-1)?)
         };
@@ -621,14 +633,16 @@ impl Engine {
                 }
             };
             let acc = if sampled {
+                // The k-th token emitted here is at sequence position `base + k`.
+                let base = prompt.len() + g.tokens.len();
                 accept::stochastic(
                     vt,
                     |node| {
                         let mut d = Vec::new();
-                        logits_of(node, &mut |l| d = trunc.apply(l).dense(n_vocab));
+                        logits_of(node, &mut |l| d = trunc.apply(l).entries);
                         d
                     },
-                    &mut rng,
+                    |k| accept::position_uniform(sampling.seed, base + k),
                 )
             } else {
                 accept::greedy(vt, |node| {
@@ -822,19 +836,6 @@ fn trunk_chain(tree: &TokenTree, node: NodeId, len: usize) -> Vec<NodeId> {
         }
     }
     chain
-}
-
-/// One token from the chain's distribution after `logits`.
-fn draw(trunc: &Truncation, logits: &[f32], rng: &mut impl Uniform) -> Token {
-    let d = trunc.apply(logits);
-    let mut r = rng.uniform();
-    for &(t, p) in &d.entries {
-        r -= f64::from(p);
-        if r < 0.0 {
-            return t;
-        }
-    }
-    d.entries.last().map_or(0, |e| e.0)
 }
 
 /// The nodes from the root to `node`.

@@ -6,7 +6,10 @@ use std::time::Instant;
 use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
 use leap_host::usage::cpu_seconds;
-use leap_host::{Batch, Context, Result, Sampler, Token};
+use leap_host::{Batch, Context, Result, Token};
+
+use crate::accept::{pick, position_uniform};
+use crate::dist::Truncation;
 
 /// What one generation produced and what it cost.
 #[derive(Debug, Clone, Default)]
@@ -108,7 +111,8 @@ pub fn argmax(logits: &[f32]) -> Token {
     best as Token
 }
 
-/// Plain decoding: greedy when `sampling.temp <= 0`, else llama.cpp's sampler chain. Stops
+/// Plain decoding: greedy when [`SamplingParams::is_greedy`], else llama.cpp's sampler chain
+/// ([`Truncation`]) drawn with the uniform of (seed, position) ([`position_uniform`]). Stops
 /// after `max_tokens`, at an end-of-generation token (kept in the output), or when `on_token`
 /// returns false.
 ///
@@ -160,7 +164,7 @@ pub fn plain_from(
     n_batch: usize,
     on_token: &mut dyn FnMut(Token) -> bool,
 ) -> Result<Generation> {
-    let mut od = od.filter(|_| sampling.temp <= 0.0);
+    let mut od = od.filter(|_| sampling.is_greedy());
     // Checked against llama.cpp's logits on the first step.
     let mut checked = false;
     let cached = keep_prefix(ctx, cached.min(prompt.len().saturating_sub(1)));
@@ -169,7 +173,7 @@ pub fn plain_from(
     let prefill_seconds = t0.elapsed().as_secs_f64();
 
     let model = ctx.model().clone();
-    let mut sampler = (sampling.temp > 0.0).then(|| Sampler::new(sampling));
+    let trunc = (!sampling.is_greedy()).then(|| Truncation::from(sampling));
     let mut g = Generation {
         prefill_seconds,
         ..Default::default()
@@ -181,8 +185,12 @@ pub fn plain_from(
     let mut row = Vec::new();
     let mut hidden: Option<Vec<f32>> = None;
     while g.tokens.len() < max_tokens {
-        let tok = match (sampler.as_mut(), hidden.take(), od) {
-            (Some(s), _, _) => s.sample(ctx, -1),
+        let tok = match (trunc.as_ref(), hidden.take(), od) {
+            // Position `pos`'s token, with the uniform of (seed, pos) as every sampling path.
+            (Some(tr), _, _) => pick(
+                &tr.apply(ctx.logits(-1)?).entries,
+                position_uniform(sampling.seed, pos as usize),
+            ),
             (None, Some(h), Some(od)) => {
                 let tp = Instant::now();
                 od.try_logits(&h, &mut row)?;

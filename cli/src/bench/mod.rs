@@ -131,7 +131,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             "leap:oracle drafts plain decoding's answers: put plain before it in --modes"
         );
         anyhow::ensure!(
-            cfg.sampling.temp <= 0.0,
+            cfg.sampling.is_greedy(),
             "leap:oracle drafts plain's greedy answers: it runs with --temp 0 only"
         );
     }
@@ -244,7 +244,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
                 p.budget,
                 model.n_vocab(),
                 ec.vocab,
-                cfg.sampling.temp <= 0.0,
+                cfg.sampling.is_greedy(),
             ),
             _ => 0,
         };
@@ -487,7 +487,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
     let plain_outputs: Option<Vec<String>> = kinds
         .iter()
         .position(|k| *k == ModeKind::Plain)
-        .filter(|_| cfg.sampling.temp <= 0.0)
+        .filter(|_| cfg.sampling.is_greedy())
         .map(|p| {
             per_mode[p]
                 .requests

@@ -243,7 +243,7 @@ impl StockServer {
             "stream": false,
             "temperature": sampling.temp.max(0.0),
         });
-        if sampling.temp > 0.0 {
+        if !sampling.is_greedy() {
             body["top_k"] = json!(sampling.top_k);
             body["top_p"] = json!(sampling.top_p);
             body["min_p"] = json!(sampling.min_p);
