@@ -115,6 +115,21 @@ impl Controller {
     /// (0.6 for one token to 0.9 for 17+; a controller that never drafts never learns), worth
     /// four observations, and cost slope `beta_prior`.
     pub fn new(beta_prior: f64) -> Self {
+        Self::with_priors(beta_prior)
+    }
+
+    /// Forget the acceptance learned from the drafts of earlier requests (what their texts
+    /// were like), keeping the machine's measured costs.
+    pub fn forget_acceptance(&mut self) {
+        let fresh = Self::with_priors(0.0);
+        self.reliability = fresh.reliability;
+        self.accepted = fresh.accepted;
+        self.rejected = fresh.rejected;
+        self.keep_rate = fresh.keep_rate;
+        self.idle = 0;
+    }
+
+    fn with_priors(beta_prior: f64) -> Self {
         const PRIOR: [f64; BUCKETS] = [0.6, 0.7, 0.75, 0.8, 0.85, 0.9];
         const WEIGHT: f64 = 4.0;
         let mut accepted = [PRIOR.map(|a| a * WEIGHT); SOURCES];

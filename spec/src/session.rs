@@ -148,6 +148,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether a [`Session::set_cancel`] check stopped the generation.
+    pub fn is_cancelled(&self) -> bool {
+        matches!(self, Error::Host(leap_host::Error::Cancelled))
+    }
+
     /// A stable number per kind (the C API's `leap_status`): 1 invalid argument, 2 does not
     /// fit the context, 3 model file missing or unreadable, 4 anything else llama.cpp failed.
     pub fn code(&self) -> i32 {
@@ -175,7 +180,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub struct Request {
     /// Most tokens to generate.
     pub max_tokens: usize,
-    /// Sampling (`temp <= 0`: greedy).
+    /// Sampling (greedy below [`SamplingParams::GREEDY_BELOW`]).
     pub sampling: SamplingParams,
 }
 
@@ -274,24 +279,22 @@ impl Runtime {
     }
 
     /// `text` as the prompt `leap generate` and the C API decode: with `chat`, one user
-    /// message in the model's chat template (its control-token text parsed as control
-    /// tokens); else the text as it is. BOS as the model wants it.
+    /// message in the model's chat template (the template's control tokens as control
+    /// tokens, the text as text: [`Model::chat_tokens`]); else the text as it is (control-token
+    /// text in it is text too). BOS as the model wants it.
     ///
     /// # Errors
     /// A template llama.cpp cannot apply; tokenization.
     pub fn prompt_tokens(&self, text: &str, chat: bool) -> Result<Vec<Token>> {
-        let text = if chat {
-            self.model.apply_chat_template(
-                &[ChatMessage {
-                    role: "user".into(),
-                    content: text.into(),
-                }],
-                true,
-            )?
+        if chat {
+            let msg = ChatMessage {
+                role: "user".into(),
+                content: text.into(),
+            };
+            Ok(self.model.chat_tokens(&[msg], true)?)
         } else {
-            text.to_string()
-        };
-        Ok(self.model.tokenize(&text, true, chat)?)
+            Ok(self.model.tokenize(text, true, false)?)
+        }
     }
 
     /// The options it was opened with.
@@ -459,6 +462,23 @@ impl Session {
     /// Forget the kept KV cache: the next generation prefills its whole prompt.
     pub fn forget_prefix(&mut self) {
         self.kv.clear();
+    }
+
+    /// Forget everything earlier generations left: the KV cache kept and the engine's history
+    /// of their texts and drafts ([`Engine::forget`]). What the next generation does and how
+    /// long it takes then say nothing about earlier ones (a server between two clients).
+    pub fn forget(&mut self) {
+        self.kv.clear();
+        if let Some(e) = self.engine.as_mut() {
+            e.forget();
+        }
+    }
+
+    /// Check `cancel` during every decode from now on (`None`: stop checking): when it
+    /// returns true, the generation stops within a graph node, prefill included, and fails
+    /// with `leap_host::Error::Cancelled` ([`Error::is_cancelled`]).
+    pub fn set_cancel(&mut self, cancel: Option<leap_host::Cancel>) {
+        self.ctx.set_cancel(cancel);
     }
 
     /// Everything this session generated so far.

@@ -146,3 +146,150 @@ fn a_missing_model_is_a_model_error() {
     assert_eq!(e.code(), 3, "{e}");
     assert!(e.to_string().contains("/nonexistent/model.gguf"), "{e}");
 }
+
+/// Sampled decoding: Leap's engine gives the tokens plain sampling gives with the same seed
+/// (each position's token drawn with the uniform of (seed, position)), and so does a session
+/// whose drafting history differs (the same request again, its answer now in the history).
+fn a_seed_gives_plain_sampling_s_tokens(name: &str) {
+    let leap = runtime(name, Mode::Leap);
+    let plain = runtime(name, Mode::Plain);
+    let prompt: Vec<Token> = leap
+        .model()
+        .tokenize(leap_tests::SAMPLED_PROMPT, true, false)
+        .unwrap();
+    let mut s = leap.session().unwrap();
+    let mut p = plain.session().unwrap();
+    let mut differ = 0;
+    for seed in 1..=4 {
+        let req = Request {
+            max_tokens: 24,
+            sampling: leap_host::sampler::SamplingParams {
+                temp: 0.9,
+                ..leap_tests::sampled_params(seed)
+            },
+        };
+        let want = p.generate(&prompt, &req, &mut |_| true).unwrap().tokens;
+        let first = s.generate(&prompt, &req, &mut |_| true).unwrap();
+        let again = s.generate(&prompt, &req, &mut |_| true).unwrap();
+        assert_eq!(first.tokens, want, "{name} seed {seed}: leap against plain");
+        assert_eq!(
+            again.tokens, want,
+            "{name} seed {seed}: again, with its history"
+        );
+        if first.target_calls != again.target_calls {
+            differ += 1;
+        }
+        assert!(
+            again.target_calls < again.tokens.len() as u64,
+            "{name} seed {seed}: drafts were accepted ({} calls for {} tokens)",
+            again.target_calls,
+            again.tokens.len()
+        );
+    }
+    // The repeats were drafted otherwise (from their history): the same tokens were not a
+    // matter of the same drafts.
+    assert!(differ > 0, "{name}: every repeat was drafted as the first");
+}
+
+#[test]
+fn smollm_a_seed_gives_plain_sampling_s_tokens() {
+    a_seed_gives_plain_sampling_s_tokens(SMOLLM);
+}
+
+#[test]
+fn gemma_a_seed_gives_plain_sampling_s_tokens() {
+    a_seed_gives_plain_sampling_s_tokens(GEMMA);
+}
+
+/// A temperature too small to divide by decodes greedily (1e-38 made the softmax NaN).
+#[test]
+fn a_tiny_temperature_decodes_greedily() {
+    let rt = runtime(SMOLLM, Mode::Leap);
+    let mut s = rt.session().unwrap();
+    let prompt: Vec<Token> = rt.model().tokenize(PROMPTS[0], true, false).unwrap();
+    let want = s
+        .generate(&prompt, &greedy(12), &mut |_| true)
+        .unwrap()
+        .tokens;
+    for temp in [1e-38, 1e-6, 9e-5] {
+        let req = Request {
+            max_tokens: 12,
+            sampling: leap_host::sampler::SamplingParams {
+                temp,
+                ..leap_tests::sampled_params(3)
+            },
+        };
+        s.forget();
+        let got = s.generate(&prompt, &req, &mut |_| true).unwrap().tokens;
+        assert_eq!(got, want, "temperature {temp}");
+    }
+}
+
+/// A cancel check stops a generation during its prefill (the decode aborts between graph
+/// nodes); the session then decodes the next request exactly.
+#[test]
+fn a_cancel_check_stops_prefill_and_the_session_goes_on() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let rt = runtime(SMOLLM, Mode::Leap);
+    let plain = runtime(SMOLLM, Mode::Plain);
+    let model = rt.model().clone();
+    let mut long: Vec<Token> = Vec::new();
+    while long.len() < 700 {
+        long.extend(model.tokenize(PROMPTS[0], long.is_empty(), false).unwrap());
+    }
+    let mut s = rt.session().unwrap();
+    let checks = Arc::new(AtomicUsize::new(0));
+    let c = Arc::clone(&checks);
+    // Asked once per graph node: give up a little way into the first batch.
+    s.set_cancel(Some(Arc::new(move || {
+        c.fetch_add(1, Ordering::Relaxed) > 50
+    })));
+    let mut tokens = 0;
+    let e = s
+        .generate(&long, &greedy(8), &mut |_| {
+            tokens += 1;
+            true
+        })
+        .expect_err("cancelled");
+    assert!(e.is_cancelled(), "{e}");
+    assert_eq!(tokens, 0, "no token came out of a cancelled prefill");
+    assert!(checks.load(Ordering::Relaxed) > 50);
+    s.set_cancel(None);
+    let prompt: Vec<Token> = model.tokenize(PROMPTS[2], true, false).unwrap();
+    let g = s.generate(&prompt, &greedy(16), &mut |_| true).unwrap();
+    let want = plain
+        .session()
+        .unwrap()
+        .generate(&prompt, &greedy(16), &mut |_| true)
+        .unwrap();
+    assert_eq!(g.tokens, want.tokens);
+}
+
+/// `forget` leaves nothing of earlier requests: the same request again is drafted as the first
+/// time (the history would otherwise draft most of it).
+#[test]
+fn forget_leaves_nothing_of_earlier_requests() {
+    let rt = runtime(SMOLLM, Mode::Leap);
+    let mut s = rt.session().unwrap();
+    let prompt: Vec<Token> = rt.model().tokenize(PROMPTS[0], true, false).unwrap();
+    let first = s.generate(&prompt, &greedy(48), &mut |_| true).unwrap();
+    let kept = s.generate(&prompt, &greedy(48), &mut |_| true).unwrap();
+    s.forget();
+    assert!(s.held().is_empty());
+    let forgotten = s.generate(&prompt, &greedy(48), &mut |_| true).unwrap();
+    assert_eq!(kept.tokens, first.tokens);
+    assert_eq!(forgotten.tokens, first.tokens);
+    assert!(
+        kept.target_calls * 2 < first.target_calls,
+        "with its history the repeat takes {} calls, the first {}",
+        kept.target_calls,
+        first.target_calls
+    );
+    assert!(
+        forgotten.target_calls * 3 > first.target_calls * 2,
+        "forgotten: {} calls, the first {}",
+        forgotten.target_calls,
+        first.target_calls
+    );
+}
