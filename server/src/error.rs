@@ -18,6 +18,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// OpenAI's `code` (`context_length_exceeded`, `invalid_api_key`, ...).
     pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header (a 503 for a full server).
+    pub retry_after: Option<u32>,
 }
 
 impl ApiError {
@@ -29,6 +31,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.map(str::to_owned),
             code: None,
+            retry_after: None,
         }
     }
 
@@ -48,6 +51,7 @@ impl ApiError {
             kind: "authentication_error",
             param: None,
             code: Some("invalid_api_key"),
+            retry_after: None,
         }
     }
 
@@ -59,6 +63,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("not_found"),
+            retry_after: None,
         }
     }
 
@@ -70,6 +75,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("request_too_large"),
+            retry_after: None,
         }
     }
 
@@ -81,6 +87,52 @@ impl ApiError {
             kind: "unavailable_error",
             param: None,
             code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 503 with `Retry-After`: the server is full (`code` says of what); the request was not
+    /// started.
+    pub fn busy(message: impl Into<String>, code: &'static str, retry_after: u32) -> Self {
+        Self {
+            code: Some(code),
+            retry_after: Some(retry_after),
+            ..Self::unavailable(message)
+        }
+    }
+
+    /// 503 `too_many_connections`: the connection is over `--max-connections`.
+    pub fn too_many_connections() -> Self {
+        Self::busy(
+            "too many open connections (--max-connections); retry shortly",
+            "too_many_connections",
+            1,
+        )
+    }
+
+    /// 408 `request_timeout`: the body did not arrive within `--timeout` seconds.
+    pub fn body_timeout(seconds: u64) -> Self {
+        Self {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!("the request body did not arrive within {seconds} s (--timeout)"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+            retry_after: None,
+        }
+    }
+
+    /// 403 `forbidden_host`: the request names a host this server does not serve.
+    pub fn forbidden_host(what: &str, value: &str) -> Self {
+        Self {
+            status: StatusCode::FORBIDDEN,
+            message: format!(
+                "{what} {value:?} is not a host this server answers for (--allowed-hosts)"
+            ),
+            kind: "permission_error",
+            param: None,
+            code: Some("forbidden_host"),
+            retry_after: None,
         }
     }
 
@@ -92,6 +144,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -122,6 +175,11 @@ impl From<leap_spec::session::Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }

@@ -26,6 +26,7 @@ pub mod slots;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use leap_spec::session::{Mode, Options, Runtime};
@@ -37,7 +38,8 @@ use crate::slots::Pool;
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
     /// Address to listen on. Anything but loopback exposes the model to the network: use
-    /// --api-key there.
+    /// --api-key there. On loopback, requests that name another host (Host or Origin) are
+    /// refused, which keeps web pages from reaching the server (DNS rebinding).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on (0: any free port, printed at start).
@@ -58,20 +60,22 @@ pub struct ServeArgs {
     /// `plain` (llama.cpp alone, one target call per token).
     #[arg(long, default_value = "leap", value_parser = ["leap", "plain"])]
     pub mode: String,
-    /// Require `Authorization: Bearer KEY` on every endpoint but /health.
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health. Several keys,
+    /// comma-separated, are several tenants: each sees only its own cache (--shared-cache).
     #[arg(long, env = "LEAP_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// The model's name in /v1/models and in responses (default: the file's name).
     #[arg(long)]
     pub alias: Option<String>,
-    /// Largest request body in bytes; a larger one gets a 413.
-    #[arg(long, default_value_t = 4 << 20)]
-    pub max_body: usize,
+    /// Largest request body in bytes; a larger one gets a 413 [default: 64 KiB + 64 bytes
+    /// per token of --ctx, room for any prompt that fits]
+    #[arg(long)]
+    pub max_body: Option<usize>,
     /// Leave out GET /metrics.
     #[arg(long)]
     pub no_metrics: bool,
     /// Seconds SIGTERM or Ctrl-C waits for the requests in flight to finish before it stops
-    /// them (a second signal stops them at once).
+    /// them (a second signal stops them at once; a third exits at once).
     #[arg(long, default_value_t = 60)]
     pub drain_timeout: u64,
     /// Who computes the quantized matrix products: `leap` (Leap's ggml device) or `ggml`.
@@ -81,6 +85,35 @@ pub struct ServeArgs {
     /// head for pruning verification rows.
     #[arg(long)]
     pub sidecar: Option<PathBuf>,
+    /// Seconds a client has to send a request's headers, from when it connects or its last
+    /// response ended: a connection idle that long is closed (keep-alive included).
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout: u64,
+    /// Seconds a client has to send a request's body once its headers are in (a 408 after).
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
+    /// Open connections at most (lowered to the open-file limit less 64). A connection
+    /// beyond them gets a 503 with Retry-After and is closed.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
+    /// Requests waiting for a slot at most; one more gets a 503 with Retry-After.
+    #[arg(long, default_value_t = 32)]
+    pub max_queue: usize,
+    /// Host names requests may name (Host and Origin headers), comma-separated, besides
+    /// loopback's (`localhost`, `127.0.0.1`, `[::1]`); `*` takes any. Checked when bound to
+    /// loopback, or when given.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+    /// Let a request reuse the KV cache and drafting history other clients' requests left
+    /// in a slot (faster repeats and conversations, but one client's timing then tells what
+    /// another sent). Without it they are shared only between requests with the same API
+    /// key (none without --api-key).
+    #[arg(long)]
+    pub shared_cache: bool,
+    /// Report each request's drafting (`target_calls`, `accepted_per_call`) in its
+    /// `timings`.
+    #[arg(long)]
+    pub drafting_stats: bool,
 }
 
 fn default_threads() -> i32 {
@@ -93,15 +126,29 @@ pub struct AppState {
     ready: OnceLock<Ready>,
     metrics: Arc<Metrics>,
     alias: String,
-    api_key: Option<String>,
+    /// The API keys (none: no authentication); a key's index is its tenant.
+    api_keys: Vec<String>,
     max_body: usize,
+    /// Bytes of request bodies being received or parsed, across connections, at most.
+    body_budget: Arc<tokio::sync::Semaphore>,
+    body_timeout: Duration,
     n_ctx: u32,
     created: u64,
+    hosts: routes::Hosts,
+    shared_cache: bool,
+    drafting_stats: bool,
 }
 
 struct Ready {
     rt: Arc<Runtime>,
     pool: Pool,
+}
+
+/// The `--max-body` default for a context of `n_ctx` tokens: 64 KiB of JSON around 64 bytes
+/// per token (a token is rarely more than 16 bytes of text, and JSON escapes at most six
+/// bytes per character).
+pub fn default_max_body(n_ctx: u32) -> usize {
+    (64 << 10) + 64 * n_ctx as usize
 }
 
 /// Serve `model` until SIGTERM or Ctrl-C, then finish the requests in flight and return.
@@ -116,6 +163,28 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         "--parallel {}: from 1 to 64",
         args.parallel
     );
+    let api_keys = match &args.api_key {
+        None => Vec::new(),
+        Some(k) => {
+            let keys: Vec<String> = k
+                .split(',')
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(str::to_owned)
+                .collect();
+            anyhow::ensure!(
+                !keys.is_empty(),
+                "--api-key is empty: give a key, or leave --api-key (and LEAP_API_KEY) out to \
+                 serve without one"
+            );
+            keys
+        }
+    };
+    anyhow::ensure!(
+        args.header_timeout > 0 && args.timeout > 0,
+        "--header-timeout and --timeout: at least 1 second"
+    );
+    anyhow::ensure!(args.max_connections > 0, "--max-connections 0: at least 1");
     let opts = Options {
         threads: args.threads,
         n_ctx: args.ctx,
@@ -133,34 +202,77 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
             .file_name()
             .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
     });
+    let max_body = args.max_body.unwrap_or_else(|| default_max_body(args.ctx));
+    // Partial bodies are held in memory: all of them together within this (and always room
+    // for one of the largest).
+    let budget = (64usize << 20).max(2 * max_body).min(u32::MAX as usize);
+    let hosts = routes::Hosts::new(&args.host, &args.allowed_hosts);
     let state = Arc::new(AppState {
         ready: OnceLock::new(),
         metrics: Arc::new(Metrics::default()),
         alias,
-        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
-        max_body: args.max_body,
+        api_keys,
+        max_body,
+        body_budget: Arc::new(tokio::sync::Semaphore::new(budget)),
+        body_timeout: Duration::from_secs(args.timeout),
         n_ctx: args.ctx,
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+        hosts,
+        shared_cache: args.shared_cache,
+        drafting_stats: args.drafting_stats,
     });
     // One thread for all of HTTP: decoding has the cores (the slots' threads), and every
-    // thread more would preempt them on a small machine.
+    // thread more would preempt them on a small machine. Tokenizing and parsing, which grow
+    // with the request, run on two blocking threads beside it, so HTTP never waits on them.
     let tokio = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .max_blocking_threads(2)
         .build()?;
-    tokio.block_on(serve(model, args, opts, state))
+    let r = tokio.block_on(serve(model, args, opts, state));
+    // A tokenization still running for a client that is gone is not waited for.
+    tokio.shutdown_timeout(Duration::from_secs(1));
+    r
+}
+
+/// The open-file limit (soft), if it can be read.
+fn open_file_limit() -> Option<usize> {
+    #[cfg(unix)]
+    {
+        let mut l = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `l` is a valid rlimit to write.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } == 0 {
+            return Some(usize::try_from(l.rlim_cur).unwrap_or(usize::MAX));
+        }
+    }
+    None
 }
 
 async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppState>) -> Result<()> {
     // Signals are counted from here on: the first drains, the second stops what is left.
     let signals = signal_count()?;
-    let drain = std::time::Duration::from_secs(args.drain_timeout);
+    let drain = Duration::from_secs(args.drain_timeout);
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("listening on {addr}"))?;
     let local: SocketAddr = listener.local_addr()?;
+    // Below the open-file limit, with room for the model, the slots and a few refusals.
+    let max_conns = match open_file_limit() {
+        Some(n) => args.max_connections.min(n.saturating_sub(64).max(1)),
+        None => args.max_connections,
+    };
+    if max_conns < args.max_connections {
+        log::warn!(
+            "--max-connections {} lowered to {max_conns}: the open-file limit is {} (`ulimit -n`)",
+            args.max_connections,
+            max_conns + 64
+        );
+    }
     eprintln!(
         "leap serve: listening on http://{local} (loading {})",
         model.display()
@@ -175,7 +287,7 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
         let state = Arc::clone(&state);
         let (failed, load_error) = (Arc::clone(&failed), Arc::clone(&load_error));
         let model = model.to_path_buf();
-        let parallel = args.parallel;
+        let (parallel, max_queue) = (args.parallel, args.max_queue);
         std::thread::Builder::new()
             .name("leap-load".into())
             .spawn(move || {
@@ -183,8 +295,14 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
                     (|| -> Result<()> {
                         let t0 = std::time::Instant::now();
                         let rt = Arc::new(Runtime::open(&model, &opts)?);
-                        let pool =
-                            Pool::start(Arc::clone(&rt), parallel, Arc::clone(&state.metrics))?;
+                        // Read off the vocabulary now rather than in the first request.
+                        rt.model().max_token_bytes();
+                        let pool = Pool::start(
+                            Arc::clone(&rt),
+                            parallel,
+                            max_queue,
+                            Arc::clone(&state.metrics),
+                        )?;
                         eprintln!(
                         "leap serve: ready in {:.1} s: {}, {} slot{} of {} tokens, {} decoding{}",
                         t0.elapsed().as_secs_f64(),
@@ -228,9 +346,20 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
             }
         }
     };
-    let served = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let conns = Connections {
+        open: Arc::new(tokio::sync::Semaphore::new(max_conns)),
+        refusing: Arc::new(tokio::sync::Semaphore::new(REFUSING)),
+        header_timeout: Duration::from_secs(args.header_timeout),
+        graceful: hyper_util::server::graceful::GracefulShutdown::new(),
+    };
+    let served = async {
+        accept_until(&listener, &app, &conns, shutdown).await;
+        drop(listener);
+        // In flight requests finish; idle connections close.
+        conns.graceful.shutdown().await;
+    };
     tokio::select! {
-        r = std::future::IntoFuture::into_future(served) => r.context("serving")?,
+        () = served => {}
         why = cut => {
             let left = state.metrics.in_flight();
             eprintln!("leap serve: {why}: stopping {left} request(s) unfinished");
@@ -252,6 +381,95 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
     Ok(())
 }
 
+/// Connections over the cap answered with a 503 at once, at most (more are closed unanswered).
+const REFUSING: usize = 16;
+
+/// The open connections and their limits.
+struct Connections {
+    /// A permit per open connection, up to the cap.
+    open: Arc<tokio::sync::Semaphore>,
+    /// A permit per connection over the cap being told so.
+    refusing: Arc<tokio::sync::Semaphore>,
+    header_timeout: Duration,
+    graceful: hyper_util::server::graceful::GracefulShutdown,
+}
+
+impl Connections {
+    fn http1(&self) -> hyper::server::conn::http1::Builder {
+        let mut b = hyper::server::conn::http1::Builder::new();
+        b.timer(hyper_util::rt::TokioTimer::new())
+            // From the connection's start or its last response: idle keep-alive too.
+            .header_read_timeout(self.header_timeout)
+            // What a connection may hold unread (headers, a body's next chunk).
+            .max_buf_size(64 << 10);
+        b
+    }
+}
+
+/// Accept connections until `shutdown`, serving each with hyper (axum's router as the
+/// service) under the header timeout and the connection cap.
+async fn accept_until(
+    listener: &tokio::net::TcpListener,
+    app: &axum::Router,
+    conns: &Connections,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    use hyper_util::rt::TokioIo;
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let tcp = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of file descriptors, most likely: the connection waits in the
+                    // backlog until one is free.
+                    log::warn!("accepting a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => return,
+        };
+        let _ = tcp.set_nodelay(true);
+        let io = TokioIo::new(tcp);
+        match Arc::clone(&conns.open).try_acquire_owned() {
+            Ok(permit) => {
+                let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                let conn = conns
+                    .graceful
+                    .watch(conns.http1().serve_connection(io, svc));
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        log::debug!("connection: {e}");
+                    }
+                    drop(permit);
+                });
+            }
+            Err(_) => {
+                let Ok(permit) = Arc::clone(&conns.refusing).try_acquire_owned() else {
+                    continue;
+                };
+                let mut b = conns.http1();
+                b.keep_alive(false);
+                let conn = b.serve_connection(
+                    io,
+                    hyper::service::service_fn(|_req| async {
+                        Ok::<_, std::convert::Infallible>(
+                            axum::response::IntoResponse::into_response(
+                                error::ApiError::too_many_connections(),
+                            ),
+                        )
+                    }),
+                );
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(Duration::from_secs(2), conn).await;
+                    drop(permit);
+                });
+            }
+        }
+    }
+}
+
 /// Returns once `n` signals have arrived.
 async fn signalled(count: &mut tokio::sync::watch::Receiver<u32>, n: u32) {
     if count.wait_for(|&k| k >= n).await.is_err() {
@@ -260,35 +478,77 @@ async fn signalled(count: &mut tokio::sync::watch::Receiver<u32>, n: u32) {
     }
 }
 
-/// How many times SIGTERM or Ctrl-C arrived, counted from now on.
+/// How many times SIGTERM or Ctrl-C arrived, counted from now on. The signals are taken on a
+/// thread of their own, so they arrive whatever the server's threads are doing; a third one
+/// exits at once.
 ///
 /// # Errors
 /// A handler cannot be installed.
 fn signal_count() -> Result<tokio::sync::watch::Receiver<u32>> {
-    let (tx, rx) = tokio::sync::watch::channel(0);
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).context("handling SIGTERM")?;
-        let mut int = signal(SignalKind::interrupt()).context("handling SIGINT")?;
-        tokio::spawn(async move {
-            loop {
-                let got = tokio::select! {
-                    s = term.recv() => s,
-                    s = int.recv() => s,
-                };
-                if got.is_none() {
-                    break;
+    let (tx, rx) = tokio::sync::watch::channel(0u32);
+    let (installed_tx, installed) = std::sync::mpsc::channel::<Result<()>>();
+    std::thread::Builder::new()
+        .name("leap-signals".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = installed_tx.send(Err(e.into()));
+                    return;
                 }
-                tx.send_modify(|n| *n += 1);
-            }
-        });
-    }
-    #[cfg(not(unix))]
-    tokio::spawn(async move {
-        while tokio::signal::ctrl_c().await.is_ok() {
-            tx.send_modify(|n| *n += 1);
-        }
-    });
+            };
+            rt.block_on(async move {
+                let count = move |tx: &tokio::sync::watch::Sender<u32>| {
+                    tx.send_modify(|n| *n += 1);
+                    if *tx.borrow() >= 3 {
+                        eprintln!("leap serve: a third signal: exiting now");
+                        std::process::exit(1);
+                    }
+                };
+                #[cfg(unix)]
+                {
+                    use tokio::signal::unix::{signal, SignalKind};
+                    let handlers = signal(SignalKind::terminate())
+                        .context("handling SIGTERM")
+                        .and_then(|t| {
+                            Ok((
+                                t,
+                                signal(SignalKind::interrupt()).context("handling SIGINT")?,
+                            ))
+                        });
+                    let (mut term, mut int) = match handlers {
+                        Ok(h) => h,
+                        Err(e) => {
+                            let _ = installed_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = installed_tx.send(Ok(()));
+                    loop {
+                        let got = tokio::select! {
+                            s = term.recv() => s,
+                            s = int.recv() => s,
+                        };
+                        if got.is_none() {
+                            break;
+                        }
+                        count(&tx);
+                    }
+                }
+                #[cfg(not(unix))]
+                {
+                    let _ = installed_tx.send(Ok(()));
+                    while tokio::signal::ctrl_c().await.is_ok() {
+                        count(&tx);
+                    }
+                }
+            });
+        })?;
+    installed
+        .recv()
+        .context("the signal thread stopped before it started")??;
     Ok(rx)
 }

@@ -51,6 +51,10 @@ pub struct Common {
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: Prompt,
+    /// Read control-token text in the prompt (`<|im_start|>`) as control tokens
+    /// (llama-server's `parse_special`); by default it is text like the rest.
+    #[serde(default)]
+    pub parse_special: bool,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -167,9 +171,16 @@ impl Common {
         if top_k < 0 {
             return bad("top_k", format!("top_k {top_k}: 0 (off) or more"));
         }
+        // llama.cpp's seeds: 32 bits, and its default (-1, or 0xFFFFFFFF) draws a random one.
         let seed = match self.seed {
-            Some(s) => s as u32,
-            None => random_seed(),
+            None | Some(-1) | Some(0xFFFF_FFFF) => random_seed(),
+            Some(s @ 0..0xFFFF_FFFF) => s as u32,
+            Some(s) => {
+                return bad(
+                    "seed",
+                    format!("seed {s}: from 0 to 4294967295, or -1 for a random one"),
+                )
+            }
         };
         let stop = match &self.stop {
             None => Vec::new(),
@@ -325,6 +336,18 @@ mod tests {
             .unwrap();
         assert_eq!(s.stop, vec!["\n".to_string()]);
         assert_eq!(s.sampling.seed, 7);
+        for bad in ["-2", "4294967296", "-4294967296"] {
+            let e = p(&format!(r#"{{"prompt": "x", "seed": {bad}}}"#)).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("seed"), "{bad}");
+        }
+        assert_eq!(
+            p(r#"{"prompt": "x", "seed": 4294967294}"#)
+                .unwrap()
+                .sampling
+                .seed,
+            4294967294
+        );
+        p(r#"{"prompt": "x", "seed": -1}"#).unwrap();
         assert_eq!(s.max_tokens, None);
     }
 

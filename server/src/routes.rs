@@ -1,12 +1,15 @@
-//! The endpoints. Bodies are read here up to `--max-body` and parsed by [`crate::oai`], so
-//! every client mistake is an OpenAI-style JSON error with a 4xx status.
+//! The endpoints. Bodies are read here up to `--max-body` (within `--timeout`, and within a
+//! budget for all bodies in flight) and parsed by [`crate::oai`], so every client mistake is an
+//! OpenAI-style JSON error with a 4xx status. Parsing, templating and tokenizing grow with the
+//! request, so they run on tokio's blocking threads ([`blocking`]): the HTTP thread only moves
+//! bytes, and `/health` answers whatever a request holds.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Request, State};
+use axum::extract::{Extension, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -19,12 +22,12 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::error::ApiError;
 use crate::oai::{self, ChatRequest, CompletionRequest, Params, Prompt};
-use crate::slots::{Event, Job, Outcome};
+use crate::slots::{Event, Job, Outcome, Tenant};
 use crate::{AppState, Ready};
 
 type St = State<Arc<AppState>>;
 
-/// The router: every endpoint, the API-key check, JSON 404s.
+/// The router: every endpoint, the Host/Origin check, the API-key check, JSON 404s.
 pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
     let mut r = Router::new()
         .route("/health", get(health))
@@ -35,6 +38,7 @@ pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
         .route("/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/chat/completions", post(chat))
+        .route("/apply-template", post(apply_template))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize));
     if metrics {
@@ -42,27 +46,133 @@ pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
     }
     r.fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            host_check,
+        ))
         .with_state(state)
 }
 
-/// With `--api-key`, every endpoint but /health wants `Authorization: Bearer KEY`.
-async fn auth(State(s): St, req: Request, next: Next) -> Response {
-    let Some(key) = &s.api_key else {
-        return next.run(req).await;
-    };
-    let path = req.uri().path();
-    if path == "/health" || path == "/v1/health" {
-        return next.run(req).await;
+/// Which hosts requests may name in `Host` and `Origin`. A server on loopback answers only
+/// requests for loopback names (and `--allowed-hosts`): a web page whose name an attacker
+/// points at 127.0.0.1 (DNS rebinding) sends its own name, and is refused.
+#[derive(Debug, Clone, Default)]
+pub struct Hosts {
+    /// No check (bound elsewhere than loopback without `--allowed-hosts`, or `*`).
+    any: bool,
+    /// Lowercase names allowed besides loopback's.
+    names: Vec<String>,
+}
+
+impl Hosts {
+    /// The check for a server bound to `bind` with `--allowed-hosts allowed`.
+    pub fn new(bind: &str, allowed: &[String]) -> Self {
+        let names: Vec<String> = allowed
+            .iter()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty())
+            .collect();
+        Self {
+            any: names.iter().any(|h| h == "*") || (names.is_empty() && !is_loopback(bind)),
+            names,
+        }
     }
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-        next.run(req).await
+
+    /// Whether `authority` (`host`, `host:port`, `[v6]:port`) names a host served here.
+    pub fn allows(&self, authority: &str) -> bool {
+        if self.any {
+            return true;
+        }
+        let host = host_of(authority).to_ascii_lowercase();
+        is_loopback(&host) || self.names.contains(&host)
+    }
+}
+
+/// The host of an authority, without its port (`[::1]` keeps its brackets).
+fn host_of(authority: &str) -> &str {
+    if authority.starts_with('[') {
+        return authority.find(']').map_or(authority, |e| &authority[..=e]);
+    }
+    match authority.rsplit_once(':') {
+        Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => authority,
+    }
+}
+
+/// `localhost`, an address in 127.0.0.0/8, or `::1` (bracketed or not).
+fn is_loopback(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost")
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Refuse a request whose `Host` or `Origin` names a host not served here (a 403).
+async fn host_check(State(s): St, req: Request, next: Next) -> Response {
+    if !s.hosts.any {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .map(|v| v.to_str().unwrap_or("?"));
+        if let Some(h) = host {
+            if !s.hosts.allows(h) {
+                return ApiError::forbidden_host("Host", h).into_response();
+            }
+        }
+        if let Some(o) = req.headers().get(header::ORIGIN) {
+            let o = o.to_str().unwrap_or("?");
+            // scheme://authority; "null" (a sandboxed page, a file) names no host served here.
+            let authority = o.split_once("://").map(|(_, a)| a.trim_end_matches('/'));
+            if !authority.is_some_and(|a| s.hosts.allows(a)) {
+                return ApiError::forbidden_host("Origin", o).into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+/// With `--api-key`, every endpoint but /health wants `Authorization: Bearer KEY`. The
+/// request's [`Tenant`] follows from the key.
+async fn auth(State(s): St, mut req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let open = path == "/health" || path == "/v1/health";
+    let tenant = if s.api_keys.is_empty() {
+        Some(if s.shared_cache {
+            Tenant::Shared
+        } else {
+            Tenant::Alone
+        })
     } else {
-        ApiError::unauthorized().into_response()
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        // Every key is compared, in constant time, whichever matches.
+        let matched = given.and_then(|g| {
+            s.api_keys.iter().enumerate().fold(None, |m, (i, k)| {
+                if constant_time_eq(g.as_bytes(), k.as_bytes()) {
+                    Some(i)
+                } else {
+                    m
+                }
+            })
+        });
+        matched.map(|k| {
+            if s.shared_cache {
+                Tenant::Shared
+            } else {
+                Tenant::Key(k)
+            }
+        })
+    };
+    match tenant {
+        Some(t) => {
+            req.extensions_mut().insert(t);
+            next.run(req).await
+        }
+        None if open => next.run(req).await,
+        None => ApiError::unauthorized().into_response(),
     }
 }
 
@@ -119,26 +229,78 @@ async fn metrics_text(State(s): St) -> Response {
         .into_response()
 }
 
-/// The body, at most `--max-body` bytes: a 413 for one larger (at once when its
-/// Content-Length says so), a 400 for one that cannot be read to its end (cut short, bad
-/// chunked encoding).
-async fn read_body(s: &AppState, body: Body) -> Result<Bytes, ApiError> {
+/// The body, at most `--max-body` bytes, all of it within `--timeout` seconds: a 413 for one
+/// larger (at once when its Content-Length says so), a 408 for one too slow, a 400 for one
+/// that cannot be read to its end (cut short, bad chunked encoding), a 503 when the bodies
+/// in flight hold the server's whole budget for them. The budget's share is held until the
+/// handler is done with the body.
+async fn read_body(
+    s: &AppState,
+    body: Body,
+) -> Result<(Bytes, tokio::sync::OwnedSemaphorePermit), ApiError> {
     use axum::body::HttpBody as _;
     if body.size_hint().lower() > s.max_body as u64 {
         return Err(ApiError::too_large(s.max_body));
     }
-    let mut out = Vec::new();
-    let mut chunks = body.into_data_stream();
-    while let Some(chunk) = chunks.next().await {
-        let chunk = chunk.map_err(|e| {
-            ApiError::invalid(format!("the request body could not be read: {e}"), None)
-        })?;
-        if out.len() + chunk.len() > s.max_body {
-            return Err(ApiError::too_large(s.max_body));
+    let read = async {
+        let mut out = Vec::new();
+        let mut held = Arc::clone(&s.body_budget)
+            .try_acquire_many_owned(0)
+            .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+        let mut chunks = body.into_data_stream();
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::invalid(format!("the request body could not be read: {e}"), None)
+            })?;
+            if out.len() + chunk.len() > s.max_body {
+                return Err(ApiError::too_large(s.max_body));
+            }
+            let more = Arc::clone(&s.body_budget)
+                .try_acquire_many_owned(chunk.len() as u32)
+                .map_err(|_| {
+                    ApiError::busy(
+                        "the server is receiving too many request bodies at once; retry shortly",
+                        "server_busy",
+                        1,
+                    )
+                })?;
+            held.merge(more);
+            out.extend_from_slice(&chunk);
         }
-        out.extend_from_slice(&chunk);
+        Ok((Bytes::from(out), held))
+    };
+    tokio::time::timeout(s.body_timeout, read)
+        .await
+        .map_err(|_| ApiError::body_timeout(s.body_timeout.as_secs()))?
+}
+
+/// Run `f` on one of tokio's blocking threads: work that grows with the request (parsing,
+/// templating, tokenizing) never holds the HTTP thread.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|_| {
+        ApiError::internal("the server failed on this request (a bug: its log says more)")
+    })?
+}
+
+/// Refuse text that cannot fit the context whatever it tokenizes to: more bytes than
+/// `n_ctx` tokens of the longest token cover. Checked before tokenizing (which costs time
+/// in proportion).
+fn check_text_len(r: &Ready, n_ctx: u32, bytes: usize) -> Result<(), ApiError> {
+    let cap = n_ctx as usize * r.rt.model().max_token_bytes();
+    if bytes > cap {
+        return Err(ApiError::too_long(format!(
+            "the prompt's {bytes} bytes are more than a context of {n_ctx} tokens can hold \
+             (at most {cap} bytes for this model's tokens)"
+        )));
     }
-    Ok(out.into())
+    Ok(())
+}
+
+fn ready_arc(s: &Arc<AppState>) -> Result<Arc<AppState>, ApiError> {
+    ready(s)?;
+    Ok(Arc::clone(s))
 }
 
 async fn tokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
@@ -147,25 +309,36 @@ async fn tokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
         content: String,
         #[serde(default)]
         add_special: bool,
+        /// Control-token text as control tokens (off: text, as in prompts).
+        #[serde(default)]
+        parse_special: bool,
         #[serde(default)]
         with_pieces: bool,
     }
-    let r: Req = oai::parse(&read_body(&s, body).await?)?;
-    let model = ready(&s)?.rt.model();
-    let toks = model
-        .tokenize(&r.content, r.add_special, true)
-        .map_err(|e| ApiError::invalid(e.to_string(), Some("content")))?;
-    let tokens: Vec<Value> = if r.with_pieces {
-        toks.iter()
-            .map(|&t| {
-                let p = model.token_to_piece(t, true).unwrap_or_default();
-                json!({"id": t, "piece": String::from_utf8_lossy(&p)})
-            })
-            .collect()
-    } else {
-        toks.iter().map(|&t| json!(t)).collect()
-    };
-    Ok(Json(json!({ "tokens": tokens })).into_response())
+    let (bytes, _budget) = read_body(&s, body).await?;
+    let st = ready_arc(&s)?;
+    let v = blocking(move || {
+        let r: Req = oai::parse(&bytes)?;
+        let rd = ready(&st)?;
+        check_text_len(rd, st.n_ctx, r.content.len())?;
+        let model = rd.rt.model();
+        let toks = model
+            .tokenize(&r.content, r.add_special, r.parse_special)
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("content")))?;
+        let tokens: Vec<Value> = if r.with_pieces {
+            toks.iter()
+                .map(|&t| {
+                    let p = model.token_to_piece(t, true).unwrap_or_default();
+                    json!({"id": t, "piece": String::from_utf8_lossy(&p)})
+                })
+                .collect()
+        } else {
+            toks.iter().map(|&t| json!(t)).collect()
+        };
+        Ok(json!({ "tokens": tokens }))
+    })
+    .await?;
+    Ok(Json(v).into_response())
 }
 
 async fn detokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
@@ -173,13 +346,67 @@ async fn detokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
     struct Req {
         tokens: Vec<i64>,
     }
-    let r: Req = oai::parse(&read_body(&s, body).await?)?;
-    let model = ready(&s)?.rt.model();
-    let toks = to_tokens(&r.tokens, model.n_vocab(), "tokens")?;
-    let content = model
-        .detokenize(&toks, false, false)
-        .map_err(|e| ApiError::invalid(e.to_string(), Some("tokens")))?;
-    Ok(Json(json!({ "content": content })).into_response())
+    let (bytes, _budget) = read_body(&s, body).await?;
+    let st = ready_arc(&s)?;
+    let v = blocking(move || {
+        let r: Req = oai::parse(&bytes)?;
+        let model = ready(&st)?.rt.model();
+        let toks = to_tokens(&r.tokens, model.n_vocab(), "tokens")?;
+        let content = model
+            .detokenize(&toks, false, false)
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("tokens")))?;
+        Ok(json!({ "content": content }))
+    })
+    .await?;
+    Ok(Json(v).into_response())
+}
+
+/// A chat request's messages, checked: not empty, not more than the context could hold
+/// (each message is a token at least), not more text than it could hold.
+fn chat_messages(
+    r: &ChatRequest,
+    rd: &Ready,
+    n_ctx: u32,
+) -> Result<Vec<leap_host::model::ChatMessage>, ApiError> {
+    if r.messages.is_empty() {
+        return Err(ApiError::invalid("messages is empty", Some("messages")));
+    }
+    if r.messages.len() > n_ctx as usize {
+        return Err(ApiError::invalid(
+            format!(
+                "{} messages: a context of {n_ctx} tokens holds fewer",
+                r.messages.len()
+            ),
+            Some("messages"),
+        ));
+    }
+    let msgs = r
+        .messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| m.to_chat(i))
+        .collect::<Result<Vec<_>, _>>()?;
+    check_text_len(rd, n_ctx, msgs.iter().map(|m| m.content.len()).sum())?;
+    Ok(msgs)
+}
+
+/// llama-server's `/apply-template`: the messages in the model's chat template, as text.
+async fn apply_template(State(s): St, body: Body) -> Result<Response, ApiError> {
+    let (bytes, _budget) = read_body(&s, body).await?;
+    let st = ready_arc(&s)?;
+    let v = blocking(move || {
+        let r: ChatRequest = oai::parse(&bytes)?;
+        let rd = ready(&st)?;
+        let msgs = chat_messages(&r, rd, st.n_ctx)?;
+        let text = rd
+            .rt
+            .model()
+            .apply_chat_template(&msgs, true)
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+        Ok(json!({ "prompt": text }))
+    })
+    .await?;
+    Ok(Json(v).into_response())
 }
 
 /// Token ids from a request, each checked against the vocabulary (a 400 naming `param`).
@@ -217,46 +444,65 @@ enum Kind {
     Chat,
 }
 
-async fn completions(State(s): St, body: Body) -> Result<Response, ApiError> {
-    let r: CompletionRequest = oai::parse(&read_body(&s, body).await?)?;
-    let params = r.common.params()?;
-    let rt = &ready(&s)?.rt;
-    let model = rt.model();
-    let prompt = match &r.prompt {
-        Prompt::Text(t) => model.tokenize(t, true, true),
-        Prompt::Texts(v) if v.len() == 1 => model.tokenize(&v[0], true, true),
-        Prompt::Texts(v) => {
-            return Err(ApiError::invalid(
-                format!("{} prompts: this server takes one per request", v.len()),
-                Some("prompt"),
-            ))
-        }
-        Prompt::Tokens(ids) => Ok(to_tokens(ids, model.n_vocab(), "prompt")?),
-    }
-    .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))?;
-    generate(s, prompt, params, Kind::Text).await
+async fn completions(
+    State(s): St,
+    Extension(tenant): Extension<Tenant>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let (bytes, budget) = read_body(&s, body).await?;
+    let st = ready_arc(&s)?;
+    let (prompt, params) = blocking(move || {
+        let r: CompletionRequest = oai::parse(&bytes)?;
+        let params = r.common.params()?;
+        let rd = ready(&st)?;
+        let model = rd.rt.model();
+        let text = |t: &str| {
+            check_text_len(rd, st.n_ctx, t.len())?;
+            model
+                .tokenize(t, true, r.parse_special)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))
+        };
+        let prompt = match &r.prompt {
+            Prompt::Text(t) => text(t)?,
+            Prompt::Texts(v) if v.len() == 1 => text(&v[0])?,
+            Prompt::Texts(v) => {
+                return Err(ApiError::invalid(
+                    format!("{} prompts: this server takes one per request", v.len()),
+                    Some("prompt"),
+                ))
+            }
+            Prompt::Tokens(ids) => to_tokens(ids, model.n_vocab(), "prompt")?,
+        };
+        Ok((prompt, params))
+    })
+    .await?;
+    drop(budget);
+    generate(s, prompt, params, Kind::Text, tenant).await
 }
 
-async fn chat(State(s): St, body: Body) -> Result<Response, ApiError> {
-    let r: ChatRequest = oai::parse(&read_body(&s, body).await?)?;
-    let params = r.common.params()?;
-    if r.messages.is_empty() {
-        return Err(ApiError::invalid("messages is empty", Some("messages")));
-    }
-    let msgs = r
-        .messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| m.to_chat(i))
-        .collect::<Result<Vec<_>, _>>()?;
-    let model = ready(&s)?.rt.model();
-    let text = model
-        .apply_chat_template(&msgs, true)
-        .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
-    let prompt = model
-        .tokenize(&text, true, true)
-        .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
-    generate(s, prompt, params, Kind::Chat).await
+async fn chat(
+    State(s): St,
+    Extension(tenant): Extension<Tenant>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let (bytes, budget) = read_body(&s, body).await?;
+    let st = ready_arc(&s)?;
+    let (prompt, params) = blocking(move || {
+        let r: ChatRequest = oai::parse(&bytes)?;
+        let params = r.common.params()?;
+        let rd = ready(&st)?;
+        let msgs = chat_messages(&r, rd, st.n_ctx)?;
+        // The template's control tokens as control tokens; what the messages say as text.
+        let prompt = rd
+            .rt
+            .model()
+            .chat_tokens(&msgs, true)
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))?;
+        Ok((prompt, params))
+    })
+    .await?;
+    drop(budget);
+    generate(s, prompt, params, Kind::Chat, tenant).await
 }
 
 /// Queue the request on a slot and answer: a JSON body, or server-sent events.
@@ -265,6 +511,7 @@ async fn generate(
     prompt: Vec<leap_host::Token>,
     p: Params,
     kind: Kind,
+    tenant: Tenant,
 ) -> Result<Response, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid("the prompt is empty", Some("prompt")));
@@ -278,6 +525,7 @@ async fn generate(
         sampling: p.sampling,
         stop: p.stop.clone(),
         events: tx,
+        tenant,
     });
     if let Err(e) = submitted {
         s.metrics.dequeued();
@@ -297,6 +545,7 @@ async fn generate(
         created: now(),
         model: s.alias.clone(),
         kind,
+        drafting: s.drafting_stats,
     };
     if p.stream {
         let stream = sse_stream(head, rx, p.include_usage);
@@ -321,6 +570,8 @@ struct Head {
     created: u64,
     model: String,
     kind: Kind,
+    /// Report the request's drafting in `timings` (`--drafting-stats`).
+    drafting: bool,
 }
 
 impl Head {
@@ -391,7 +642,7 @@ async fn collect(head: Head, mut rx: UnboundedReceiver<Event>) -> Result<Respons
         }),
     };
     let mut v = head.wrap(false, json!([choice]), Some(("usage", o.usage())));
-    v["timings"] = o.timings();
+    v["timings"] = o.timings(head.drafting);
     Ok(Json(v).into_response())
 }
 
@@ -452,7 +703,7 @@ fn sse_stream(
                     events.push(json_event(&st.head.chunk("", None, true)));
                 }
                 let mut last = st.head.chunk("", Some(o.finish.as_str()), false);
-                last["timings"] = o.timings();
+                last["timings"] = o.timings(st.head.drafting);
                 events.push(json_event(&last));
                 if include_usage {
                     let u = st.head.wrap(true, json!([]), Some(("usage", o.usage())));

@@ -1,11 +1,21 @@
 //! Slots: `--parallel N` threads, each with its own [`Session`] (a llama.cpp context and the
-//! engine decoding in it), taking requests from one queue. A request never shares a batch with
-//! another, so its tokens do not depend on what else is running. A slot's session is kept
-//! across requests: earlier requests and answers feed its drafter, and it keeps the KV cache of
-//! its last prompt and output. A queued request goes to the idle slot whose cache shares the
-//! longest prefix with its prompt, so a conversation's next turn finds its earlier turns.
+//! engine decoding in it), taking requests from one bounded queue. A request never shares a
+//! batch with another, so its tokens do not depend on what else is running.
+//!
+//! A slot's session is kept across requests of one tenant: earlier requests and answers feed
+//! its drafter, and it keeps the KV cache of its last prompt and output, so a conversation's
+//! next turn prefills only what is new. A tenant is the API key a request came with (or
+//! everyone, with `--shared-cache`); before a slot takes another tenant's request it forgets
+//! all of that ([`Session::forget`]), so how fast a request runs says nothing about what other
+//! clients sent. A queued request goes to the idle slot whose cache, of its own tenant, shares
+//! the longest prefix with its prompt.
+//!
+//! A client that hangs up stops its request within a graph node, prefill included
+//! ([`Session::set_cancel`]). A slot that panics fails its request with a 500, forgets its
+//! state and takes the next one.
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -59,23 +69,27 @@ impl Outcome {
         })
     }
 
-    /// llama-server's `timings`, with Leap's target calls.
-    pub fn timings(&self) -> serde_json::Value {
+    /// llama-server's `timings`; with `drafting`, Leap's target calls too.
+    pub fn timings(&self, drafting: bool) -> serde_json::Value {
         let per_s = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
-        serde_json::json!({
+        let mut t = serde_json::json!({
             "prompt_n": self.prompt_tokens,
             "prompt_ms": self.prefill_seconds * 1e3,
             "prompt_per_second": per_s(self.prompt_tokens, self.prefill_seconds),
             "predicted_n": self.completion_tokens,
             "predicted_ms": self.decode_seconds * 1e3,
             "predicted_per_second": per_s(self.completion_tokens, self.decode_seconds),
-            "target_calls": self.target_calls,
-            "accepted_per_call": if self.target_calls > 0 {
+        });
+        if drafting {
+            t["target_calls"] = self.target_calls.into();
+            t["accepted_per_call"] = if self.target_calls > 0 {
                 self.completion_tokens as f64 / self.target_calls as f64
             } else {
                 0.0
-            },
-        })
+            }
+            .into();
+        }
+        t
     }
 }
 
@@ -88,6 +102,24 @@ pub enum Event {
     Error(ApiError),
 }
 
+/// Whose cache and drafting history a request may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tenant {
+    /// Everyone's (`--shared-cache`).
+    Shared,
+    /// The requests made with API key number `k`.
+    Key(usize),
+    /// Its own only (no API key, no `--shared-cache`).
+    Alone,
+}
+
+impl Tenant {
+    /// Whether a request of `self` may use what a request of `before` left.
+    fn may_use(self, before: Option<Tenant>) -> bool {
+        self != Tenant::Alone && before == Some(self)
+    }
+}
+
 /// A request for a slot.
 pub struct Job {
     pub prompt: Vec<Token>,
@@ -96,25 +128,49 @@ pub struct Job {
     pub sampling: leap_host::sampler::SamplingParams,
     pub stop: Vec<String>,
     pub events: UnboundedSender<Event>,
+    pub tenant: Tenant,
 }
+
+/// What a slot runs jobs with: a [`Session`] in the server ([`SlotWorker`]).
+pub trait Worker {
+    /// Run `job` to its end (its events sent), or until its client hangs up or `stop` is set.
+    fn run(&mut self, job: &Job, stop: &Arc<AtomicBool>);
+    /// Forget what earlier jobs left (the next one is another tenant's, or one panicked).
+    fn forget(&mut self);
+    /// The tokens whose KV cache it keeps.
+    fn held(&self) -> Vec<Token>;
+}
+
+/// Makes slot `i`'s worker, on the slot's own thread.
+pub type MakeWorker = dyn Fn(usize) -> anyhow::Result<Box<dyn Worker>> + Send + Sync;
 
 /// The queue and what each slot holds, under one lock.
 #[derive(Default)]
 struct Sched {
     queue: VecDeque<Job>,
-    /// Per slot: idle, and the tokens its KV cache holds (its last prompt and output).
+    /// Per slot: idle, the tokens its KV cache holds (its last prompt and output), and the
+    /// tenant they belong to.
     idle: Vec<bool>,
     held: Vec<Vec<Token>>,
+    owner: Vec<Option<Tenant>>,
     closed: bool,
 }
 
 impl Sched {
-    /// The idle slot a job goes to: the one whose cache shares the longest prefix with its
-    /// prompt (a conversation's next turn finds its earlier turns there), the lowest on ties.
-    fn best_slot(&self, prompt: &[Token]) -> Option<usize> {
+    /// The idle slot a job goes to: the one whose cache, of the job's tenant, shares the
+    /// longest prefix with its prompt (a conversation's next turn finds its earlier turns
+    /// there), the lowest on ties.
+    fn best_slot(&self, prompt: &[Token], tenant: Tenant) -> Option<usize> {
         (0..self.idle.len())
             .filter(|&i| self.idle[i])
-            .max_by_key(|&i| (common_prefix(&self.held[i], prompt), std::cmp::Reverse(i)))
+            .max_by_key(|&i| {
+                let shared = if tenant.may_use(self.owner.get(i).copied().flatten()) {
+                    common_prefix(&self.held[i], prompt)
+                } else {
+                    0
+                };
+                (shared, std::cmp::Reverse(i))
+            })
     }
 
     /// The first queued job `slot` should take, if any.
@@ -122,7 +178,7 @@ impl Sched {
         let k = self
             .queue
             .iter()
-            .position(|j| self.best_slot(&j.prompt) == Some(slot))?;
+            .position(|j| self.best_slot(&j.prompt, j.tenant) == Some(slot))?;
         self.queue.remove(k)
     }
 }
@@ -134,22 +190,53 @@ fn common_prefix(a: &[Token], b: &[Token]) -> usize {
 /// The slots and their queue. Dropping it lets each slot finish its request, then joins them.
 pub struct Pool {
     sched: Arc<(Mutex<Sched>, Condvar)>,
-    /// Set by [`Pool::abort`]: every slot stops its job at the next token.
+    /// Set by [`Pool::abort`]: every slot stops its job at once.
     stop: Arc<AtomicBool>,
+    /// Jobs waiting for a slot, at most.
+    max_queue: usize,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Pool {
-    /// Start `n` slots on `rt`, each creating its session on its own thread. Returns when
-    /// every slot is ready.
+    /// Start `n` slots decoding with `rt`, each creating its session on its own thread;
+    /// at most `max_queue` requests wait. Returns when every slot is ready.
     ///
     /// # Errors
     /// A session that could not be created (memory for the context).
-    pub fn start(rt: Arc<Runtime>, n: usize, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+    pub fn start(
+        rt: Arc<Runtime>,
+        n: usize,
+        max_queue: usize,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Self> {
+        let m = Arc::clone(&metrics);
+        let make: Arc<MakeWorker> = Arc::new(move |i| {
+            let w: Box<dyn Worker> = Box::new(SlotWorker {
+                session: rt.session()?,
+                rt: Arc::clone(&rt),
+                metrics: Arc::clone(&m),
+                slot: i,
+            });
+            Ok(w)
+        });
+        Self::start_with(n, max_queue, metrics, make)
+    }
+
+    /// [`Pool::start`] with the workers `make` gives.
+    ///
+    /// # Errors
+    /// A worker that could not be made.
+    pub fn start_with(
+        n: usize,
+        max_queue: usize,
+        metrics: Arc<Metrics>,
+        make: Arc<MakeWorker>,
+    ) -> anyhow::Result<Self> {
         let sched = Arc::new((
             Mutex::new(Sched {
                 idle: vec![true; n],
                 held: vec![Vec::new(); n],
+                owner: vec![None; n],
                 ..Default::default()
             }),
             Condvar::new(),
@@ -158,20 +245,20 @@ impl Pool {
         let mut threads = Vec::new();
         let (ready_tx, ready_rx) = mpsc::channel();
         for i in 0..n {
-            let (rt, sched, stop, metrics, ready) = (
-                Arc::clone(&rt),
+            let (sched, stop, metrics, ready, make) = (
                 Arc::clone(&sched),
                 Arc::clone(&stop),
                 Arc::clone(&metrics),
                 ready_tx.clone(),
+                Arc::clone(&make),
             );
             let t = std::thread::Builder::new()
                 .name(format!("leap-slot-{i}"))
                 .spawn(move || {
-                    let mut session = match rt.session() {
-                        Ok(s) => {
+                    let worker = match make(i) {
+                        Ok(w) => {
                             let _ = ready.send(Ok(()));
-                            s
+                            w
                         }
                         Err(e) => {
                             let _ = ready.send(Err(e));
@@ -179,37 +266,7 @@ impl Pool {
                         }
                     };
                     drop(ready);
-                    let (lock, cv) = &*sched;
-                    loop {
-                        let job = {
-                            let Ok(mut s) = lock.lock() else { return };
-                            loop {
-                                if let Some(j) = s.take_for(i) {
-                                    s.idle[i] = false;
-                                    break j;
-                                }
-                                if s.closed && s.queue.is_empty() {
-                                    return;
-                                }
-                                s = match cv.wait(s) {
-                                    Ok(s) => s,
-                                    Err(_) => return,
-                                };
-                            }
-                        };
-                        metrics.dequeued();
-                        if job.events.is_closed() {
-                            metrics.cancelled();
-                        } else {
-                            serve(&rt, &mut session, job, &stop, &metrics, i);
-                        }
-                        let Ok(mut s) = lock.lock() else { return };
-                        s.idle[i] = true;
-                        s.held[i] = session.held().to_vec();
-                        drop(s);
-                        // Another slot may have left a job for this one.
-                        cv.notify_all();
-                    }
+                    slot_loop(i, worker, &sched, &stop, &metrics);
                 })?;
             threads.push(t);
         }
@@ -217,6 +274,7 @@ impl Pool {
         let pool = Self {
             sched,
             stop,
+            max_queue,
             threads,
         };
         for r in ready_rx.iter().take(n) {
@@ -227,13 +285,28 @@ impl Pool {
 
     /// Queue a job; the idle slot that holds most of its prompt takes it (or the next to
     /// become idle).
+    ///
+    /// # Errors
+    /// A 503 with `Retry-After` when `max_queue` jobs wait already (more than the idle
+    /// slots will take at once), or when the server is shutting down.
     pub fn submit(&self, job: Job) -> Result<(), ApiError> {
         let (lock, cv) = &*self.sched;
         let mut s = lock
             .lock()
-            .map_err(|_| ApiError::internal("a slot panicked"))?;
+            .map_err(|_| ApiError::internal("the scheduler failed"))?;
         if s.closed {
             return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        let idle = s.idle.iter().filter(|&&i| i).count();
+        if s.queue.len() >= self.max_queue + idle {
+            return Err(ApiError::busy(
+                format!(
+                    "{} requests are waiting for a slot already (--max-queue); retry later",
+                    s.queue.len()
+                ),
+                "queue_full",
+                5,
+            ));
         }
         s.queue.push_back(job);
         drop(s);
@@ -242,7 +315,7 @@ impl Pool {
     }
 
     /// Give up on the requests in flight: the queued ones are dropped (their clients are told
-    /// the server is shutting down) and each slot stops its job at the next token.
+    /// the server is shutting down) and each slot stops its job at once.
     pub fn abort(&self) {
         self.stop.store(true, Ordering::Relaxed);
         let (lock, cv) = &*self.sched;
@@ -267,16 +340,98 @@ impl Drop for Pool {
     }
 }
 
-/// Run one job on a slot's session, streaming its text as [`Event`]s, until it ends, its
-/// client hangs up or `stop` is set.
-fn serve(
-    rt: &Runtime,
-    session: &mut Session,
-    job: Job,
-    stop: &AtomicBool,
+/// Slot `i`: take jobs until the pool closes. A job of another tenant than the last finds the
+/// worker's state forgotten; a job that panics is failed with a 500 and the slot goes on.
+fn slot_loop(
+    i: usize,
+    mut worker: Box<dyn Worker>,
+    sched: &(Mutex<Sched>, Condvar),
+    stop: &Arc<AtomicBool>,
     metrics: &Metrics,
-    slot: usize,
 ) {
+    let (lock, cv) = sched;
+    loop {
+        let (job, before) = {
+            let Ok(mut s) = lock.lock() else { return };
+            loop {
+                if let Some(j) = s.take_for(i) {
+                    s.idle[i] = false;
+                    break (j, s.owner[i]);
+                }
+                if s.closed && s.queue.is_empty() {
+                    return;
+                }
+                s = match cv.wait(s) {
+                    Ok(s) => s,
+                    Err(_) => return,
+                };
+            }
+        };
+        metrics.dequeued();
+        if !job.tenant.may_use(before) && before.is_some() {
+            worker.forget();
+        }
+        if job.events.is_closed() {
+            metrics.cancelled();
+        } else if catch_unwind(AssertUnwindSafe(|| worker.run(&job, stop))).is_err() {
+            log::error!("slot {i}: panicked on a request (a bug); its state is forgotten");
+            metrics.failed();
+            let _ = job.events.send(Event::Error(ApiError::internal(
+                "the server failed on this request (a bug: its log says more); retry",
+            )));
+            worker.forget();
+        }
+        let held = worker.held();
+        let Ok(mut s) = lock.lock() else { return };
+        s.idle[i] = true;
+        s.held[i] = held;
+        s.owner[i] = Some(job.tenant);
+        drop(s);
+        // Another slot may have left a job for this one.
+        cv.notify_all();
+    }
+}
+
+/// A slot's session, running the server's jobs.
+pub struct SlotWorker {
+    rt: Arc<Runtime>,
+    session: Session,
+    metrics: Arc<Metrics>,
+    slot: usize,
+}
+
+impl Worker for SlotWorker {
+    fn run(&mut self, job: &Job, stop: &Arc<AtomicBool>) {
+        // A hang-up or an abort stops the decode in flight, prefill included.
+        let (events, stop) = (job.events.clone(), Arc::clone(stop));
+        self.session.set_cancel(Some(Arc::new(move || {
+            events.is_closed() || stop.load(Ordering::Relaxed)
+        })));
+        serve(&self.rt, &mut self.session, job, &self.metrics, self.slot);
+        self.session.set_cancel(None);
+    }
+
+    fn forget(&mut self) {
+        self.session.forget();
+    }
+
+    fn held(&self) -> Vec<Token> {
+        self.session.held().to_vec()
+    }
+}
+
+/// Counts a request as decoding until dropped (a panic included).
+struct Busy<'a>(&'a Metrics);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.finished();
+    }
+}
+
+/// Run one job on a slot's session, streaming its text as [`Event`]s, until it ends or its
+/// client hangs up (or the pool is aborted: the session's cancel check).
+fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot: usize) {
     let model = rt.model();
     let n_ctx = session.n_ctx() as usize;
     let max_tokens = job
@@ -287,6 +442,7 @@ fn serve(
         sampling: job.sampling,
     };
     metrics.started();
+    let busy = Busy(metrics);
     let t0 = Instant::now();
     let mut text = TextOut::new(job.stop.clone());
     let mut gone = false;
@@ -297,16 +453,17 @@ fn serve(
             gone = true;
             return false;
         }
-        if job.events.is_closed() || stop.load(Ordering::Relaxed) {
-            gone = true;
-            return false;
-        }
         !stop_string
     };
     let r = session.generate(&job.prompt, &req, &mut on_token);
-    metrics.finished();
+    drop(busy);
     let g = match r {
         Ok(g) => g,
+        Err(e) if e.is_cancelled() || job.events.is_closed() => {
+            log::info!("slot {slot}: the client hung up (or the server stopped it) during the request; slot freed");
+            metrics.cancelled();
+            return;
+        }
         Err(e) => {
             log::warn!("slot {slot}: request failed: {e}");
             metrics.failed();
@@ -316,7 +473,7 @@ fn serve(
     };
     if gone {
         log::info!(
-            "slot {slot}: the client hung up (or the server stopped it) after {} tokens; slot freed",
+            "slot {slot}: the client hung up after {} tokens; slot freed",
             g.tokens.len()
         );
         metrics.cancelled();
@@ -436,23 +593,188 @@ impl TextOut {
 
 #[cfg(test)]
 mod tests {
-    use super::{Sched, TextOut};
+    use super::*;
 
     #[test]
     fn a_job_goes_to_the_idle_slot_holding_most_of_its_prompt() {
+        let k = Some(Tenant::Key(0));
         let s = Sched {
             idle: vec![true, false, true, true],
             held: vec![vec![1, 2], vec![1, 2, 3, 4, 5], vec![1, 2, 3, 9], vec![]],
+            owner: vec![k, k, k, None],
             ..Default::default()
         };
-        assert_eq!(s.best_slot(&[1, 2, 3, 4, 5, 6]), Some(2), "slot 1 is busy");
-        assert_eq!(s.best_slot(&[7]), Some(0), "the lowest on ties");
+        let key = Tenant::Key(0);
+        assert_eq!(
+            s.best_slot(&[1, 2, 3, 4, 5, 6], key),
+            Some(2),
+            "slot 1 is busy"
+        );
+        assert_eq!(s.best_slot(&[7], key), Some(0), "the lowest on ties");
+        // Another tenant's cache counts for nothing, nor anyone's for a lone request.
+        assert_eq!(s.best_slot(&[1, 2, 3, 4, 5, 6], Tenant::Key(1)), Some(0));
+        assert_eq!(s.best_slot(&[1, 2, 3, 4, 5, 6], Tenant::Alone), Some(0));
         let none = Sched {
             idle: vec![false],
             held: vec![vec![]],
+            owner: vec![None],
             ..Default::default()
         };
-        assert_eq!(none.best_slot(&[1]), None);
+        assert_eq!(none.best_slot(&[1], key), None);
+    }
+
+    /// A worker that answers each job with its prompt's length as text, panics on a prompt
+    /// of `[666]`, waits on `[777]` until its client hangs up, and logs what it was asked.
+    struct Fake {
+        log: Arc<Mutex<Vec<String>>>,
+        held: Vec<Token>,
+    }
+
+    impl Worker for Fake {
+        fn run(&mut self, job: &Job, _stop: &Arc<AtomicBool>) {
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("run {:?}", job.prompt));
+            match job.prompt.as_slice() {
+                [666] => panic!("a bug"),
+                [777] => {
+                    while !job.events.is_closed() {
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    }
+                }
+                _ => {}
+            }
+            self.held = job.prompt.clone();
+            let _ = job.events.send(Event::Text(job.prompt.len().to_string()));
+            let _ = job.events.send(Event::Done(Outcome {
+                finish: Finish::Stop,
+                prompt_tokens: job.prompt.len(),
+                completion_tokens: 0,
+                prefill_seconds: 0.0,
+                decode_seconds: 0.0,
+                target_calls: 0,
+            }));
+        }
+
+        fn forget(&mut self) {
+            self.log.lock().unwrap().push("forget".into());
+            self.held.clear();
+        }
+
+        fn held(&self) -> Vec<Token> {
+            self.held.clone()
+        }
+    }
+
+    fn fake_pool(max_queue: usize) -> (Pool, Arc<Mutex<Vec<String>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let l = Arc::clone(&log);
+        let make: Arc<MakeWorker> = Arc::new(move |_| {
+            Ok(Box::new(Fake {
+                log: Arc::clone(&l),
+                held: Vec::new(),
+            }) as Box<dyn Worker>)
+        });
+        let pool = Pool::start_with(1, max_queue, Arc::new(Metrics::default()), make).unwrap();
+        (pool, log)
+    }
+
+    fn job(
+        prompt: Vec<Token>,
+        tenant: Tenant,
+    ) -> (Job, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let j = Job {
+            prompt,
+            max_tokens: Some(1),
+            sampling: Default::default(),
+            stop: Vec::new(),
+            events: tx,
+            tenant,
+        };
+        (j, rx)
+    }
+
+    /// The events of a job, to its last.
+    fn wait(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Vec<Event> {
+        let mut out = Vec::new();
+        while let Some(e) = rx.blocking_recv() {
+            let last = !matches!(e, Event::Text(_));
+            out.push(e);
+            if last {
+                break;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_panicking_job_gets_a_500_and_the_slot_goes_on() {
+        let (pool, log) = fake_pool(4);
+        let (j, rx) = job(vec![666], Tenant::Shared);
+        pool.submit(j).unwrap();
+        match wait(rx).as_slice() {
+            [Event::Error(e)] => assert_eq!(e.status, 500),
+            other => panic!("{other:?}"),
+        }
+        let (j, rx) = job(vec![1, 2, 3], Tenant::Shared);
+        pool.submit(j).unwrap();
+        assert!(matches!(wait(rx).as_slice(), [Event::Text(t), Event::Done(_)] if t == "3"));
+        let log = log.lock().unwrap().clone();
+        assert_eq!(log, ["run [666]", "forget", "run [1, 2, 3]"]);
+    }
+
+    #[test]
+    fn a_slot_forgets_between_tenants_only() {
+        let (pool, log) = fake_pool(4);
+        for (p, t) in [
+            (1, Tenant::Key(0)),
+            (2, Tenant::Key(0)),
+            (3, Tenant::Key(1)),
+            (4, Tenant::Shared),
+            (5, Tenant::Shared),
+            (6, Tenant::Alone),
+            (7, Tenant::Alone),
+        ] {
+            let (j, rx) = job(vec![p], t);
+            pool.submit(j).unwrap();
+            wait(rx);
+        }
+        let log = log.lock().unwrap().join(", ");
+        assert_eq!(
+            log,
+            "run [1], run [2], forget, run [3], forget, run [4], run [5], forget, run [6], \
+             forget, run [7]"
+        );
+    }
+
+    #[test]
+    fn the_queue_is_bounded() {
+        let (pool, _log) = fake_pool(1);
+        // The slot takes one that waits for its client; one more waits in the queue.
+        let (busy, busy_rx) = job(vec![777], Tenant::Shared);
+        pool.submit(busy).unwrap();
+        // Until the slot took it, it counts as queued: wait for the queue to empty.
+        for _ in 0..400 {
+            if pool.sched.0.lock().unwrap().queue.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let (queued, queued_rx) = job(vec![1], Tenant::Shared);
+        pool.submit(queued).unwrap();
+        let (over, _rx) = job(vec![2], Tenant::Shared);
+        let e = pool.submit(over).unwrap_err();
+        assert_eq!(e.status, 503);
+        assert_eq!(e.code, Some("queue_full"));
+        assert!(e.retry_after.is_some());
+        // The client of the first hangs up: the queued one runs.
+        drop(busy_rx);
+        assert!(matches!(
+            wait(queued_rx).as_slice(),
+            [Event::Text(_), Event::Done(_)]
+        ));
     }
 
     fn run(stops: &[&str], pieces: &[&[u8]]) -> (Vec<String>, String, bool) {
