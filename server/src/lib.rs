@@ -229,6 +229,8 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
     let tokio = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(2)
+        // Kept rather than made again for each burst of requests.
+        .thread_keep_alive(Duration::from_secs(3600))
         .build()?;
     let r = tokio.block_on(serve(model, args, opts, state));
     // A tokenization still running for a client that is gone is not waited for.

@@ -446,7 +446,9 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
     let t0 = Instant::now();
     let mut text = TextOut::new(job.stop.clone());
     let mut gone = false;
+    let mut streamed = 0;
     let mut on_token = |t: Token| {
+        streamed += 1;
         let piece = model.token_to_piece(t, false).unwrap_or_default();
         let (out, stop_string) = text.push(&piece);
         if !out.is_empty() && job.events.send(Event::Text(out)).is_err() {
@@ -460,7 +462,9 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
     let g = match r {
         Ok(g) => g,
         Err(e) if e.is_cancelled() || job.events.is_closed() => {
-            log::info!("slot {slot}: the client hung up (or the server stopped it) during the request; slot freed");
+            log::info!(
+                "slot {slot}: the client hung up (or the server stopped it) after {streamed} tokens; slot freed"
+            );
             metrics.cancelled();
             return;
         }
@@ -473,7 +477,7 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
     };
     if gone {
         log::info!(
-            "slot {slot}: the client hung up after {} tokens; slot freed",
+            "slot {slot}: the client hung up (or the server stopped it) after {} tokens; slot freed",
             g.tokens.len()
         );
         metrics.cancelled();

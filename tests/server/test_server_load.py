@@ -233,7 +233,7 @@ def test_hang_ups_free_the_slot(leap, smollm):
                      and m["leap:requests_processing"] == 0, 20, "the hang-ups so far cancelled")
         raw = json.dumps(long_text).encode()
         sock = socket.create_connection((HOST, port), timeout=10)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
         wait_metrics(port, lambda m: m["leap:requests_processing"] == 1, 10, "the request decoding")
         sock.close()
@@ -363,9 +363,9 @@ def test_drain_timeout_and_second_signal(leap, smollm):
     s = Server(leap, smollm, "--drain-timeout", "3", ctx=256, parallel=1, threads=1)
     try:
         head = socket.create_connection((HOST, s.port), timeout=10)
-        head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         body = socket.create_connection((HOST, s.port), timeout=10)
-        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
         time.sleep(0.3)
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
@@ -438,7 +438,7 @@ def raw_exchange(port, data, shut_wr=False, timeout=15):
 
 
 def head(path, length=None, chunked=False):
-    h = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    h = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     if length is not None:
         h += f"Content-Length: {length}\r\n"
     if chunked:
