@@ -284,7 +284,9 @@ fn sampled_output_follows_the_target_distribution() {
         })
         .collect();
     assert!(
-        runs.iter().filter(|g| g.drafted_tokens > 0).count() > 100,
+        // A draft follows when the first token continues the prompt's cycle: about a third
+        // of the runs.
+        runs.iter().filter(|g| g.drafted_tokens > 0).count() > 60,
         "the second token must go through acceptance of a draft"
     );
     let pairs: Vec<(i32, i32)> = runs.iter().map(|g| (g.tokens[0], g.tokens[1])).collect();
