@@ -10,12 +10,19 @@
 //! | [`metrics`] | the counters behind `GET /metrics` |
 //! | [`error`] | OpenAI-style error objects |
 //!
-//! HTTP is axum on tokio; decoding runs on the slots' own threads (it is CPU work that would
-//! stall tokio's), and each slot streams its tokens back through a channel. A client that
-//! hangs up closes that channel, which stops its generation at the next token.
+//! HTTP is hyper (with axum's router) on one tokio thread that only moves bytes: parsing,
+//! templating and tokenizing run on two blocking threads, decoding on the slots' own threads,
+//! and each slot streams its tokens back through a channel. A client that hangs up closes
+//! that channel, which stops its generation within a graph node (prefill too).
 //!
-//! SIGTERM or Ctrl-C closes the listener and finishes the requests already taken (decoding or
-//! queued); a second signal, or `--drain-timeout` seconds, stops them at their next token.
+//! Every connection has timers (`--header-timeout` for headers and idle keep-alive,
+//! `--timeout` for a body), their number a cap (`--max-connections`), bodies in flight a
+//! memory budget, the queue a bound (`--max-queue`); on loopback, requests for another host
+//! are refused (DNS rebinding). docs/bad-input.md lists what each hostile client gets.
+//!
+//! SIGTERM or Ctrl-C (taken on a thread of their own) closes the listener and finishes the
+//! requests already taken (decoding or queued); a second signal, or `--drain-timeout`
+//! seconds, stops them; a third exits at once.
 
 pub mod error;
 pub mod metrics;
