@@ -367,6 +367,8 @@ fn slot_loop(
                 };
             }
         };
+        // The other slots look again: a job that waited for this one may be theirs now.
+        cv.notify_all();
         metrics.dequeued();
         if !job.tenant.may_use(before) && before.is_some() {
             worker.forget();
