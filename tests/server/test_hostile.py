@@ -378,7 +378,7 @@ def test_1d_sigterm_during_long_tokenize(leap, smollm):
 
 @pytest.fixture(scope="module")
 def timers(leap, smollm):
-    s = Server(leap, smollm, "--header-timeout", "5", "--timeout", "5", "--max-connections", "8",
+    s = Server(leap, smollm, "--header-timeout", "2", "--timeout", "2", "--max-connections", "8",
                ctx=256, parallel=1, threads=1)
     yield s
     s.stop_and_check()
@@ -454,7 +454,7 @@ def test_2d_connection_cap(leap, smollm):
     """A client opened 20 idle connections to a server with --max-connections 8: a new request
     gets a 503 with Retry-After (code `too_many_connections`) within 2 s rather than hanging or
     being served; once the header timeout (5 s) has closed the idle ones, /health is 200."""
-    s = Server(leap, smollm, "--header-timeout", "2", "--timeout", "2", "--max-connections", "8",
+    s = Server(leap, smollm, "--header-timeout", "5", "--timeout", "5", "--max-connections", "8",
                ctx=256, parallel=1, threads=1)
     idle = []
     try:
