@@ -28,15 +28,6 @@ impl Sparse {
     pub fn prob(&self, t: Token) -> f32 {
         self.entries.iter().find(|e| e.0 == t).map_or(0.0, |e| e.1)
     }
-
-    /// A dense vector over `n_vocab` tokens (what [`crate::accept::stochastic`] takes).
-    pub fn dense(&self, n_vocab: usize) -> Vec<f32> {
-        let mut p = vec![0.0; n_vocab];
-        for &(t, x) in &self.entries {
-            p[t as usize] = x;
-        }
-        p
-    }
 }
 
 /// The sampler chain's parameters.
@@ -161,15 +152,5 @@ mod tests {
         let want = 1.0 / (1.0 + (-0.5f64).exp());
         assert!((d.prob(0) as f64 - want).abs() < 1e-6);
         assert_eq!(d.prob(3), 0.0);
-    }
-
-    #[test]
-    fn dense_matches_sparse() {
-        let d = t(1.0, 3, 0.95, 0.05).apply(&[0.5, 2.0, -1.0, 1.5, 0.0]);
-        let v = d.dense(5);
-        assert!((v.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-        for &(tok, p) in &d.entries {
-            assert_eq!(v[tok as usize], p);
-        }
     }
 }
