@@ -444,17 +444,30 @@ enum Kind {
     Chat,
 }
 
+/// Read a generation request's body and turn it into a prompt and its parameters with
+/// `prepare`, on a blocking thread; the body's share of the budget is held until then.
+async fn prepared(
+    s: &Arc<AppState>,
+    body: Body,
+    prepare: impl FnOnce(&AppState, &Ready, &[u8]) -> Result<(Vec<leap_host::Token>, Params), ApiError>
+        + Send
+        + 'static,
+) -> Result<(Vec<leap_host::Token>, Params), ApiError> {
+    let (bytes, budget) = read_body(s, body).await?;
+    let st = ready_arc(s)?;
+    let r = blocking(move || prepare(&st, ready(&st)?, &bytes)).await;
+    drop(budget);
+    r
+}
+
 async fn completions(
     State(s): St,
     Extension(tenant): Extension<Tenant>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let (bytes, budget) = read_body(&s, body).await?;
-    let st = ready_arc(&s)?;
-    let (prompt, params) = blocking(move || {
-        let r: CompletionRequest = oai::parse(&bytes)?;
+    let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
+        let r: CompletionRequest = oai::parse(bytes)?;
         let params = r.common.params()?;
-        let rd = ready(&st)?;
         let model = rd.rt.model();
         let text = |t: &str| {
             check_text_len(rd, st.n_ctx, t.len())?;
@@ -476,7 +489,6 @@ async fn completions(
         Ok((prompt, params))
     })
     .await?;
-    drop(budget);
     generate(s, prompt, params, Kind::Text, tenant).await
 }
 
@@ -485,12 +497,9 @@ async fn chat(
     Extension(tenant): Extension<Tenant>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let (bytes, budget) = read_body(&s, body).await?;
-    let st = ready_arc(&s)?;
-    let (prompt, params) = blocking(move || {
-        let r: ChatRequest = oai::parse(&bytes)?;
+    let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
+        let r: ChatRequest = oai::parse(bytes)?;
         let params = r.common.params()?;
-        let rd = ready(&st)?;
         let msgs = chat_messages(&r, rd, st.n_ctx)?;
         // The template's control tokens as control tokens; what the messages say as text.
         let prompt = rd
@@ -501,7 +510,6 @@ async fn chat(
         Ok((prompt, params))
     })
     .await?;
-    drop(budget);
     generate(s, prompt, params, Kind::Chat, tenant).await
 }
 
