@@ -303,11 +303,15 @@ impl Engine {
     /// Greedy generation on a streamed output projection with the target drafting for
     /// itself over a resident vocabulary ([`crate::vocab`]), when configured and the
     /// projection reproduces llama.cpp's logits (checked here once, on the prompt's first
-    /// token). `None`: not applicable, the caller builds trees.
+    /// token, which clears `ctx` and sets `cached` to 0). Sequence 0 may hold
+    /// `prompt[..cached]` (see [`Engine::generate_from`]). `None`: not applicable, the
+    /// caller builds trees.
+    #[allow(clippy::too_many_arguments)]
     fn self_draft(
         &mut self,
         ctx: &mut Context,
         prompt: &[Token],
+        cached: &mut usize,
         max_tokens: usize,
         n_batch: usize,
         sampled: bool,
@@ -325,6 +329,7 @@ impl Engine {
         };
         if checked.is_none() {
             ctx.clear(false);
+            *cached = 0;
             let mut b = Batch::new(1, 1);
             b.add(prompt[0], 0, &[0], true)?;
             let ok = od.check(ctx, &b, 0)?;
@@ -340,24 +345,20 @@ impl Engine {
             return Ok(None);
         }
         if !od.streamed() && vc.resident == Resident::Auto {
-            let pays = match self.vocab_pays {
-                Some(p) => p,
-                None => {
-                    let share = crate::vocab::projection_share(ctx, od, prompt[0])?;
-                    let p = share >= crate::vocab::AUTO_SHARE;
-                    log::info!(
-                        "the output projection is {:.0}% of a one-row call: {}",
-                        share * 100.0,
-                        if p {
-                            "the target drafts for itself over a resident vocabulary"
-                        } else {
-                            "token trees from the drafters"
-                        }
-                    );
-                    self.vocab_pays = Some(p);
-                    p
-                }
-            };
+            let pays = *self.vocab_pays.get_or_insert_with(|| {
+                let share = crate::vocab::projection_share(ctx.model(), od);
+                let p = share >= crate::vocab::AUTO_SHARE;
+                log::info!(
+                    "the output projection is {:.0}% of the weights a one-row call reads: {}",
+                    share * 100.0,
+                    if p {
+                        "the target drafts for itself over a resident vocabulary"
+                    } else {
+                        "token trees from the drafters"
+                    }
+                );
+                p
+            });
             if !pays {
                 return Ok(None);
             }
@@ -369,6 +370,7 @@ impl Engine {
             &vc,
             &mut self.vocab,
             prompt,
+            *cached,
             max_tokens,
             n_batch,
             on_token,
@@ -428,7 +430,7 @@ impl Engine {
                 ctx, od, prompt, cached, max_tokens, sampling, n_batch, on_token,
             );
         }
-        let cached = cached.min(prompt.len().saturating_sub(1));
+        let mut cached = cached.min(prompt.len().saturating_sub(1));
         let sampled = !sampling.is_greedy();
         let trunc = Truncation::from(sampling);
         if prompt.is_empty() {
@@ -437,10 +439,16 @@ impl Engine {
                 reason: "empty prompt".into(),
             });
         }
-        if cached == 0 {
-            if let Some(g) = self.self_draft(ctx, prompt, max_tokens, n_batch, sampled, on_token)? {
-                return Ok(g);
-            }
+        if let Some(g) = self.self_draft(
+            ctx,
+            prompt,
+            &mut cached,
+            max_tokens,
+            n_batch,
+            sampled,
+            on_token,
+        )? {
+            return Ok(g);
         }
         let cached = crate::plain::keep_prefix(ctx, cached);
         let t0 = Instant::now();
@@ -465,11 +473,6 @@ impl Engine {
                 self.calibrated.set(&Calibration::default());
             }
         }
-        // The drafters take the prompt as part of prompt processing (a draft model prefills).
-        let mut local = ContextDrafter::new(self.cfg.min_match);
-        for d in self.drafters(&mut local) {
-            d.begin(prompt);
-        }
         let mut g = Generation {
             prefill_seconds: t0.elapsed().as_secs_f64(),
             calib_seconds,
@@ -489,13 +492,19 @@ impl Engine {
             argmax(ctx.logits(-1)?)
         };
         g.tokens.push(first);
+        // The first token goes out before the drafters take the prompt (a draft model
+        // prefills it): nothing of drafting's set-up delays it.
+        let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
+        let mut local = ContextDrafter::new(self.cfg.min_match);
+        for d in self.drafters(&mut local) {
+            d.begin(prompt);
+        }
         for d in self.drafters(&mut local) {
             d.accepted(first);
         }
         let mut id_last = first;
         // Accepted off the trunk in the last step, verified again in this one.
         let mut carry: Vec<Token> = Vec::new();
-        let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
         let mut batch = Batch::new(
             (self.cfg.max_draft * self.cfg.max_branches.max(1) + 1).max(self.cfg.max_rows),
             n_seq.max(1),

@@ -47,6 +47,9 @@ pub struct Generation {
     pub exit_accepted_kept: u64,
     /// Rows whose logits were computed (the output projection's rows).
     pub output_rows: u64,
+    /// The target drafted for itself over a resident vocabulary ([`crate::vocab`]) rather
+    /// than verifying the drafters' trees.
+    pub self_drafted: bool,
 }
 
 /// Run the prompt through the target (sequence 0 from position 0), logits for the last token

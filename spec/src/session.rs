@@ -524,14 +524,7 @@ impl Session {
                 req.sampling.temp, req.sampling.top_p, req.sampling.min_p
             )));
         }
-        // Under flash streaming greedy decoding drafts with the target itself, which
-        // prefills the whole prompt: nothing is kept there.
-        let reuse = self.streamer.is_none();
-        let cached = if reuse {
-            common_prefix(&self.kv, prompt).min(prompt.len() - 1)
-        } else {
-            0
-        };
+        let cached = common_prefix(&self.kv, prompt).min(prompt.len() - 1);
         // Until this generation ends well, nothing in the cache is known.
         self.kv.clear();
         let g = match self.engine.as_mut() {
@@ -555,12 +548,10 @@ impl Session {
                 on_token,
             )?,
         };
-        if reuse {
-            // Every token but the last went through the target after the prompt.
-            self.kv.extend_from_slice(prompt);
-            self.kv
-                .extend_from_slice(&g.tokens[..g.tokens.len().saturating_sub(1)]);
-        }
+        // Every token but the last went through the target after the prompt.
+        self.kv.extend_from_slice(prompt);
+        self.kv
+            .extend_from_slice(&g.tokens[..g.tokens.len().saturating_sub(1)]);
         self.cached_tokens = cached;
         let t = &mut self.totals;
         t.requests += 1;

@@ -25,10 +25,10 @@ use std::time::Instant;
 
 use leap_host::project::{DraftVocab, OnDemand};
 use leap_host::usage::cpu_seconds;
-use leap_host::{Batch, Context, Error, Result, Token};
+use leap_host::{Batch, Context, Error, GgufInfo, Model, Result, Token};
 
 use crate::draft::{ContextDrafter, Drafter};
-use crate::plain::{argmax, prefill, Generation};
+use crate::plain::{argmax, keep_prefix, prefill_from, Generation};
 
 /// The longest retrieval chain a call takes (a row costs a fraction of a call; the chains
 /// that get this long are rarely right all the way).
@@ -88,39 +88,37 @@ pub enum Resident {
     Always,
 }
 
-/// The share of a one-row call the projection must take for [`Resident::Auto`] to draft
-/// with the target itself. A drafted step saves at most the projection of its row, so the
-/// speed-up is bounded by `1 / (1 - share)`; token trees do better where it is small (they
-/// save the blocks too when their drafts hold). Measured here by [`projection_share`] (2
-/// threads): Gemma 3 270M 0.65, SmolLM2-135M 0.29; on 12 dev requests the target drafting
-/// for itself ran 1.39x plain on Gemma, 1.00x on SmolLM2 (where trees ran 1.16x). Since
-/// Leap's `Q8_0` projection kernel got faster the shares are 0.45 and 0.10, and on Gemma
-/// self-drafting still ran a little ahead of trees (1.53x against 1.49x plain): the
+/// The share of the weights a one-row call reads that the output projection must take for
+/// [`Resident::Auto`] to draft with the target itself ([`projection_share`]). A drafted step
+/// saves at most the projection of its row, so the speed-up is bounded by `1 / (1 - share)`;
+/// token trees do better where it is small (they save the blocks too when their drafts
+/// hold). Gemma 3 270M's tied 262k-row head is 0.72 of its weights, SmolLM2-135M's 49k-row
+/// one 0.31. The timed shares this replaced (a one-row call through the blocks against the
+/// projection of its row, 2 threads, Leap's kernels) were 0.45-0.55 and 0.10 on an idle
+/// machine, where the target drafting for itself ran ahead of trees on Gemma (1.53x against
+/// 1.49x plain on 12 dev requests) and behind on SmolLM2 (1.00x against 1.16x); the
 /// threshold sits between the models, away from either.
-pub const AUTO_SHARE: f64 = 0.37;
+pub const AUTO_SHARE: f64 = 0.5;
 
-/// The projection's share of a one-row call on this machine: `token` through the blocks
-/// alone (cut before the projection) against the projection of its hidden state, best of
-/// three each (the first call warms up). Leaves `ctx` cleared.
-///
-/// # Errors
-/// Decode failures; a streamed projection that cannot be read.
-pub fn projection_share(ctx: &mut Context, od: &OnDemand, token: Token) -> Result<f64> {
-    let mut batch = Batch::new(1, 1);
-    let (mut step, mut pass) = (f64::INFINITY, f64::INFINITY);
-    let (mut h, mut logits) = (Vec::new(), Vec::new());
-    for _ in 0..3 {
-        ctx.clear(false);
-        h.clear();
-        let t = Instant::now();
-        run(ctx, od, &mut batch, token, &[], 0, &mut h)?;
-        step = step.min(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        od.try_logits(&h, &mut logits)?;
-        pass = pass.min(t.elapsed().as_secs_f64());
-    }
-    ctx.clear(false);
-    Ok(pass / (step + pass).max(1e-12))
+/// The output projection's share of the weights a one-row call reads: all of its rows
+/// against every other weight but the token embeddings (a call reads one row of those per
+/// token; a tied head reads them whole as the projection). Read off the model file's tensor
+/// table, so it is the same whatever the machine is doing when asked: the timed share it
+/// replaced swung from 52-55% on an idle machine to 18% for a server slot made while four
+/// requests decoded, and such slots built trees for Gemma at plain's speed for good.
+pub fn projection_share(model: &Model, od: &OnDemand) -> f64 {
+    let head = od.row_bytes() as f64 * model.n_vocab().max(0) as f64;
+    let rest = match GgufInfo::open(model.path()) {
+        Ok(info) => info
+            .tensors
+            .iter()
+            .filter(|t| t.name != "token_embd.weight" && t.name != "output.weight")
+            .map(|t| t.size)
+            .sum::<u64>() as f64,
+        // The weights llama.cpp loaded, less the head's (a tied head counted once).
+        Err(_) => (model.size() as f64 - head).max(0.0),
+    };
+    head / (head + rest).max(1.0)
 }
 
 impl VocabConfig {
@@ -270,8 +268,13 @@ impl VocabState {
 /// Greedy generation of up to `max_tokens` tokens after `prompt`, drafting with the target
 /// over a resident vocabulary (see the module docs): plain greedy decoding's tokens. `od`
 /// must be `ctx`'s projection and reproduce llama.cpp's logits (the caller checks, see
-/// [`OnDemand::check`]). Stops at an end-of-generation token (kept) or when `on_token`
-/// returns false.
+/// [`OnDemand::check`]). Sequence 0 of `ctx` may hold `prompt[..cached]` at positions
+/// `0..cached` from an earlier request (a conversation's earlier turns, a server slot's kept
+/// prompt): only the rest is prefilled. Stops at an end-of-generation token (kept) or when
+/// `on_token` returns false.
+///
+/// The first token goes to `on_token` as soon as the prompt's last row has its logits; the
+/// resident vocabulary is set up after it.
 ///
 /// # Errors
 /// Decode failures; the model file cannot be read (the resident rows, a streamed pass).
@@ -282,6 +285,7 @@ pub fn generate(
     cfg: &VocabConfig,
     state: &mut VocabState,
     prompt: &[Token],
+    cached: usize,
     max_tokens: usize,
     n_batch: usize,
     on_token: &mut dyn FnMut(Token) -> bool,
@@ -292,14 +296,28 @@ pub fn generate(
             reason: "empty prompt".into(),
         });
     }
-    ctx.clear(false);
+    let cached = keep_prefix(ctx, cached.min(prompt.len() - 1));
     let t0 = Instant::now();
     // The prompt's pass ends in llama.cpp's projection: nothing of Leap's to read ahead.
     od.prefetch(false);
-    prefill(ctx, prompt, n_batch)?;
+    prefill_from(ctx, prompt, cached, n_batch)?;
     let first = argmax(ctx.logits(-1)?);
-    // The resident vocabulary (part of the request's set-up, like prefill): the prefix, and
-    // the prompt's tokens while there is room. A full one starts again from the prefix.
+    let model = ctx.model().clone();
+    let mut g = Generation {
+        prefill_seconds: t0.elapsed().as_secs_f64(),
+        self_drafted: true,
+        ..Default::default()
+    };
+    let cpu0 = cpu_seconds();
+    let t1 = Instant::now();
+    g.tokens.push(first);
+    let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
+    if done {
+        od.prefetch(true);
+        return Ok(g);
+    }
+    // The resident vocabulary (set-up after the first token): the prefix, and the prompt's
+    // tokens while there is room. A full one starts again from the prefix.
     let prefix_max = cfg.prefix_max(od.streamed());
     let cap = prefix_max + cfg.extra;
     let mut vocab = match state.vocab.take() {
@@ -312,7 +330,6 @@ pub fn generate(
             od.draft_vocab(&prefix)?
         }
     };
-    let model = ctx.model().clone();
     vocab.add(prompt, cap)?;
     vocab.add(&[first], cap)?;
     let mut variants = Vec::new();
@@ -329,15 +346,7 @@ pub fn generate(
     let mut proposals = Vec::new();
     // Rejected drafts in this request.
     let mut misses = 0usize;
-    let mut g = Generation {
-        prefill_seconds: t0.elapsed().as_secs_f64(),
-        ..Default::default()
-    };
-    let cpu0 = cpu_seconds();
-    let t1 = Instant::now();
     let mut batch = Batch::new(cfg.max_draft + 1, 1);
-    g.tokens.push(first);
-    let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
     // The emitted token not yet in the cache, and its position.
     let mut next = first;
     let mut pos = prompt.len() as i32;

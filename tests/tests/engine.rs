@@ -436,3 +436,27 @@ fn self_drafting_over_a_resident_vocabulary_is_plain_greedy() {
         }
     }
 }
+
+/// Whether the target drafts for itself ([`leap_spec::vocab::Resident::Auto`]) is read off the
+/// model's weights, not timed: Gemma 3's tied 262k-row head is most of what a call reads,
+/// SmolLM2's is not, and the figure is the same however often (and under whatever load) it
+/// is asked.
+#[test]
+fn the_self_drafting_choice_is_the_model_s_weights() {
+    use leap_spec::vocab::{projection_share, AUTO_SHARE};
+    let mut shares = Vec::new();
+    for name in [GEMMA, SMOLLM] {
+        let (_ctx, od) = leap_context(name, 256, 1);
+        let od = od.expect("a plain output projection");
+        let share = projection_share(&model(name), &od);
+        assert_eq!(share, projection_share(&model(name), &od), "{name}");
+        assert!(share > 0.0 && share < 1.0, "{name}: {share}");
+        shares.push(share);
+    }
+    assert!(
+        shares[0] >= AUTO_SHARE + 0.1 && shares[1] + 0.1 <= AUTO_SHARE,
+        "Gemma {:.3} and SmolLM2 {:.3} against the threshold {AUTO_SHARE}",
+        shares[0],
+        shares[1]
+    );
+}
