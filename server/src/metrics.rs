@@ -177,6 +177,7 @@ mod tests {
         m.record(&Outcome {
             finish: Finish::Length,
             prompt_tokens: 10,
+            cached_tokens: 0,
             completion_tokens: 30,
             prefill_seconds: 0.5,
             decode_seconds: 2.0,

@@ -46,6 +46,9 @@ pub struct Common {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub n: Option<i64>,
+    /// llama-server's switch for reusing the KV cache a slot kept from its last request
+    /// (default true); false prefills the whole prompt.
+    pub cache_prompt: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -123,6 +126,7 @@ pub struct Params {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    pub cache_prompt: bool,
 }
 
 impl Common {
@@ -208,6 +212,7 @@ impl Common {
                 .stream_options
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
+            cache_prompt: self.cache_prompt.unwrap_or(true),
         })
     }
 }

@@ -534,6 +534,7 @@ async fn generate(
         stop: p.stop.clone(),
         events: tx,
         tenant,
+        cache_prompt: p.cache_prompt,
     });
     if let Err(e) = submitted {
         s.metrics.dequeued();

@@ -53,6 +53,8 @@ impl Finish {
 pub struct Outcome {
     pub finish: Finish,
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV cache the slot kept from its last request (not prefilled).
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
@@ -66,16 +68,20 @@ impl Outcome {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
 
-    /// llama-server's `timings`; with `drafting`, Leap's target calls too.
+    /// llama-server's `timings` (`prompt_n`: the prompt tokens prefilled, `cache_n`: those
+    /// kept from the slot's last request); with `drafting`, Leap's target calls too.
     pub fn timings(&self, drafting: bool) -> serde_json::Value {
         let per_s = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        let prefilled = self.prompt_tokens.saturating_sub(self.cached_tokens);
         let mut t = serde_json::json!({
-            "prompt_n": self.prompt_tokens,
+            "cache_n": self.cached_tokens,
+            "prompt_n": prefilled,
             "prompt_ms": self.prefill_seconds * 1e3,
-            "prompt_per_second": per_s(self.prompt_tokens, self.prefill_seconds),
+            "prompt_per_second": per_s(prefilled, self.prefill_seconds),
             "predicted_n": self.completion_tokens,
             "predicted_ms": self.decode_seconds * 1e3,
             "predicted_per_second": per_s(self.completion_tokens, self.decode_seconds),
@@ -129,6 +135,9 @@ pub struct Job {
     pub stop: Vec<String>,
     pub events: UnboundedSender<Event>,
     pub tenant: Tenant,
+    /// Reuse the KV cache the slot kept (llama-server's `cache_prompt`); false prefills the
+    /// whole prompt.
+    pub cache_prompt: bool,
 }
 
 /// What a slot runs jobs with: a [`Session`] in the server ([`SlotWorker`]).
@@ -405,6 +414,9 @@ pub struct SlotWorker {
 impl Worker for SlotWorker {
     fn run(&mut self, job: &Job, stop: &Arc<AtomicBool>) {
         // A hang-up or an abort stops the decode in flight, prefill included.
+        if !job.cache_prompt {
+            self.session.forget_prefix();
+        }
         let (events, stop) = (job.events.clone(), Arc::clone(stop));
         self.session.set_cancel(Some(Arc::new(move || {
             events.is_closed() || stop.load(Ordering::Relaxed)
@@ -498,6 +510,7 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
     let o = Outcome {
         finish,
         prompt_tokens: job.prompt.len(),
+        cached_tokens: session.cached_tokens(),
         completion_tokens: g.tokens.len(),
         prefill_seconds: g.prefill_seconds,
         decode_seconds: g.decode_seconds,
@@ -656,6 +669,7 @@ mod tests {
             let _ = job.events.send(Event::Done(Outcome {
                 finish: Finish::Stop,
                 prompt_tokens: job.prompt.len(),
+                cached_tokens: 0,
                 completion_tokens: 0,
                 prefill_seconds: 0.0,
                 decode_seconds: 0.0,
@@ -698,6 +712,7 @@ mod tests {
             stop: Vec::new(),
             events: tx,
             tenant,
+            cache_prompt: true,
         };
         (j, rx)
     }

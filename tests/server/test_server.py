@@ -408,6 +408,30 @@ def test_client_hangup_frees_slot(server1):
     assert after["leap:requests_processing"] == 0
 
 
+def test_cache_prompt(server1, leap, smollm):
+    """With --shared-cache a slot's kept prompt is reused (usage's cached_tokens, timings'
+    cache_n), and `cache_prompt: false` (llama-server's switch) prefills the whole prompt;
+    without it (the default: each request its own tenant) nothing is kept. The text is the same."""
+    prompt = "A slot keeps the prompt it decoded last, so asking again costs little:"
+    s = Server(leap, smollm, "--shared-cache", ctx=1024, parallel=1, threads=1)
+    try:
+        first = complete(s.port, prompt, 8)
+        again = complete(s.port, prompt, 8)
+        n = again["usage"]["prompt_tokens"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1, again["usage"]
+        assert again["timings"]["cache_n"] == n - 1 and again["timings"]["prompt_n"] == 1, again["timings"]
+        fresh = complete(s.port, prompt, 8, cache_prompt=False)
+        assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, fresh["usage"]
+        assert fresh["timings"]["prompt_n"] == n, fresh["timings"]
+    finally:
+        s.stop_and_check()
+    complete(server1.port, prompt, 8)
+    alone = complete(server1.port, prompt, 8)
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, alone["usage"]
+    texts = [r["choices"][0]["text"] for r in (first, again, fresh, alone)]
+    assert len(set(texts)) == 1, texts
+
+
 # --- 9. API key --------------------------------------------------------------------------------------
 
 
