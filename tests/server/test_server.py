@@ -7,6 +7,7 @@ served. Generations are short (16-32 tokens) to keep the suite quick on a shared
 
 import http.client
 import json
+import os
 import re
 import signal
 import socket
@@ -430,6 +431,37 @@ def test_cache_prompt(server1, leap, smollm):
     assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, alone["usage"]
     texts = [r["choices"][0]["text"] for r in (first, again, fresh, alone)]
     assert len(set(texts)) == 1, texts
+
+
+def test_no_threads_outlive_their_requests(leap, smollm):
+    """Requests on several slots leave no threads behind: each runs on a thread that ends with
+    it, taking the OpenMP team ggml made for it along. Slot threads used to keep their teams,
+    and with more OpenMP threads alive than CPUs libgomp all but stops spinning, so after one
+    burst of concurrent requests every later request decoded 3-4x slower."""
+    s = Server(leap, smollm, ctx=1024, parallel=4, threads=2)
+    try:
+        def tasks():
+            """Threads named for slots: OpenMP's workers take the name of the thread that
+            made them (tokio's blocking threads, which idle for 10 s, are not counted)."""
+            n = 0
+            for t in os.listdir(f"/proc/{s.proc.pid}/task"):
+                try:
+                    with open(f"/proc/{s.proc.pid}/task/{t}/comm") as f:
+                        n += f.read().startswith("leap-slot")
+                except OSError:
+                    pass  # ended meanwhile
+            return n
+
+        with ThreadPoolExecutor(4) as ex:
+            for j in ex.map(lambda p: complete(s.port, p, 8), PROMPTS):
+                assert j["choices"][0]["text"]
+        # The four slots' own threads (a request's thread ends just after its answer).
+        deadline = time.monotonic() + 10
+        while tasks() > 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tasks() == 4, f"{tasks()} slot threads after four concurrent requests on four slots"
+    finally:
+        s.stop_and_check()
 
 
 # --- 9. API key --------------------------------------------------------------------------------------
