@@ -39,6 +39,9 @@ const MAX_CHAIN: usize = 8;
 /// token costs without its projection).
 pub const EXPLORE: usize = 16;
 
+/// How much of the pass-cost fit each new pass keeps ([`VocabState`]).
+const PASS_MEMORY: f64 = 0.95;
+
 /// Ids the prefix grows by at a time (see [`VocabConfig::resident_prefix`]).
 pub const GROW: usize = 4096;
 
@@ -212,6 +215,11 @@ impl VocabState {
     fn record_pass(&mut self, rows: usize, seconds: f64) {
         let x = rows as f64;
         let f = &mut self.fit;
+        // Older passes weigh less (a weight of about 20 passes in all), so the fit follows
+        // the machine: passes timed while other requests ran are forgotten once they stop.
+        for v in f.iter_mut() {
+            *v *= PASS_MEMORY;
+        }
         f[0] += 1.0;
         f[1] += x;
         f[2] += seconds;
@@ -512,6 +520,20 @@ pub fn generate(
     od.prefetch(true);
     g.decode_seconds = t1.elapsed().as_secs_f64();
     g.decode_cpu_seconds = cpu_seconds() - cpu0;
+    log::debug!(
+        "self-drafting: {} tokens, {} calls, {:.3} s decode ({:.3} drafting, {:.3} projecting); \
+         {} resident rows, acceptance {:.2}, step {:.1} ms, pass {:?} s, {} steps a pass",
+        g.tokens.len(),
+        g.target_calls,
+        g.decode_seconds,
+        g.draft_seconds,
+        g.project_seconds,
+        vocab.len(),
+        state.acceptance(),
+        state.step.unwrap_or(0.0) * 1e3,
+        state.pass_cost(),
+        state.steps(cfg.max_draft)
+    );
     state.vocab = Some(vocab);
     Ok(g)
 }
@@ -641,6 +663,31 @@ mod tests {
         t.record_pass(1, 0.25);
         assert_eq!(t.next_steps(8), t.steps(8));
         assert!(t.steps(8) > 0);
+    }
+
+    #[test]
+    fn passes_timed_in_a_slow_spell_are_forgotten() {
+        let normal = |s: &mut VocabState, n: usize| {
+            for i in 0..n {
+                s.record_step(0.01);
+                s.record_pass(1 + i % 8, 0.002 + 0.005 * (1 + i % 8) as f64);
+            }
+        };
+        let mut calm = VocabState::default();
+        normal(&mut calm, 200);
+        let mut s = VocabState::default();
+        normal(&mut s, 100);
+        // Four requests at once: passes three times as long, with a large fixed part.
+        for i in 0..100 {
+            s.record_pass(1 + i % 8, 0.04 + 0.015 * (1 + i % 8) as f64);
+        }
+        normal(&mut s, 100);
+        let ((p, r), (p0, r0)) = (s.pass_cost().unwrap(), calm.pass_cost().unwrap());
+        assert!(
+            (p - p0).abs() < 0.002 && (r - r0).abs() < 0.001,
+            "{p} {r} against {p0} {r0}"
+        );
+        assert_eq!(s.steps(24), calm.steps(24));
     }
 
     #[test]
