@@ -73,3 +73,34 @@ pub fn parallel(threads: usize, f: Job<'_>) {
         f(0, threads);
     });
 }
+
+/// Let the OpenMP team of the calling thread go (its worker threads end), when the process
+/// has OpenMP's `omp_pause_resource_all` (libgomp since GCC 9, LLVM's libomp); the next
+/// parallel region on this thread makes a new one (tens of microseconds). Call it when a
+/// thread is done with ggml for a while, outside any parallel region.
+///
+/// ggml's CPU backend runs each graph on the calling thread's team, and libgomp keeps a
+/// thread's team for as long as the thread lives. While it manages more threads than there
+/// are CPUs it all but stops spinning between parallel regions, and a graph of ~250 of them
+/// (Gemma 3's one-row call) then takes 3-4x as long. A server's slot threads, or an app's
+/// threads that each ran a generation once, kept that many teams alive for good.
+pub fn release_team() {
+    type Pause = unsafe extern "C" fn(c_int) -> c_int;
+    static PAUSE: OnceLock<Option<Pause>> = OnceLock::new();
+    let pause = *PAUSE.get_or_init(|| {
+        // SAFETY: dlsym on the global namespace with a NUL-terminated name; the symbol, when
+        // present, is OpenMP 5.0's `int omp_pause_resource_all(omp_pause_resource_t)`.
+        unsafe {
+            let p = libc::dlsym(libc::RTLD_DEFAULT, c"omp_pause_resource_all".as_ptr());
+            (!p.is_null()).then(|| std::mem::transmute::<*mut c_void, Pause>(p))
+        }
+    });
+    if let Some(pause) = pause {
+        // omp_pause_soft (1): the threads end, the runtime stays usable. Inside a parallel
+        // region libgomp refuses (nonzero) and nothing changes.
+        // SAFETY: a plain call into the OpenMP runtime.
+        unsafe {
+            pause(1);
+        }
+    }
+}

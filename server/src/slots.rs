@@ -421,25 +421,7 @@ impl Worker for SlotWorker {
         self.session.set_cancel(Some(Arc::new(move || {
             events.is_closed() || stop.load(Ordering::Relaxed)
         })));
-        // The request runs on a thread of its own, which ends with it. ggml's CPU backend
-        // runs each graph on the calling thread's OpenMP team, and libgomp keeps a thread's
-        // team for as long as the thread lives; while it manages more threads than there
-        // are CPUs it all but stops spinning between a graph's parallel regions. Slot
-        // threads that had each run a request kept four teams alive on two cores, and every
-        // later request decoded 3-4x slower (a one-row call 38-44 ms instead of 9-11). A
-        // team now lives only as long as its request.
-        let (rt, session, metrics, slot) = (&self.rt, &mut self.session, &self.metrics, self.slot);
-        std::thread::scope(|scope| {
-            // A thread that cannot be made, or a panic on it, is the slot's panic: answered
-            // with a 500 by the slot's guard.
-            let h = std::thread::Builder::new()
-                .name(format!("leap-slot-{slot}"))
-                .spawn_scoped(scope, || serve(rt, session, job, metrics, slot))
-                .unwrap_or_else(|e| panic!("slot {slot}: no thread for the request: {e}"));
-            if let Err(panic) = h.join() {
-                std::panic::resume_unwind(panic);
-            }
-        });
+        serve(&self.rt, &mut self.session, job, &self.metrics, self.slot);
         self.session.set_cancel(None);
     }
 

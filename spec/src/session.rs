@@ -527,7 +527,35 @@ impl Session {
         let cached = common_prefix(&self.kv, prompt).min(prompt.len() - 1);
         // Until this generation ends well, nothing in the cache is known.
         self.kv.clear();
-        let g = match self.engine.as_mut() {
+        let g = self.run(prompt, cached, req, on_token);
+        // This thread may not decode again soon (a server slot between requests, an app's
+        // thread): its OpenMP team goes, or teams of idle threads slow every other one.
+        leap_host::par::release_team();
+        let g = g?;
+        // Every token but the last went through the target after the prompt.
+        self.kv.extend_from_slice(prompt);
+        self.kv
+            .extend_from_slice(&g.tokens[..g.tokens.len().saturating_sub(1)]);
+        self.cached_tokens = cached;
+        let t = &mut self.totals;
+        t.requests += 1;
+        t.prompt_tokens += prompt.len() as u64;
+        t.tokens += g.tokens.len() as u64;
+        t.target_calls += g.target_calls;
+        t.decode_seconds += g.decode_seconds;
+        t.prefill_seconds += g.prefill_seconds;
+        Ok(g)
+    }
+
+    /// The generation itself: Leap's engine, or plain decoding.
+    fn run(
+        &mut self,
+        prompt: &[Token],
+        cached: usize,
+        req: &Request,
+        on_token: &mut dyn FnMut(Token) -> bool,
+    ) -> Result<Generation> {
+        Ok(match self.engine.as_mut() {
             Some(e) => e.generate_from(
                 &mut self.ctx,
                 prompt,
@@ -547,20 +575,7 @@ impl Session {
                 self.n_batch,
                 on_token,
             )?,
-        };
-        // Every token but the last went through the target after the prompt.
-        self.kv.extend_from_slice(prompt);
-        self.kv
-            .extend_from_slice(&g.tokens[..g.tokens.len().saturating_sub(1)]);
-        self.cached_tokens = cached;
-        let t = &mut self.totals;
-        t.requests += 1;
-        t.prompt_tokens += prompt.len() as u64;
-        t.tokens += g.tokens.len() as u64;
-        t.target_calls += g.target_calls;
-        t.decode_seconds += g.decode_seconds;
-        t.prefill_seconds += g.prefill_seconds;
-        Ok(g)
+        })
     }
 }
 

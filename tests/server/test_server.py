@@ -434,9 +434,9 @@ def test_cache_prompt(server1, leap, smollm):
 
 
 def test_no_threads_outlive_their_requests(leap, smollm):
-    """Requests on several slots leave no threads behind: each runs on a thread that ends with
-    it, taking the OpenMP team ggml made for it along. Slot threads used to keep their teams,
-    and with more OpenMP threads alive than CPUs libgomp all but stops spinning, so after one
+    """Requests on several slots leave no threads behind: a session lets the OpenMP team ggml
+    made on its thread go when a generation ends. Slot threads used to keep their teams, and
+    with more OpenMP threads alive than CPUs libgomp all but stops spinning, so after one
     burst of concurrent requests every later request decoded 3-4x slower."""
     s = Server(leap, smollm, ctx=1024, parallel=4, threads=2)
     try:
@@ -455,7 +455,7 @@ def test_no_threads_outlive_their_requests(leap, smollm):
         with ThreadPoolExecutor(4) as ex:
             for j in ex.map(lambda p: complete(s.port, p, 8), PROMPTS):
                 assert j["choices"][0]["text"]
-        # The four slots' own threads (a request's thread ends just after its answer).
+        # The four slots' own threads (a team goes just after its request's answer).
         deadline = time.monotonic() + 10
         while tasks() > 4 and time.monotonic() < deadline:
             time.sleep(0.1)

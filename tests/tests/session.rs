@@ -300,3 +300,44 @@ fn forget_leaves_nothing_of_earlier_requests() {
         first.target_calls
     );
 }
+
+/// Threads that generated and live on (an app's threads, a server's slots) keep no OpenMP
+/// team: ggml makes one on each thread that runs a graph, and with more OpenMP threads alive
+/// than CPUs libgomp all but stops spinning, which made every later call 3-4x slower.
+#[test]
+fn threads_that_generated_keep_no_openmp_team() {
+    use std::sync::{Arc, Barrier};
+    let rt = Arc::new(runtime(SMOLLM, Mode::Leap));
+    let prompt = rt.model().tokenize(PROMPTS[0], true, false).unwrap();
+    let barrier = Arc::new(Barrier::new(5));
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let (rt, barrier, prompt) = (rt.clone(), barrier.clone(), prompt.clone());
+            std::thread::Builder::new()
+                .name(format!("gen-{i}"))
+                .spawn(move || {
+                    let mut s = rt.session().expect("session");
+                    s.generate(&prompt, &greedy(4), &mut |_| true).unwrap();
+                    barrier.wait();
+                    barrier.wait();
+                })
+                .unwrap()
+        })
+        .collect();
+    // Every thread has generated and still lives.
+    barrier.wait();
+    // OpenMP's workers take the name of the thread that made them.
+    let named = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("gen-"))
+        .count();
+    barrier.wait();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(
+        named, 4,
+        "threads named gen-*: the 4 that generated, and no team of theirs"
+    );
+}
