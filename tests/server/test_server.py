@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from conftest import HOST, HTTP_TIMEOUT, Server, request
+from conftest import HOST, HTTP_TIMEOUT, Server, assert_error, complete, metrics, open_stream, post, request
 
 PROMPT = "The capital of France is"
 PROMPTS = [
@@ -32,15 +32,6 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
 # --- helpers -----------------------------------------------------------------------------------
-
-
-def post(port, path, body, headers=None, timeout=HTTP_TIMEOUT):
-    """POST JSON; (status, parsed JSON body)."""
-    status, _, raw = request(port, "POST", path, body, headers, timeout)
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        raise AssertionError(f"POST {path}: {status} with a body that is not JSON: {raw[:300]!r}")
 
 
 def read_sse(resp):
@@ -58,20 +49,6 @@ def read_sse(resp):
     return events
 
 
-def open_stream(port, path, body, timeout=HTTP_TIMEOUT):
-    """Start a streamed request: (connection, response), status 200 and SSE checked."""
-    c = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    c.request("POST", path, body=json.dumps({**body, "stream": True}).encode(),
-              headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raw = r.read()
-        c.close()
-        raise AssertionError(f"POST {path} (stream): {r.status} {raw[:300]!r}")
-    assert r.getheader("Content-Type", "").startswith("text/event-stream"), r.getheaders()
-    return c, r
-
-
 def stream(port, path, body, timeout=HTTP_TIMEOUT):
     c, r = open_stream(port, path, body, timeout)
     try:
@@ -87,37 +64,6 @@ def stream_text(events):
     assert choices, events
     text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
     return text, choices[-1]["finish_reason"]
-
-
-def complete(port, prompt, n=16, **kw):
-    """A greedy completion over raw HTTP: the response's JSON, status 200 checked."""
-    status, j = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0, **kw})
-    assert status == 200, j
-    return j
-
-
-def metrics(port):
-    status, _, raw = request(port, "GET", "/metrics", timeout=10)
-    assert status == 200, raw
-    out = {}
-    for line in raw.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def assert_error(status, j, want_status, param=None, code=None):
-    assert status == want_status, (status, j)
-    err = j.get("error")
-    assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"], j
-    assert isinstance(err.get("type"), str), j
-    if want_status == 400:
-        assert err["type"] == "invalid_request_error", j
-    if param is not None:
-        assert err.get("param") == param, j
-    if code is not None:
-        assert err.get("code") == code, j
 
 
 _generated = {}
