@@ -162,6 +162,9 @@ struct Projection {
     n_embd: usize,
     n_vocab: usize,
     row_bytes: usize,
+    /// The output weights' share of the weights a one-row call reads (see
+    /// [`OnDemand::head_share`]).
+    head_share: f64,
     traits: *const sys::ggml_type_traits_cpu,
     threads: usize,
     /// Leap's weight-stationary kernel for several rows at once, when there is one for the
@@ -226,6 +229,15 @@ impl Projection {
         if row_bytes * n_vocab != t.size as usize || n_embd != model.n_embd() as usize {
             return Ok(None);
         }
+        // Every other weight a call reads whole: all but the token embeddings (one row a
+        // token) and the head itself.
+        let rest: u64 = info
+            .tensors
+            .iter()
+            .filter(|o| o.name != "token_embd.weight" && o.name != "output.weight")
+            .map(|o| o.size)
+            .sum();
+        let head_share = t.size as f64 / (t.size + rest).max(1) as f64;
         let weights = Mapped::shared(model.path(), t.offset, t.size as usize)?;
         let mut p = Self {
             weights,
@@ -236,6 +248,7 @@ impl Projection {
             n_embd,
             n_vocab,
             row_bytes,
+            head_share,
             traits,
             threads: threads.max(1),
             kernel: None,

@@ -346,7 +346,7 @@ impl Engine {
         }
         if !od.streamed() && vc.resident == Resident::Auto {
             let pays = *self.vocab_pays.get_or_insert_with(|| {
-                let share = crate::vocab::projection_share(ctx.model(), od);
+                let share = od.head_share();
                 let p = share >= crate::vocab::AUTO_SHARE;
                 log::info!(
                     "the output projection is {:.0}% of the weights a one-row call reads: {}",

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use leap_host::project::{DraftVocab, OnDemand};
 use leap_host::usage::cpu_seconds;
-use leap_host::{Batch, Context, Error, GgufInfo, Model, Result, Token};
+use leap_host::{Batch, Context, Error, Result, Token};
 
 use crate::draft::{ContextDrafter, Drafter};
 use crate::plain::{argmax, keep_prefix, prefill_from, Generation};
@@ -84,7 +84,7 @@ pub enum Resident {
     /// Never: token trees from the drafters.
     Never,
     /// When the output projection is a large share of a call on this machine
-    /// ([`projection_share`] at least [`AUTO_SHARE`]): Gemma 3's 262k-row head, not
+    /// ([`OnDemand::head_share`] at least [`AUTO_SHARE`]): Gemma 3's 262k-row head, not
     /// SmolLM2's 49k-row one.
     Auto,
     /// Always.
@@ -92,7 +92,7 @@ pub enum Resident {
 }
 
 /// The share of the weights a one-row call reads that the output projection must take for
-/// [`Resident::Auto`] to draft with the target itself ([`projection_share`]). A drafted step
+/// [`Resident::Auto`] to draft with the target itself ([`OnDemand::head_share`]). A drafted step
 /// saves at most the projection of its row, so the speed-up is bounded by `1 / (1 - share)`;
 /// token trees do better where it is small (they save the blocks too when their drafts
 /// hold). Gemma 3 270M's tied 262k-row head is 0.72 of its weights, SmolLM2-135M's 49k-row
@@ -100,29 +100,10 @@ pub enum Resident {
 /// projection of its row, 2 threads, Leap's kernels) were 0.45-0.55 and 0.10 on an idle
 /// machine, where the target drafting for itself ran ahead of trees on Gemma (1.53x against
 /// 1.49x plain on 12 dev requests) and behind on SmolLM2 (1.00x against 1.16x); the
-/// threshold sits between the models, away from either.
+/// threshold sits between the models, away from either. A timed share also moved with load
+/// (18% for Gemma in a server slot made while four requests decoded, whose slot then built
+/// trees at plain's speed for good); a share of the weights cannot.
 pub const AUTO_SHARE: f64 = 0.5;
-
-/// The output projection's share of the weights a one-row call reads: all of its rows
-/// against every other weight but the token embeddings (a call reads one row of those per
-/// token; a tied head reads them whole as the projection). Read off the model file's tensor
-/// table, so it is the same whatever the machine is doing when asked: the timed share it
-/// replaced swung from 52-55% on an idle machine to 18% for a server slot made while four
-/// requests decoded, and such slots built trees for Gemma at plain's speed for good.
-pub fn projection_share(model: &Model, od: &OnDemand) -> f64 {
-    let head = od.row_bytes() as f64 * model.n_vocab().max(0) as f64;
-    let rest = match GgufInfo::open(model.path()) {
-        Ok(info) => info
-            .tensors
-            .iter()
-            .filter(|t| t.name != "token_embd.weight" && t.name != "output.weight")
-            .map(|t| t.size)
-            .sum::<u64>() as f64,
-        // The weights llama.cpp loaded, less the head's (a tied head counted once).
-        Err(_) => (model.size() as f64 - head).max(0.0),
-    };
-    head / (head + rest).max(1.0)
-}
 
 impl VocabConfig {
     /// The most rows resident at once with streamed output weights (what a DRAM budget must

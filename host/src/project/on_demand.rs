@@ -137,6 +137,14 @@ impl OnDemand {
         self.proj.row_bytes
     }
 
+    /// The output weights' share of the weights a one-row call reads: all of their rows
+    /// against every other weight but the token embeddings (a call reads one row of those per
+    /// token; a tied head reads them whole as the projection). From the model file's tensor
+    /// table, so the same whatever the machine is doing.
+    pub fn head_share(&self) -> f64 {
+        self.proj.head_share
+    }
+
     /// Work through the output weights a chunk at a time, telling `stream` before and after
     /// each (flash streaming), or all at once (`None`).
     pub fn with_stream(mut self, stream: Option<Arc<dyn RowStream>>) -> Self {
