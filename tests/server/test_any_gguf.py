@@ -26,8 +26,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, Server
-from test_server import complete, leap_generate
+from conftest import REPO, Server, complete
+from test_server import leap_generate
 
 sys.path.insert(0, str(REPO / "tests" / "models"))
 try:

@@ -17,8 +17,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import HOST, Server, request
-from test_server import assert_error, metrics, open_stream, post, read_sse, stream_text
+from conftest import HOST, Server, assert_error, metrics, open_stream, post, request
+from test_server import read_sse, stream_text
 
 STORY = "Once upon a time"  # greedy SmolLM2 runs 1000 tokens on it without an end of generation
 
