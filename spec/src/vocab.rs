@@ -215,6 +215,24 @@ impl VocabState {
         });
     }
 
+    /// A request's figures and the costs it leaves (`RUST_LOG=leap_spec::vocab=debug`).
+    fn log(&self, g: &Generation, resident_rows: usize, max_draft: usize) {
+        log::debug!(
+            "self-drafting: {} tokens, {} calls, {:.3} s decode ({:.3} drafting, {:.3} \
+             projecting); {resident_rows} resident rows, acceptance {:.2}, step {:.1} ms, \
+             pass {:?} s, {} steps a pass",
+            g.tokens.len(),
+            g.target_calls,
+            g.decode_seconds,
+            g.draft_seconds,
+            g.project_seconds,
+            self.acceptance(),
+            self.step.unwrap_or(0.0) * 1e3,
+            self.pass_cost(),
+            self.steps(max_draft)
+        );
+    }
+
     /// [`VocabState::steps`], except that after [`EXPLORE`] rounds in a row without drafting
     /// one round drafts a step. Acceptance is only learned from drafts: without this a run
     /// of misses (a request whose tokens the resident vocabulary lacks) would stop drafting
@@ -501,20 +519,7 @@ pub fn generate(
     od.prefetch(true);
     g.decode_seconds = t1.elapsed().as_secs_f64();
     g.decode_cpu_seconds = cpu_seconds() - cpu0;
-    log::debug!(
-        "self-drafting: {} tokens, {} calls, {:.3} s decode ({:.3} drafting, {:.3} projecting); \
-         {} resident rows, acceptance {:.2}, step {:.1} ms, pass {:?} s, {} steps a pass",
-        g.tokens.len(),
-        g.target_calls,
-        g.decode_seconds,
-        g.draft_seconds,
-        g.project_seconds,
-        vocab.len(),
-        state.acceptance(),
-        state.step.unwrap_or(0.0) * 1e3,
-        state.pass_cost(),
-        state.steps(cfg.max_draft)
-    );
+    state.log(&g, vocab.len(), cfg.max_draft);
     state.vocab = Some(vocab);
     Ok(g)
 }
