@@ -2,10 +2,11 @@
 //! each cache row is converted from f16 once and multiplied with every query row of every head
 //! that shares it (grouped-query attention: Gemma 3 270M has 4 query heads on 1 KV head),
 //! where ggml's CPU backend converts and loads it again for each (head, row)
-//! pair. On x86-64 with AVX-512 two cache rows meet four query rows at a time
-//! (`x86::dots_wide`); on a warm cache, one thread, that is 2.3-3.2x (Gemma) and 2.2-3.4x
-//! (SmolLM2) faster than ggml at 1 to 8 rows (`tests/examples/attntime.rs` at `1bc4334`; a
-//! cache row at a time it was 12-22% and 1.4-1.8x). In a real call the cache comes mostly from
+//! pair. On x86-64 two cache rows meet four query rows at a time: with AVX-512 in 32
+//! registers (`x86::dots_wide`; on a warm cache, one thread, that is 2.3-3.2x (Gemma) and
+//! 2.2-3.4x (SmolLM2) faster than ggml at 1 to 8 rows, `tests/examples/attntime.rs` at
+//! `1bc4334`; a cache row at a time it was 12-22% and 1.4-1.8x), with AVX2 in 16 by taking
+//! ggml's four partial sums of a pair one after another (`x86::dots_blocked`). In a real call the cache comes mostly from
 //! memory, so the rows are prefetched ahead: without that (`6e523d9`) SmolLM2's one-row call
 //! took 12.1-13.1 ms, with it (`5124809`) 7.4-8.0 (`tests/examples/hiddentime.rs`, context
 //! 1000, the call cut before the output projection). On AArch64 (`neon`) one cache row meets up

@@ -26,10 +26,10 @@ fn wide() -> bool {
 }
 
 /// The kernels this CPU runs (where [`cpu_ok`]), the device's first: [`dots_wide`] with
-/// AVX-512VL, and [`dots`].
+/// AVX-512VL, then [`dots_blocked`] and [`dots`].
 pub fn kernels() -> &'static [Dots] {
-    const WIDE: &[Dots] = &[dots_wide, dots];
-    const NARROW: &[Dots] = &[dots];
+    const WIDE: &[Dots] = &[dots_wide, dots_blocked, dots];
+    const NARROW: &[Dots] = &[dots_blocked, dots];
     if wide() {
         WIDE
     } else {
@@ -87,6 +87,118 @@ unsafe fn dots(x: *const u8, stride: usize, rows: usize, qs: &[f32], n: usize, s
             }
         }
         k += g;
+    }
+}
+
+/// [`dots`] with more pairs meeting in AVX2's 16 registers: each of ggml's four 8-lane sums
+/// of a (cache row, query row) pair is independent of the other three until the reduction, so
+/// they are computed one after another ([`block`]) instead of side by side. That leaves room
+/// for two cache rows against four query rows (8 accumulators): a query load feeds two fused
+/// multiply-adds and a converted cache load four, where [`dots`]' two query rows at four sums a
+/// pair give one and two. (Three cache rows, 12 accumulators, ran slower: Gemma's 8-row `kq`
+/// took 431-462 us a pass against [`dots`]' 318-345.) Each sum adds the same products in the
+/// same order, so the results are [`dots`]' bit for bit. One thread, warm cache
+/// (`tests/examples/attntime.rs`, this AMD EPYC, AVX2): Gemma's 8-row `kq` 366-382 us against
+/// [`dots`]' 432-458, its `kqv` 364-370 against 518-535, SmolLM2's `kqv` 53-59 against 70-81.
+///
+/// # Safety
+/// As [`dots`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_blocked(
+    x: *const u8,
+    stride: usize,
+    rows: usize,
+    qs: &[f32],
+    n: usize,
+    sums: &mut [f32],
+) {
+    let m = sums.len() / rows;
+    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
+    let row = |i: usize| x.add(i * stride).cast::<u16>();
+    let mut k = 0;
+    while k < m {
+        let g = 4.min(m - k);
+        let mut i = 0;
+        while i < rows {
+            let r = 2.min(rows - i);
+            // The first group's pass reads the cache from memory: fetch ahead of it.
+            if k == 0 {
+                for j in i..i + r {
+                    if j + ahead < rows {
+                        let next = x.add((j + ahead) * stride);
+                        for l in (0..2 * n).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
+                        }
+                    }
+                }
+            }
+            macro_rules! go {
+                ($r:literal, $g:literal) => {
+                    block::<$r, $g>(
+                        std::array::from_fn(|j| row(i + j)),
+                        qs,
+                        n,
+                        k,
+                        m,
+                        &mut sums[i * m..],
+                    )
+                };
+            }
+            match (r, g) {
+                (1, 1) => go!(1, 1),
+                (1, 2) => go!(1, 2),
+                (1, 3) => go!(1, 3),
+                (1, _) => go!(1, 4),
+                (_, 1) => go!(2, 1),
+                (_, 2) => go!(2, 2),
+                (_, 3) => go!(2, 3),
+                (_, _) => go!(2, 4),
+            }
+            i += r;
+        }
+        k += g;
+    }
+}
+
+/// Cache rows `xs` against query rows `k0..k0 + G` of `qs`, into `sums` (row `r`'s sums at
+/// `r * m`): ggml's four 8-lane sums of each pair one after another, then reduced as
+/// [`group`] reduces them.
+#[inline(always)]
+unsafe fn block<const R: usize, const G: usize>(
+    xs: [*const u16; R],
+    qs: &[f32],
+    n: usize,
+    k0: usize,
+    m: usize,
+    sums: &mut [f32],
+) {
+    let np = n / 32 * 32;
+    let ys: [*const f32; G] = std::array::from_fn(|g| qs.as_ptr().add((k0 + g) * n));
+    // `acc[j][r][g]`: ggml's j-th 8-lane sum of cache row r with query row g.
+    let mut acc = [[[_mm256_setzero_ps(); G]; R]; 4];
+    for (j, acc) in acc.iter_mut().enumerate() {
+        let mut i = 8 * j;
+        while i < np {
+            let ax: [__m256; R] =
+                std::array::from_fn(|r| _mm256_cvtph_ps(_mm_loadu_si128(xs[r].add(i).cast())));
+            for g in 0..G {
+                let ay = _mm256_loadu_ps(ys[g].add(i));
+                for r in 0..R {
+                    acc[r][g] = _mm256_fmadd_ps(ax[r], ay, acc[r][g]);
+                }
+            }
+            i += 32;
+        }
+    }
+    for r in 0..R {
+        let x = std::slice::from_raw_parts(xs[r], n);
+        for g in 0..G {
+            let x0 = _mm256_add_ps(
+                _mm256_add_ps(acc[0][r][g], acc[2][r][g]),
+                _mm256_add_ps(acc[1][r][g], acc[3][r][g]),
+            );
+            sums[r * m + k0 + g] = finish(x0, x, ys[g], np);
+        }
     }
 }
 
