@@ -6,6 +6,7 @@
 //! |---|---|
 //! | [`routes`] | the endpoints: health, models, completions, chat, tokenize, metrics; API key |
 //! | [`oai`] | the requests' JSON, parsed and checked field by field |
+//! | [`fields`] | what each field of OpenAI's and llama-server's requests does here: honoured, no effect, or refused with a 400 |
 //! | [`slots`] | `--parallel` threads, each with its own session, taking requests from one queue; text with stop strings |
 //! | [`metrics`] | the counters behind `GET /metrics` |
 //! | [`error`] | OpenAI-style error objects |
@@ -25,6 +26,7 @@
 //! seconds, stops them; a third exits at once.
 
 pub mod error;
+pub mod fields;
 pub mod metrics;
 pub mod oai;
 pub mod routes;

@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use crate::error::ApiError;
+use crate::fields::Endpoint;
 
 /// `prompt` of `/v1/completions`: a string, a one-string array, or token ids.
 #[derive(Debug, Clone, Deserialize)]
@@ -92,22 +93,60 @@ pub struct ChatRequest {
     pub common: Common,
 }
 
-/// Parse a JSON body into `T`, naming the field at fault in a 400.
+/// A request body: which endpoint's fields it has ([`crate::fields`]).
+pub trait Request: serde::de::DeserializeOwned {
+    const ENDPOINT: Endpoint;
+}
+
+impl Request for CompletionRequest {
+    const ENDPOINT: Endpoint = Endpoint::Completion;
+}
+
+impl Request for ChatRequest {
+    const ENDPOINT: Endpoint = Endpoint::Chat;
+}
+
+/// Parse a JSON body into `T`, every field checked against its rule ([`crate::fields`]),
+/// naming the field at fault in a 400.
 ///
 /// # Errors
-/// Malformed JSON, a missing field, a field of the wrong type.
-pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| {
-        if e.is_syntax() || e.is_eof() {
-            return ApiError::invalid(format!("the body is not valid JSON: {e}"), None);
-        }
-        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return ApiError::invalid("the body must be a JSON object", None);
-        }
+/// Malformed JSON, a missing field, a field of the wrong type, a field this server does not
+/// know or would not apply at the value sent.
+pub fn parse<T: Request>(body: &[u8]) -> Result<T, ApiError> {
+    let v = object(body)?;
+    if let serde_json::Value::Object(fields) = &v {
+        crate::fields::check(fields, T::ENDPOINT)?;
+    }
+    decode(v)
+}
+
+/// Parse a JSON body into `T` whose every field is honoured (a small request such as
+/// `/tokenize`'s, with `#[serde(deny_unknown_fields)]`), naming the field at fault in a 400.
+///
+/// # Errors
+/// Malformed JSON, a missing, unknown or mistyped field.
+pub fn parse_plain<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    decode(object(body)?)
+}
+
+/// The body as a JSON object.
+fn object(body: &[u8]) -> Result<serde_json::Value, ApiError> {
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    if !v.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object", None));
+    }
+    Ok(v)
+}
+
+fn decode<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result<T, ApiError> {
+    serde_json::from_value(v).map_err(|e| {
         let msg = e.to_string();
-        // serde names a missing field between backquotes: "missing field `prompt`".
-        let param = msg
-            .strip_prefix("missing field `")
+        // serde names the field between backquotes: "missing field `prompt`", "unknown
+        // field `x`, expected ...".
+        let param = ["missing field `", "unknown field `"]
+            .iter()
+            .find_map(|p| msg.strip_prefix(p))
             .and_then(|r| r.split('`').next())
             .map(str::to_owned);
         ApiError {

@@ -305,6 +305,7 @@ fn ready_arc(s: &Arc<AppState>) -> Result<Arc<AppState>, ApiError> {
 
 async fn tokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
     #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
     struct Req {
         content: String,
         #[serde(default)]
@@ -318,7 +319,7 @@ async fn tokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
     let (bytes, _budget) = read_body(&s, body).await?;
     let st = ready_arc(&s)?;
     let v = blocking(move || {
-        let r: Req = oai::parse(&bytes)?;
+        let r: Req = oai::parse_plain(&bytes)?;
         let rd = ready(&st)?;
         check_text_len(rd, st.n_ctx, r.content.len())?;
         let model = rd.rt.model();
@@ -343,13 +344,14 @@ async fn tokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
 
 async fn detokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
     #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
     struct Req {
         tokens: Vec<i64>,
     }
     let (bytes, _budget) = read_body(&s, body).await?;
     let st = ready_arc(&s)?;
     let v = blocking(move || {
-        let r: Req = oai::parse(&bytes)?;
+        let r: Req = oai::parse_plain(&bytes)?;
         let model = ready(&st)?.rt.model();
         let toks = to_tokens(&r.tokens, model.n_vocab(), "tokens")?;
         let content = model

@@ -156,6 +156,8 @@ def test_chat_stream_matches(server, client, model_id):
 
 # --- 4. client mistakes: exact statuses and error objects ----------------------------------------
 
+HI = [{"role": "user", "content": "hi"}]
+
 
 @pytest.mark.parametrize(
     "path, body, param, code",
@@ -175,17 +177,48 @@ def test_chat_stream_matches(server, client, model_id):
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]", None),
         ("/v1/chat/completions", {"messages": []}, "messages", None),
         ("/v1/chat/completions", {"messages": "hi"}, None, None),
+        # No field dropped in silence (server/src/fields.rs): what this server would not apply
+        # is a 400 naming it, not a 200 with a different answer.
+        ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}},
+         "response_format", None),
+        ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function",
+                                  "function": {"name": "f", "parameters": {}}}]}, "tools", None),
+        ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 2}, "logprobs", None),
+        ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a"'}, "grammar", None),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None),
+        ("/v1/completions", {"prompt": "x", "max_token": 4}, "max_token", None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_call_id": "7"}]},
+         "messages[0].tool_call_id", None),
+        ("/tokenize", {"content": "x", "add_bos": True}, "add_bos", None),
     ],
     ids=[
         "malformed-json", "not-an-object", "missing-prompt", "prompt-int", "max_tokens-string",
         "max_tokens-0", "temperature-9", "n-2", "five-stops", "max_tokens-beyond-ctx",
         "prompt-beyond-ctx", "empty-prompt", "chat-unknown-role", "chat-no-messages",
-        "chat-messages-string",
+        "chat-messages-string", "json-output", "tools", "logprobs", "grammar", "penalty",
+        "misspelt-field", "tool-message-field", "tokenize-unknown-field",
     ],
 )
 def test_bad_request(server, path, body, param, code):
     status, j = post(server.port, path, body)
     assert_error(status, j, 400, param=param, code=code)
+
+
+def test_neutral_fields_change_nothing(server):
+    """What SDKs and llama.cpp's web UI send at their defaults (every extra sampler off, no
+    tools, text output, the model's name) is accepted and leaves the answer as it is."""
+    neutral = {"model": "whatever", "presence_penalty": 0, "frequency_penalty": 0,
+               "repeat_penalty": 1.0, "typical_p": 1.0, "dry_multiplier": 0, "xtc_probability": 0,
+               "mirostat": 0, "samplers": "edkypmxt", "logit_bias": {}, "logprobs": None,
+               "n_probs": 0, "id_slot": -1, "user": "u1", "best_of": 1}
+    prompt = "The capital of France is"
+    plain = complete(server.port, prompt, 8)
+    assert complete(server.port, prompt, 8, **neutral)["choices"][0]["text"] == \
+        plain["choices"][0]["text"]
+    status, j = post(server.port, "/v1/chat/completions",
+                     {"messages": HI, "max_tokens": 4, "tools": [], "tool_choice": "auto",
+                      "response_format": {"type": "text"}, "logprobs": False})
+    assert status == 200, j
 
 
 def test_body_too_large(server):
