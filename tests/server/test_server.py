@@ -252,6 +252,8 @@ def test_tokenize_detokenize(server):
     status, j = post(server.port, "/detokenize", {"tokens": [999999999]})
     assert_error(status, j, 400, param="tokens")
     status, j = post(server.port, "/tokenize", {"text": "no content field"})
+    assert_error(status, j, 400, param="text")  # not one of /tokenize's fields
+    status, j = post(server.port, "/tokenize", {})
     assert_error(status, j, 400, param="content")
 
 
