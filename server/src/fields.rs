@@ -154,6 +154,8 @@ pub const FIELDS: &[(&str, On, Rule)] = &[
     ("stream_options", Both, Honoured),
     ("n", Both, Honoured),
     ("cache_prompt", Both, Honoured),
+    ("logprobs", Both, Honoured),
+    ("top_logprobs", Both, Honoured),
     // Nothing a client receives depends on these here.
     ("model", Both, NoEffect),
     ("user", Both, NoEffect),
@@ -191,8 +193,6 @@ pub const FIELDS: &[(&str, On, Rule)] = &[
     ),
     ("logit_bias", Both, Neutral(empty, "{} or []")),
     ("ignore_eos", Both, Neutral(falsy, "false")),
-    ("logprobs", Both, Neutral(falsy, "false or null")),
-    ("top_logprobs", Both, Neutral(zero, "0")),
     ("n_probs", Both, Neutral(zero, "0")),
     ("post_sampling_probs", Both, Neutral(falsy, "false")),
     ("grammar", Both, Neutral(empty, "\"\"")),

@@ -182,6 +182,7 @@ mod tests {
             prefill_seconds: 0.5,
             decode_seconds: 2.0,
             target_calls: 12,
+            logprobs: None,
         });
         let t = m.render();
         assert!(t.contains("leap:requests_total 1\n"), "{t}");

@@ -50,7 +50,15 @@ pub struct Common {
     /// llama-server's switch for reusing the KV cache a slot kept from its last request
     /// (default true); false prefills the whole prompt.
     pub cache_prompt: Option<bool>,
+    /// Chat: `true` for each token's log-probability; completions: how many most likely
+    /// tokens to list with each (0 to [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<serde_json::Value>,
+    /// Chat: how many most likely tokens to list with each (needs `logprobs: true`).
+    pub top_logprobs: Option<i64>,
 }
+
+/// Most likely tokens a request may ask for at each position (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: i64 = 20;
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
@@ -166,6 +174,8 @@ pub struct Params {
     pub stream: bool,
     pub include_usage: bool,
     pub cache_prompt: bool,
+    /// Report log-probabilities, with this many most likely tokens at each position.
+    pub logprobs: Option<usize>,
 }
 
 impl Common {
@@ -236,6 +246,43 @@ impl Common {
         if stop.iter().any(String::is_empty) {
             return bad("stop", "an empty stop string".into());
         }
+        let top_ok = |n: i64| (0..=MAX_TOP_LOGPROBS).contains(&n);
+        let logprobs = match (&self.logprobs, self.top_logprobs) {
+            (_, Some(n)) if !top_ok(n) => {
+                return bad(
+                    "top_logprobs",
+                    format!("top_logprobs {n}: from 0 to {MAX_TOP_LOGPROBS}"),
+                )
+            }
+            (None | Some(serde_json::Value::Null | serde_json::Value::Bool(false)), top) => {
+                if top.is_some_and(|n| n > 0) {
+                    return bad(
+                        "top_logprobs",
+                        "top_logprobs needs \"logprobs\": true".into(),
+                    );
+                }
+                None
+            }
+            (Some(serde_json::Value::Bool(true)), top) => Some(top.unwrap_or(0) as usize),
+            (Some(v), None) if v.as_i64().is_some_and(top_ok) => v.as_i64().map(|n| n as usize),
+            (Some(v), _) => {
+                return bad(
+                    "logprobs",
+                    format!(
+                        "logprobs {v}: true or false (chat, with top_logprobs), or 0 to \
+                         {MAX_TOP_LOGPROBS} (completions)"
+                    ),
+                )
+            }
+        };
+        if logprobs.is_some() && self.stream {
+            return bad(
+                "logprobs",
+                "logprobs with \"stream\": true is not supported here yet: send the request \
+                 without streaming"
+                    .into(),
+            );
+        }
         Ok(Params {
             max_tokens,
             sampling: leap_host::sampler::SamplingParams {
@@ -252,6 +299,7 @@ impl Common {
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
             cache_prompt: self.cache_prompt.unwrap_or(true),
+            logprobs,
         })
     }
 }
@@ -393,6 +441,26 @@ mod tests {
         );
         p(r#"{"prompt": "x", "seed": -1}"#).unwrap();
         assert_eq!(s.max_tokens, None);
+        // logprobs: chat's flag with top_logprobs, or the completions API's count.
+        let lp = |j: &str| p(j).map(|p| p.logprobs).map_err(|e| e.param);
+        assert_eq!(lp(r#"{"prompt": "x"}"#), Ok(None));
+        assert_eq!(lp(r#"{"prompt": "x", "logprobs": false}"#), Ok(None));
+        assert_eq!(
+            lp(r#"{"prompt": "x", "logprobs": true, "top_logprobs": 3}"#),
+            Ok(Some(3))
+        );
+        assert_eq!(lp(r#"{"prompt": "x", "logprobs": true}"#), Ok(Some(0)));
+        assert_eq!(lp(r#"{"prompt": "x", "logprobs": 2}"#), Ok(Some(2)));
+        for (bad, param) in [
+            (r#""logprobs": 21"#, "logprobs"),
+            (r#""logprobs": "yes""#, "logprobs"),
+            (r#""logprobs": true, "top_logprobs": 21"#, "top_logprobs"),
+            (r#""top_logprobs": 2"#, "top_logprobs"),
+            (r#""logprobs": true, "stream": true"#, "logprobs"),
+        ] {
+            let got = lp(&format!(r#"{{"prompt": "x", {bad}}}"#));
+            assert_eq!(got, Err(Some(param.to_string())), "{bad}");
+        }
     }
 
     #[test]

@@ -537,6 +537,7 @@ async fn generate(
         events: tx,
         tenant,
         cache_prompt: p.cache_prompt,
+        logprobs: p.logprobs,
     });
     if let Err(e) = submitted {
         s.metrics.dequeued();
@@ -641,20 +642,72 @@ async fn collect(head: Head, mut rx: UnboundedReceiver<Event>) -> Result<Respons
             None => return Err(ApiError::unavailable("the server is shutting down")),
         }
     };
+    let logprobs = o
+        .logprobs
+        .as_deref()
+        .map_or(Value::Null, |l| logprobs_json(head.kind, l));
     let choice = match head.kind {
-        Kind::Text => {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": o.finish.as_str()})
-        }
+        Kind::Text => json!({
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": o.finish.as_str(),
+        }),
         Kind::Chat => json!({
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": null,
+            "logprobs": logprobs,
             "finish_reason": o.finish.as_str(),
         }),
     };
     let mut v = head.wrap(false, json!([choice]), Some(("usage", o.usage())));
     v["timings"] = o.timings(head.drafting);
     Ok(Json(v).into_response())
+}
+
+/// `logprobs` as OpenAI answers them: chat's `{"content": [{token, logprob, bytes,
+/// top_logprobs}]}`, or the completions API's `{tokens, token_logprobs, top_logprobs,
+/// text_offset}`.
+fn logprobs_json(kind: Kind, l: &[crate::slots::Logprob]) -> Value {
+    match kind {
+        Kind::Chat => {
+            let piece = |p: &crate::slots::Piece| json!({"token": p.text, "logprob": p.logprob, "bytes": p.bytes});
+            let content: Vec<Value> = l
+                .iter()
+                .map(|e| {
+                    let mut v = piece(&e.token);
+                    v["top_logprobs"] = e.top.iter().map(piece).collect();
+                    v
+                })
+                .collect();
+            json!({"content": content, "refusal": null})
+        }
+        Kind::Text => {
+            let mut offset = 0;
+            let offsets: Vec<usize> = l
+                .iter()
+                .map(|e| {
+                    let at = offset;
+                    offset += e.token.text.chars().count();
+                    at
+                })
+                .collect();
+            json!({
+                "tokens": l.iter().map(|e| e.token.text.clone()).collect::<Vec<_>>(),
+                "token_logprobs": l.iter().map(|e| e.token.logprob).collect::<Vec<_>>(),
+                "top_logprobs": l
+                    .iter()
+                    .map(|e| {
+                        e.top
+                            .iter()
+                            .map(|p| (p.text.clone(), json!(p.logprob)))
+                            .collect::<serde_json::Map<_, _>>()
+                    })
+                    .collect::<Vec<_>>(),
+                "text_offset": offsets,
+            })
+        }
+    }
 }
 
 /// The request's events as server-sent events: a chunk per piece of text, a last chunk with

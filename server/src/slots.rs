@@ -59,6 +59,25 @@ pub struct Outcome {
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     pub target_calls: u64,
+    /// Each emitted token's log-probability and the most likely tokens there, when the
+    /// request asked (`logprobs`).
+    pub logprobs: Option<Vec<Logprob>>,
+}
+
+/// A token as `logprobs` reports it: its text (invalid UTF-8 replaced), its bytes, its
+/// log-probability.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    pub text: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// An emitted token's [`Piece`] and the `top_logprobs` most likely tokens at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprob {
+    pub token: Piece,
+    pub top: Vec<Piece>,
 }
 
 impl Outcome {
@@ -138,6 +157,8 @@ pub struct Job {
     /// Reuse the KV cache the slot kept (llama-server's `cache_prompt`); false prefills the
     /// whole prompt.
     pub cache_prompt: bool,
+    /// Report each token's log-probability and this many most likely tokens with it.
+    pub logprobs: Option<usize>,
 }
 
 /// What a slot runs jobs with: a [`Session`] in the server ([`SlotWorker`]).
@@ -461,8 +482,10 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
     let mut text = TextOut::new(job.stop.clone());
     let mut gone = false;
     let mut streamed = 0;
+    let mut emitted = Vec::new();
     let mut on_token = |t: Token| {
         streamed += 1;
+        emitted.push(t);
         let piece = model.token_to_piece(t, false).unwrap_or_default();
         let (out, stop_string) = text.push(&piece);
         if !out.is_empty() && job.events.send(Event::Text(out)).is_err() {
@@ -501,6 +524,35 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
     if !rest.is_empty() {
         let _ = job.events.send(Event::Text(rest));
     }
+    let logprobs = match job.logprobs {
+        None => None,
+        Some(top) => match session.score(&job.prompt, &emitted, top) {
+            Ok(lps) => {
+                let piece = |t: Token, logprob: f32| {
+                    let bytes = model.token_to_piece(t, false).unwrap_or_default();
+                    Piece {
+                        text: String::from_utf8_lossy(&bytes).into_owned(),
+                        bytes,
+                        logprob,
+                    }
+                };
+                Some(
+                    lps.into_iter()
+                        .map(|l| Logprob {
+                            token: piece(l.token, l.logprob),
+                            top: l.top.into_iter().map(|(t, lp)| piece(t, lp)).collect(),
+                        })
+                        .collect(),
+                )
+            }
+            Err(e) => {
+                log::warn!("slot {slot}: log-probabilities failed: {e}");
+                metrics.failed();
+                let _ = job.events.send(Event::Error(e.into()));
+                return;
+            }
+        },
+    };
     let eog = g.tokens.last().is_some_and(|&t| model.is_eog(t));
     let finish = if eog || text.stopped {
         Finish::Stop
@@ -515,6 +567,7 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
         prefill_seconds: g.prefill_seconds,
         decode_seconds: g.decode_seconds,
         target_calls: g.target_calls,
+        logprobs,
     };
     metrics.record(&o);
     log::info!(
@@ -674,6 +727,7 @@ mod tests {
                 prefill_seconds: 0.0,
                 decode_seconds: 0.0,
                 target_calls: 0,
+                logprobs: None,
             }));
         }
 
@@ -713,6 +767,7 @@ mod tests {
             events: tx,
             tenant,
             cache_prompt: true,
+            logprobs: None,
         };
         (j, rx)
     }

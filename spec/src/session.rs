@@ -547,6 +547,69 @@ impl Session {
         Ok(g)
     }
 
+    /// The target's log-probabilities of `emitted` (a prefix of the tokens the last
+    /// [`Session::generate`] from `prompt` returned) and, with each, the `top_n` most likely
+    /// tokens at that position: what OpenAI's `logprobs` report. They are the log-softmax of
+    /// the logits plain decoding computes at each position (temperature 1, nothing truncated),
+    /// from one pass over the emitted tokens after the generation, so they are the same
+    /// whether or not the tokens were drafted: the rows of a batch are computed as one row is
+    /// (`leap_host`'s kernels are batch-invariant, flash attention is off). The pass costs
+    /// about a prefill of `emitted` and rewrites only the cache cells it reads back.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `emitted` is not what the cache holds after `prompt`,
+    /// or under flash streaming (the output weights are not llama.cpp's then); decode
+    /// failures.
+    pub fn score(
+        &mut self,
+        prompt: &[Token],
+        emitted: &[Token],
+        top_n: usize,
+    ) -> Result<Vec<TokenLogprob>> {
+        if emitted.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.streamer.is_some() || self.plain_od.is_some() {
+            return Err(Error::InvalidArgument(
+                "log-probabilities are not available while the weights are streamed (--flash-budget)".into(),
+            ));
+        }
+        let p = prompt.len();
+        let held = p + emitted.len() - 1;
+        if p == 0
+            || self.kv.len() < held
+            || self.kv[..p] != *prompt
+            || self.kv[p..held] != emitted[..emitted.len() - 1]
+        {
+            return Err(Error::InvalidArgument(
+                "score: the tokens are not the last generation's".into(),
+            ));
+        }
+        // Row i reads the token before emitted[i] at position p - 1 + i.
+        let inputs: Vec<Token> = std::iter::once(prompt[p - 1])
+            .chain(emitted[..emitted.len() - 1].iter().copied())
+            .collect();
+        self.kv.truncate(p - 1);
+        self.ctx.seq_rm(0, (p - 1) as i32, -1);
+        const ROWS: usize = 16;
+        let mut out = Vec::with_capacity(emitted.len());
+        let mut bt = leap_host::Batch::new(ROWS, 1);
+        for (c, chunk) in inputs.chunks(ROWS).enumerate() {
+            bt.clear();
+            for (j, &t) in chunk.iter().enumerate() {
+                bt.add(t, (p - 1 + c * ROWS + j) as i32, &[0], true)?;
+            }
+            self.ctx.decode(&bt)?;
+            self.kv.extend_from_slice(chunk);
+            for j in 0..chunk.len() {
+                let logits = self.ctx.logits(j as i32)?;
+                out.push(TokenLogprob::of(logits, emitted[c * ROWS + j], top_n));
+            }
+        }
+        // The cache holds the prompt and every emitted token but the last again.
+        Ok(out)
+    }
+
     /// The generation itself: Leap's engine, or plain decoding.
     fn run(
         &mut self,
@@ -576,6 +639,45 @@ impl Session {
                 on_token,
             )?,
         })
+    }
+}
+
+/// A token's log-probability and the most likely tokens at its position
+/// ([`Session::score`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: Token,
+    /// Natural log of its probability under the target.
+    pub logprob: f32,
+    /// The most likely tokens there, most likely first (ties: the lower id).
+    pub top: Vec<(Token, f32)>,
+}
+
+impl TokenLogprob {
+    /// The log-softmax of `logits` at `token`, and its `top_n` best entries.
+    pub fn of(logits: &[f32], token: Token, top_n: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        let norm = f64::from(max) + sum.ln();
+        let lp = |l: f32| (f64::from(l) - norm) as f32;
+        let mut top: Vec<(Token, f32)> = Vec::with_capacity(top_n + 1);
+        if top_n > 0 {
+            for (i, &l) in logits.iter().enumerate() {
+                if top.len() == top_n && l <= top[top_n - 1].1 {
+                    continue;
+                }
+                let at = top.partition_point(|&(_, x)| x >= l);
+                top.insert(at, (i as Token, l));
+                top.truncate(top_n);
+            }
+        }
+        Self {
+            token,
+            logprob: logits
+                .get(token as usize)
+                .map_or(f32::NEG_INFINITY, |&l| lp(l)),
+            top: top.into_iter().map(|(t, l)| (t, lp(l))).collect(),
+        }
     }
 }
 

@@ -183,7 +183,9 @@ HI = [{"role": "user", "content": "hi"}]
          "response_format", None),
         ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function",
                                   "function": {"name": "f", "parameters": {}}}]}, "tools", None),
-        ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 2}, "logprobs", None),
+        ("/v1/chat/completions", {"messages": HI, "logprobs": True, "stream": True}, "logprobs", None),
+        ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs", None),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", None),
         ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a"'}, "grammar", None),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None),
         ("/v1/completions", {"prompt": "x", "max_token": 4}, "max_token", None),
@@ -195,13 +197,43 @@ HI = [{"role": "user", "content": "hi"}]
         "malformed-json", "not-an-object", "missing-prompt", "prompt-int", "max_tokens-string",
         "max_tokens-0", "temperature-9", "n-2", "five-stops", "max_tokens-beyond-ctx",
         "prompt-beyond-ctx", "empty-prompt", "chat-unknown-role", "chat-no-messages",
-        "chat-messages-string", "json-output", "tools", "logprobs", "grammar", "penalty",
+        "chat-messages-string", "json-output", "tools", "logprobs-streamed",
+        "top_logprobs-without-logprobs", "logprobs-21", "grammar", "penalty",
         "misspelt-field", "tool-message-field", "tokenize-unknown-field",
     ],
 )
 def test_bad_request(server, path, body, param, code):
     status, j = post(server.port, path, body)
     assert_error(status, j, 400, param=param, code=code)
+
+
+def test_logprobs(server):
+    """`logprobs` (chat: with `top_logprobs`; completions: a count) gives each emitted token's
+    log-probability in OpenAI's shapes; greedy, each token is its position's most likely, and
+    the tokens spell the text (Session::score's tests check the numbers are plain
+    decoding's)."""
+    status, j = post(server.port, "/v1/chat/completions",
+                     {"messages": HI, "max_tokens": 8, "temperature": 0, "logprobs": True,
+                      "top_logprobs": 3})
+    assert status == 200, j
+    choice = j["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert 1 <= len(content) <= j["usage"]["completion_tokens"]
+    assert "".join(c["token"] for c in content).startswith(choice["message"]["content"])
+    for c in content:
+        assert c["logprob"] <= 0 and len(c["top_logprobs"]) == 3, c
+        assert c["top_logprobs"][0]["token"] == c["token"], c
+        assert c["top_logprobs"][0]["logprob"] == c["logprob"], c
+        assert bytes(c["bytes"]).decode("utf-8", "replace") == c["token"]
+    j = complete(server.port, "The capital of France is", 6, logprobs=2)
+    lp = j["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == j["choices"][0]["text"]
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["top_logprobs"])
+    assert all(len(t) <= 2 and max(t.values()) == v
+               for t, v in zip(lp["top_logprobs"], lp["token_logprobs"])), lp
+    assert lp["text_offset"][0] == 0
+    # Without asking, none.
+    assert complete(server.port, "The capital of France is", 2)["choices"][0]["logprobs"] is None
 
 
 def test_neutral_fields_change_nothing(server):

@@ -341,3 +341,63 @@ fn threads_that_generated_keep_no_openmp_team() {
         "threads named gen-*: the 4 that generated, and no team of theirs"
     );
 }
+
+/// `Session::score` after a greedy generation: the same log-probabilities whether the tokens
+/// were drafted (Leap) or not (plain), bit for bit, and they are plain decoding's own: the
+/// log-softmax of the logits a fresh context computes one row at a time. Each emitted token
+/// is its position's most likely one.
+fn logprobs_are_plain_decoding_s(name: &str) {
+    let emitted_and_scores = |mode| {
+        let rt = runtime(name, mode);
+        let prompt = rt.model().tokenize(PROMPTS[0], true, false).unwrap();
+        let mut s = rt.session().unwrap();
+        let mut emitted = Vec::new();
+        s.generate(&prompt, &greedy(24), &mut |t| {
+            emitted.push(t);
+            true
+        })
+        .unwrap();
+        let scores = s.score(&prompt, &emitted, 5).unwrap();
+        // The cache still holds the generation: the next turn reuses it.
+        let mut next = prompt.clone();
+        next.extend_from_slice(&emitted);
+        s.generate(&next, &greedy(2), &mut |_| true).unwrap();
+        assert!(
+            s.cached_tokens() >= next.len() - 1,
+            "{name}: {}",
+            s.cached_tokens()
+        );
+        (prompt, emitted, scores)
+    };
+    let (prompt, emitted, leap) = emitted_and_scores(Mode::Leap);
+    let (_, plain_emitted, plain) = emitted_and_scores(Mode::Plain);
+    assert_eq!(emitted, plain_emitted, "{name}");
+    assert_eq!(leap, plain, "{name}: drafted tokens scored otherwise");
+    assert_eq!(leap.len(), emitted.len());
+    let reference =
+        leap_tests::greedy_logits(name, &prompt, emitted.len(), leap_host::FlashAttn::Off);
+    for (i, (l, &t)) in leap.iter().zip(&emitted).enumerate() {
+        let want = leap_spec::session::TokenLogprob::of(&reference[i], t, 5);
+        assert_eq!(*l, want, "{name}: position {i}");
+        assert_eq!(
+            l.top[0],
+            (t, l.logprob),
+            "{name}: greedy token {i} is not the most likely"
+        );
+        assert!(l.logprob <= 0.0 && l.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+    // A probability distribution: the top 5 of Gemma's 262k or SmolLM2's 49k tokens sum to
+    // at most 1.
+    let mass: f32 = leap[0].top.iter().map(|&(_, lp)| lp.exp()).sum();
+    assert!(mass <= 1.0 + 1e-5, "{mass}");
+}
+
+#[test]
+fn smollm_logprobs_are_plain_decoding_s() {
+    logprobs_are_plain_decoding_s(SMOLLM);
+}
+
+#[test]
+fn gemma_logprobs_are_plain_decoding_s() {
+    logprobs_are_plain_decoding_s(GEMMA);
+}
