@@ -69,8 +69,10 @@ pub struct ServeArgs {
     /// `plain` (llama.cpp alone, one target call per token).
     #[arg(long, default_value = "leap", value_parser = ["leap", "plain"])]
     pub mode: String,
-    /// Require `Authorization: Bearer KEY` on every endpoint but /health. Several keys,
-    /// comma-separated, are several tenants: each sees only its own cache (--shared-cache).
+    /// Require `Authorization: Bearer KEY` (or `X-Api-Key: KEY`) on every endpoint but
+    /// /health. Several keys, comma-separated, are several tenants: each sees only its own
+    /// cache (--shared-cache). Without the flag or LEAP_API_KEY, llama-server's LLAMA_API_KEY
+    /// is read too.
     #[arg(long, env = "LEAP_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// The model's name in /v1/models and in responses (default: the file's name).
@@ -172,7 +174,8 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         "--parallel {}: from 1 to 64",
         args.parallel
     );
-    let api_keys = match &args.api_key {
+    let from_llama = || std::env::var("LLAMA_API_KEY").ok();
+    let api_keys = match &args.api_key.clone().or_else(from_llama) {
         None => Vec::new(),
         Some(k) => {
             let keys: Vec<String> = k
@@ -183,7 +186,7 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
                 .collect();
             anyhow::ensure!(
                 !keys.is_empty(),
-                "--api-key is empty: give a key, or leave --api-key (and LEAP_API_KEY) out to \
+                "--api-key is empty: give a key, or leave --api-key (and LEAP_API_KEY, LLAMA_API_KEY) out to \
                  serve without one"
             );
             keys

@@ -27,7 +27,7 @@ use crate::{AppState, Ready};
 
 type St = State<Arc<AppState>>;
 
-/// The router: every endpoint, the Host/Origin check, the API-key check, JSON 404s.
+/// The router: every endpoint, the Host/Origin check, CORS, the API-key check, JSON 404s.
 pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
     let mut r = Router::new()
         .route("/health", get(health))
@@ -46,11 +46,31 @@ pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
     }
     r.fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
         .layer(middleware::from_fn_with_state(Arc::clone(&state), auth))
+        .layer(cors())
         .layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             host_check,
         ))
         .with_state(state)
+}
+
+/// CORS for front ends in a browser, Electron or Tauri: any origin the Host/Origin check let
+/// through (on loopback: loopback pages, and `--allowed-hosts`) may call every endpoint with
+/// any header, as llama-server allows. Preflights are answered here, before the API-key check
+/// (a browser sends them without the key).
+fn cors() -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowHeaders, Any, CorsLayer};
+    CorsLayer::new()
+        .allow_origin(Any)
+        .allow_methods([
+            axum::http::Method::GET,
+            axum::http::Method::POST,
+            axum::http::Method::OPTIONS,
+        ])
+        // The headers a preflight asks for, named back: a `*` would not cover
+        // `Authorization` (the Fetch standard lists it apart), and the key would not pass.
+        .allow_headers(AllowHeaders::mirror_request())
+        .max_age(std::time::Duration::from_secs(600))
 }
 
 /// Which hosts requests may name in `Host` and `Origin`. A server on loopback answers only
@@ -131,8 +151,8 @@ async fn host_check(State(s): St, req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// With `--api-key`, every endpoint but /health wants `Authorization: Bearer KEY`. The
-/// request's [`Tenant`] follows from the key.
+/// With `--api-key`, every endpoint but /health wants `Authorization: Bearer KEY` (or, as
+/// llama-server takes it, `X-Api-Key: KEY`). The request's [`Tenant`] follows from the key.
 async fn auth(State(s): St, mut req: Request, next: Next) -> Response {
     let path = req.uri().path();
     let open = path == "/health" || path == "/v1/health";
@@ -143,11 +163,12 @@ async fn auth(State(s): St, mut req: Request, next: Next) -> Response {
             Tenant::Alone
         })
     } else {
-        let given = req
-            .headers()
+        let h = req.headers();
+        let given = h
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()));
         // Every key is compared, in constant time, whichever matches.
         let matched = given.and_then(|g| {
             s.api_keys.iter().enumerate().fold(None, |m, (i, k)| {

@@ -74,7 +74,7 @@ class Server:
     """`leap serve` as a subprocess: its port (parsed from the line it prints on stderr) and
     its stderr, kept for diagnostics."""
 
-    def __init__(self, leap, model, *args, ctx=1024, parallel=1, threads=1):
+    def __init__(self, leap, model, *args, ctx=1024, parallel=1, threads=1, env=None):
         self.cmd = [
             leap, "serve", "-m", model, "--host", HOST, "--port", "0",
             "--parallel", str(parallel), "--ctx", str(ctx), "--threads", str(threads), *args,
@@ -83,7 +83,8 @@ class Server:
         self.port = None
         self.lines = []
         self._port_seen = threading.Event()
-        env = {k: v for k, v in os.environ.items() if k != "LEAP_API_KEY"}
+        env = {**{k: v for k, v in os.environ.items() if k not in ("LEAP_API_KEY", "LLAMA_API_KEY")},
+               **(env or {})}
         self.proc = subprocess.Popen(
             self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, errors="replace",

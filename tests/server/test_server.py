@@ -505,6 +505,34 @@ def test_api_key(leap, smollm):
         s.stop_and_check()
 
 
+def test_cors_and_llama_server_s_key_names(leap, smollm):
+    """A browser front end (a page on localhost) gets its preflight answered before the
+    API-key check and CORS headers on the answer; the key may come as llama-server's
+    `X-Api-Key` header and from its LLAMA_API_KEY variable."""
+    s = Server(leap, smollm, ctx=256, parallel=1, env={"LLAMA_API_KEY": "sekrit"})
+    try:
+        origin = {"Origin": "http://localhost:5173"}
+        status, h, raw = request(s.port, "OPTIONS", "/v1/chat/completions", headers={
+            **origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert status in (200, 204), (status, raw)
+        h = {k.lower(): v for k, v in h.items()}
+        assert h.get("access-control-allow-origin") == "*", h
+        assert "POST" in h.get("access-control-allow-methods", ""), h
+        assert "authorization" in h.get("access-control-allow-headers", "").lower(), h
+        status, _, raw = request(s.port, "GET", "/v1/models", headers=origin)
+        assert_error(status, json.loads(raw), 401, code="invalid_api_key")
+        status, h, raw = request(s.port, "GET", "/v1/models", headers={**origin, "X-Api-Key": "sekrit"})
+        assert status == 200 and json.loads(raw)["data"], raw
+        assert {k.lower(): v for k, v in h.items()}.get("access-control-allow-origin") == "*", h
+        # A page of another host is still refused on loopback (DNS rebinding), preflight too.
+        status, _, _ = request(s.port, "OPTIONS", "/v1/models", headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
+        assert status == 403
+    finally:
+        s.stop_and_check()
+
+
 # --- 11. SIGTERM finishes the requests in flight ---------------------------------------------------
 
 
