@@ -68,7 +68,7 @@ fn main() -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(llama_names(std::env::args_os()));
     leap_flash::exit_on_sigbus(
         "leap: error: the model file could not be read through its mapping (SIGBUS): it was \
          truncated while in use, or the storage failed; run again once the file is whole\n",
@@ -91,6 +91,27 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// llama-server's single-dash long options that `leap serve` shares, as the long ones clap
+/// parses: `-np N` is `--parallel N`.
+fn llama_names(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let args: Vec<_> = args.collect();
+    // The subcommand: the first argument that is no option (the global ones take no value).
+    let serve = args
+        .iter()
+        .skip(1)
+        .find(|a| !a.to_string_lossy().starts_with('-'))
+        .is_some_and(|a| a == "serve");
+    args.into_iter()
+        .map(|a| {
+            if serve && a == "-np" {
+                "--parallel".into()
+            } else {
+                a
+            }
+        })
+        .collect()
 }
 
 /// Whether `e` comes from writing to a closed pipe: the reader of stdout went away (`| head`),

@@ -61,6 +61,17 @@ pub struct ServeArgs {
     /// Context length of each slot, in tokens (prompt and output together).
     #[arg(long, default_value_t = 4096)]
     pub ctx: u32,
+    /// llama-server's context size: the context of all slots together, each getting
+    /// CTX_SIZE / --parallel tokens (instead of --ctx).
+    #[arg(short = 'c', long, conflicts_with = "ctx")]
+    pub ctx_size: Option<u32>,
+    /// The seed of requests that send none (or -1); without it each such request draws a
+    /// random one, as llama-server's default -1 does.
+    #[arg(short = 's', long, allow_negative_numbers = true)]
+    pub seed: Option<i64>,
+    /// Accepted as llama-server takes it: /metrics is served unless --no-metrics.
+    #[arg(long, conflicts_with = "no_metrics")]
+    pub metrics: bool,
     /// Threads for each slot's decoding and prefill.
     #[arg(short, long, default_value_t = default_threads())]
     pub threads: i32,
@@ -148,6 +159,8 @@ pub struct AppState {
     hosts: routes::Hosts,
     shared_cache: bool,
     drafting_stats: bool,
+    /// The seed of requests that send none (`--seed`).
+    seed: Option<u32>,
 }
 
 struct Ready {
@@ -174,6 +187,21 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         "--parallel {}: from 1 to 64",
         args.parallel
     );
+    let mut args = args.clone();
+    if let Some(total) = args.ctx_size {
+        args.ctx = total / args.parallel as u32;
+        log::info!(
+            "--ctx-size {total} over {} slots: {} tokens each",
+            args.parallel,
+            args.ctx
+        );
+    }
+    let seed = match args.seed {
+        None | Some(-1) | Some(0xFFFF_FFFF) => None,
+        Some(s @ 0..0xFFFF_FFFF) => Some(s as u32),
+        Some(s) => anyhow::bail!("--seed {s}: from 0 to 4294967295, or -1 for a random one"),
+    };
+    let args = &args;
     let from_llama = || std::env::var("LLAMA_API_KEY").ok();
     let api_keys = match &args.api_key.clone().or_else(from_llama) {
         None => Vec::new(),
@@ -234,6 +262,7 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         hosts,
         shared_cache: args.shared_cache,
         drafting_stats: args.drafting_stats,
+        seed,
     });
     // One thread for all of HTTP: decoding has the cores (the slots' threads), and every
     // thread more would preempt them on a small machine. Tokenizing and parsing, which grow

@@ -179,6 +179,19 @@ pub struct Params {
 }
 
 impl Common {
+    /// [`Common::params`], with `seed` (the server's `--seed`) for a request that sends no
+    /// seed or -1.
+    ///
+    /// # Errors
+    /// As [`Common::params`].
+    pub fn params_seeded(&self, seed: Option<u32>) -> Result<Params, ApiError> {
+        let mut p = self.params()?;
+        if let (Some(s), None | Some(-1)) = (seed, self.seed) {
+            p.sampling.seed = s;
+        }
+        Ok(p)
+    }
+
     /// Check ranges and fill defaults (llama-server's: temperature 0.8, top_k 40, top_p
     /// 0.95, min_p 0.05, a random seed).
     ///

@@ -490,7 +490,7 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
         let r: CompletionRequest = oai::parse(bytes)?;
-        let params = r.common.params()?;
+        let params = r.common.params_seeded(st.seed)?;
         let model = rd.rt.model();
         let text = |t: &str| {
             check_text_len(rd, st.n_ctx, t.len())?;
@@ -522,7 +522,7 @@ async fn chat(
 ) -> Result<Response, ApiError> {
     let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
         let r: ChatRequest = oai::parse(bytes)?;
-        let params = r.common.params()?;
+        let params = r.common.params_seeded(st.seed)?;
         let msgs = chat_messages(&r, rd, st.n_ctx)?;
         // The template's control tokens as control tokens; what the messages say as text.
         let prompt = rd

@@ -76,8 +76,9 @@ class Server:
 
     def __init__(self, leap, model, *args, ctx=1024, parallel=1, threads=1, env=None):
         self.cmd = [
-            leap, "serve", "-m", model, "--host", HOST, "--port", "0",
-            "--parallel", str(parallel), "--ctx", str(ctx), "--threads", str(threads), *args,
+            leap, "serve", "-m", model, "--host", HOST, "--port", "0", "--threads", str(threads),
+            *(["--parallel", str(parallel)] if parallel is not None else []),
+            *(["--ctx", str(ctx)] if ctx is not None else []), *args,
         ]
         self.model = model
         self.port = None

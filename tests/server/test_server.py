@@ -533,6 +533,24 @@ def test_cors_and_llama_server_s_key_names(leap, smollm):
         s.stop_and_check()
 
 
+def test_llama_server_s_flags(leap, smollm):
+    """llama-server's command line works: `-c` is the context of all slots together (each of
+    `-np 2` gets half), `-s` seeds the requests that send no seed, `--metrics` is taken."""
+    s = Server(leap, smollm, "-c", "512", "-np", "2", "-s", "7", "--metrics", ctx=None, parallel=None)
+    try:
+        status, j = post(s.port, "/v1/completions", {"prompt": "x " * 300, "max_tokens": 4})
+        assert_error(status, j, 400, code="context_length_exceeded")
+        assert "256" in j["error"]["message"], j
+        body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0}
+        texts = [complete(s.port, **body, n=12)["choices"][0]["text"] for _ in range(2)]
+        seeded = complete(s.port, **body, n=12, seed=7)["choices"][0]["text"]
+        assert texts == [seeded, seeded], (texts, seeded)
+        status, _, _ = request(s.port, "GET", "/metrics")
+        assert status == 200
+    finally:
+        s.stop_and_check()
+
+
 # --- 11. SIGTERM finishes the requests in flight ---------------------------------------------------
 
 
