@@ -4,7 +4,7 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`routes`] | the endpoints: health, models, completions, chat, tokenize, metrics; API key |
+//! | [`routes`] | the endpoints: health, models, props, completions, chat, tokenize, metrics; CORS, API key |
 //! | [`oai`] | the requests' JSON, parsed and checked field by field |
 //! | [`fields`] | what each field of OpenAI's and llama-server's requests does here: honoured, no effect, or refused with a 400 |
 //! | [`slots`] | `--parallel` threads, each with its own session, taking requests from one queue; text with stop strings |
@@ -161,6 +161,9 @@ pub struct AppState {
     drafting_stats: bool,
     /// The seed of requests that send none (`--seed`).
     seed: Option<u32>,
+    /// Slots (`--parallel`) and the model's file, for `/props`.
+    total_slots: usize,
+    model_path: String,
 }
 
 struct Ready {
@@ -263,6 +266,8 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         shared_cache: args.shared_cache,
         drafting_stats: args.drafting_stats,
         seed,
+        total_slots: args.parallel,
+        model_path: model.display().to_string(),
     });
     // One thread for all of HTTP: decoding has the cores (the slots' threads), and every
     // thread more would preempt them on a small machine. Tokenizing and parsing, which grow

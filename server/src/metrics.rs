@@ -1,5 +1,6 @@
 //! Counters for `GET /metrics`, in Prometheus' text format (names as llama-server's, with a
-//! `leap:` prefix, plus Leap's target calls and accepted tokens per call).
+//! `leap:` prefix, plus Leap's target calls and accepted tokens per call). Those llama-server
+//! also has are repeated under its `llamacpp:` prefix, so its dashboards read them as they are.
 
 use std::fmt::Write as _;
 use std::sync::Mutex;
@@ -82,7 +83,7 @@ impl Metrics {
             Err(p) => p.into_inner(),
         };
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-        let rows: [(&str, &str, &str, f64); 12] = [
+        let rows: [(&str, &str, &str, f64); 13] = [
             (
                 "requests_total",
                 "counter",
@@ -126,6 +127,12 @@ impl Metrics {
                 c.prompt_seconds,
             ),
             (
+                "prompt_tokens_seconds",
+                "gauge",
+                "Prefill tokens per second over all requests.",
+                ratio(c.prompt_tokens as f64, c.prompt_seconds),
+            ),
+            (
                 "tokens_predicted_total",
                 "counter",
                 "Tokens generated.",
@@ -156,11 +163,27 @@ impl Metrics {
                 ratio(c.tokens as f64, c.target_calls as f64),
             ),
         ];
+        // The names llama-server's /metrics has, with the same meaning.
+        const LLAMA: &[&str] = &[
+            "requests_processing",
+            "requests_deferred",
+            "prompt_tokens_total",
+            "prompt_seconds_total",
+            "prompt_tokens_seconds",
+            "tokens_predicted_total",
+            "tokens_predicted_seconds_total",
+            "predicted_tokens_seconds",
+        ];
         let mut s = String::new();
         for (name, kind, help, v) in rows {
-            let _ = writeln!(s, "# HELP leap:{name} {help}");
-            let _ = writeln!(s, "# TYPE leap:{name} {kind}");
-            let _ = writeln!(s, "leap:{name} {v}");
+            for prefix in ["leap"]
+                .into_iter()
+                .chain(LLAMA.contains(&name).then_some("llamacpp"))
+            {
+                let _ = writeln!(s, "# HELP {prefix}:{name} {help}");
+                let _ = writeln!(s, "# TYPE {prefix}:{name} {kind}");
+                let _ = writeln!(s, "{prefix}:{name} {v}");
+            }
         }
         s
     }
@@ -189,6 +212,10 @@ mod tests {
         assert!(t.contains("leap:tokens_predicted_total 30\n"), "{t}");
         assert!(t.contains("leap:predicted_tokens_seconds 15\n"), "{t}");
         assert!(t.contains("leap:accepted_tokens_per_call 2.5\n"), "{t}");
+        // llama-server's names for what it also counts, Leap's own under leap: only.
+        assert!(t.contains("llamacpp:tokens_predicted_total 30\n"), "{t}");
+        assert!(t.contains("llamacpp:prompt_tokens_seconds 20\n"), "{t}");
+        assert!(!t.contains("llamacpp:accepted"), "{t}");
         assert!(
             t.contains("# TYPE leap:target_calls_total counter\n"),
             "{t}"

@@ -34,6 +34,7 @@ pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
         .route("/v1/health", get(health))
         .route("/v1/models", get(models))
         .route("/models", get(models))
+        .route("/props", get(props))
         .route("/v1/completions", post(completions))
         .route("/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
@@ -240,6 +241,33 @@ async fn models(State(s): St) -> Response {
         }],
     }))
     .into_response()
+}
+
+/// llama-server's `/props`: the slots, their context and the defaults a request gets, the
+/// model's file and chat template.
+async fn props(State(s): St) -> Result<Response, ApiError> {
+    let rd = ready(&s)?;
+    let template = rd.rt.model().chat_template(None).unwrap_or_default();
+    Ok(Json(json!({
+        "default_generation_settings": {
+            "n_ctx": s.n_ctx,
+            "params": {
+                "n_predict": -1,
+                "temperature": 0.8,
+                "top_k": 40,
+                "top_p": 0.95,
+                "min_p": 0.05,
+                "seed": s.seed.map_or(-1, i64::from),
+            },
+        },
+        "total_slots": s.total_slots,
+        "model_alias": s.alias,
+        "model_path": s.model_path,
+        "chat_template": template,
+        "modalities": {"vision": false, "audio": false},
+        "build_info": concat!("leap-", env!("CARGO_PKG_VERSION")),
+    }))
+    .into_response())
 }
 
 async fn metrics_text(State(s): St) -> Response {

@@ -535,7 +535,8 @@ def test_cors_and_llama_server_s_key_names(leap, smollm):
 
 def test_llama_server_s_flags(leap, smollm):
     """llama-server's command line works: `-c` is the context of all slots together (each of
-    `-np 2` gets half), `-s` seeds the requests that send no seed, `--metrics` is taken."""
+    `-np 2` gets half), `-s` seeds the requests that send no seed, `--metrics` is taken (its
+    names under `llamacpp:` too); `/props` says so."""
     s = Server(leap, smollm, "-c", "512", "-np", "2", "-s", "7", "--metrics", ctx=None, parallel=None)
     try:
         status, j = post(s.port, "/v1/completions", {"prompt": "x " * 300, "max_tokens": 4})
@@ -545,8 +546,14 @@ def test_llama_server_s_flags(leap, smollm):
         texts = [complete(s.port, **body, n=12)["choices"][0]["text"] for _ in range(2)]
         seeded = complete(s.port, **body, n=12, seed=7)["choices"][0]["text"]
         assert texts == [seeded, seeded], (texts, seeded)
-        status, _, _ = request(s.port, "GET", "/metrics")
-        assert status == 200
+        status, _, raw = request(s.port, "GET", "/metrics")
+        assert status == 200 and b"llamacpp:tokens_predicted_total" in raw, raw
+        status, _, raw = request(s.port, "GET", "/props")
+        props = json.loads(raw)
+        assert status == 200 and props["total_slots"] == 2, props
+        assert props["default_generation_settings"]["n_ctx"] == 256, props
+        assert props["default_generation_settings"]["params"]["seed"] == 7, props
+        assert props["model_path"].endswith(".gguf") and "im_start" in props["chat_template"], props
     finally:
         s.stop_and_check()
 
