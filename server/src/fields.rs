@@ -23,8 +23,10 @@ use crate::error::ApiError;
 /// Which request a field belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
-    /// `/v1/completions` and `/completion`.
+    /// `/v1/completions`.
     Completion,
+    /// llama-server's own `/completion`: the completion fields, and `return_tokens`.
+    Native,
     /// `/v1/chat/completions` (and `/apply-template`, which reads the same body).
     Chat,
 }
@@ -264,6 +266,12 @@ const MESSAGE_FIELDS: &[(&str, Rule)] = &[
 
 /// The rule for `name` in a request to `ep`, if the field is one of its.
 pub fn rule(name: &str, ep: Endpoint) -> Option<Rule> {
+    // `/completion` reads the completion fields, and returns the tokens when asked.
+    let ep = match (ep, name) {
+        (Endpoint::Native, "return_tokens") => return Some(Honoured),
+        (Endpoint::Native, _) => Completion,
+        (ep, _) => ep,
+    };
     FIELDS
         .iter()
         .find(|(n, on, _)| *n == name && (*on == Both || *on == Only(ep)))
@@ -299,7 +307,9 @@ pub fn check(body: &Map<String, Value>, ep: Endpoint) -> Result<(), ApiError> {
         match rule(name, ep) {
             None => {
                 let elsewhere = match ep {
-                    Completion if rule(name, Chat).is_some() => " (it is a chat field)",
+                    Completion | Endpoint::Native if rule(name, Chat).is_some() => {
+                        " (it is a chat field)"
+                    }
                     Chat if rule(name, Completion).is_some() => " (it is a completion field)",
                     _ => "",
                 };
@@ -411,6 +421,7 @@ mod tests {
             ("multimodal_data", json!(["AA=="])),
         ];
         match ep {
+            Endpoint::Native => unreachable!("the tests send completion fields"),
             Completion => v.extend([
                 ("prompt", json!("x")),
                 ("parse_special", json!(true)),
@@ -521,6 +532,11 @@ mod tests {
     fn unknown_fields_and_message_fields_are_named() {
         let e = check(json!({"max_token": 5}).as_object().unwrap(), Completion).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_token"));
+        // `/completion` takes the completion fields, and returns the tokens when asked.
+        let native = json!({"prompt": "x", "n_predict": 4, "return_tokens": true});
+        check(native.as_object().unwrap(), Endpoint::Native).unwrap();
+        let e = check(native.as_object().unwrap(), Completion).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("return_tokens"));
         let e = check(json!({"messages": []}).as_object().unwrap(), Completion).unwrap_err();
         assert!(e.message.contains("chat field"), "{}", e.message);
         let body = json!({"messages": [

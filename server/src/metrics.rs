@@ -206,6 +206,8 @@ mod tests {
             decode_seconds: 2.0,
             target_calls: 12,
             logprobs: None,
+            tokens: Vec::new(),
+            word: false,
         });
         let t = m.render();
         assert!(t.contains("leap:requests_total 1\n"), "{t}");

@@ -67,8 +67,19 @@ pub struct CompletionRequest {
     /// (llama-server's `parse_special`); by default it is text like the rest.
     #[serde(default)]
     pub parse_special: bool,
+    /// llama-server's `/completion`: the generated token ids in the answer too.
+    #[serde(default)]
+    pub return_tokens: bool,
     #[serde(flatten)]
     pub common: Common,
+}
+
+/// A request to llama-server's own `/completion`: the completion fields, and `return_tokens`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct NativeRequest(pub CompletionRequest);
+
+impl Request for NativeRequest {
+    const ENDPOINT: Endpoint = Endpoint::Native;
 }
 
 /// A chat message's `content`: a string or OpenAI's array of parts (text parts only).
@@ -176,6 +187,8 @@ pub struct Params {
     pub cache_prompt: bool,
     /// Report log-probabilities, with this many most likely tokens at each position.
     pub logprobs: Option<usize>,
+    /// `/completion`'s `return_tokens` (set by its handler).
+    pub return_tokens: bool,
 }
 
 impl Common {
@@ -313,6 +326,7 @@ impl Common {
                 .is_some_and(|o| o.include_usage),
             cache_prompt: self.cache_prompt.unwrap_or(true),
             logprobs,
+            return_tokens: false,
         })
     }
 }

@@ -35,6 +35,7 @@ pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/props", get(props))
+        .route("/completion", post(completion_native))
         .route("/v1/completions", post(completions))
         .route("/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
@@ -493,6 +494,8 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 enum Kind {
     Text,
     Chat,
+    /// llama-server's own `/completion`.
+    Native,
 }
 
 /// Read a generation request's body and turn it into a prompt and its parameters with
@@ -517,30 +520,63 @@ async fn completions(
     body: Body,
 ) -> Result<Response, ApiError> {
     let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
-        let r: CompletionRequest = oai::parse(bytes)?;
-        let params = r.common.params_seeded(st.seed)?;
-        let model = rd.rt.model();
-        let text = |t: &str| {
-            check_text_len(rd, st.n_ctx, t.len())?;
-            model
-                .tokenize(t, true, r.parse_special)
-                .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))
-        };
-        let prompt = match &r.prompt {
-            Prompt::Text(t) => text(t)?,
-            Prompt::Texts(v) if v.len() == 1 => text(&v[0])?,
-            Prompt::Texts(v) => {
-                return Err(ApiError::invalid(
-                    format!("{} prompts: this server takes one per request", v.len()),
-                    Some("prompt"),
-                ))
-            }
-            Prompt::Tokens(ids) => to_tokens(ids, model.n_vocab(), "prompt")?,
-        };
-        Ok((prompt, params))
+        completion_prompt(st, rd, oai::parse::<CompletionRequest>(bytes)?)
     })
     .await?;
     generate(s, prompt, params, Kind::Text, tenant).await
+}
+
+/// llama-server's own `/completion` (`n_predict`, `cache_prompt`, `return_tokens`; answered
+/// and streamed in its shape: `content`, `stop`, `tokens`, `timings`).
+async fn completion_native(
+    State(s): St,
+    Extension(tenant): Extension<Tenant>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
+        let r = oai::parse::<oai::NativeRequest>(bytes)?.0;
+        if r.return_tokens && r.common.stream {
+            return Err(ApiError::invalid(
+                "return_tokens with \"stream\": true is not supported here yet: send the \
+                 request without streaming",
+                Some("return_tokens"),
+            ));
+        }
+        let return_tokens = r.return_tokens;
+        let (prompt, mut params) = completion_prompt(st, rd, r)?;
+        params.return_tokens = return_tokens;
+        Ok((prompt, params))
+    })
+    .await?;
+    generate(s, prompt, params, Kind::Native, tenant).await
+}
+
+/// A completion request's prompt as tokens, and its parameters.
+fn completion_prompt(
+    st: &AppState,
+    rd: &Ready,
+    r: CompletionRequest,
+) -> Result<(Vec<leap_host::Token>, Params), ApiError> {
+    let params = r.common.params_seeded(st.seed)?;
+    let model = rd.rt.model();
+    let text = |t: &str| {
+        check_text_len(rd, st.n_ctx, t.len())?;
+        model
+            .tokenize(t, true, r.parse_special)
+            .map_err(|e| ApiError::invalid(e.to_string(), Some("prompt")))
+    };
+    let prompt = match &r.prompt {
+        Prompt::Text(t) => text(t)?,
+        Prompt::Texts(v) if v.len() == 1 => text(&v[0])?,
+        Prompt::Texts(v) => {
+            return Err(ApiError::invalid(
+                format!("{} prompts: this server takes one per request", v.len()),
+                Some("prompt"),
+            ))
+        }
+        Prompt::Tokens(ids) => to_tokens(ids, model.n_vocab(), "prompt")?,
+    };
+    Ok((prompt, params))
 }
 
 async fn chat(
@@ -594,10 +630,9 @@ async fn generate(
     }
     let id = format!(
         "{}-{}",
-        if kind == Kind::Chat {
-            "chatcmpl"
-        } else {
-            "cmpl"
+        match kind {
+            Kind::Chat => "chatcmpl",
+            Kind::Text | Kind::Native => "cmpl",
         },
         NEXT_ID.fetch_add(1, Ordering::Relaxed)
     );
@@ -607,6 +642,7 @@ async fn generate(
         model: s.alias.clone(),
         kind,
         drafting: s.drafting_stats,
+        return_tokens: p.return_tokens,
     };
     if p.stream {
         let stream = sse_stream(head, rx, p.include_usage);
@@ -633,12 +669,14 @@ struct Head {
     kind: Kind,
     /// Report the request's drafting in `timings` (`--drafting-stats`).
     drafting: bool,
+    /// `/completion`'s `return_tokens`.
+    return_tokens: bool,
 }
 
 impl Head {
     fn object(&self, stream: bool) -> &'static str {
         match (self.kind, stream) {
-            (Kind::Text, _) => "text_completion",
+            (Kind::Text | Kind::Native, _) => "text_completion",
             (Kind::Chat, false) => "chat.completion",
             (Kind::Chat, true) => "chat.completion.chunk",
         }
@@ -659,9 +697,37 @@ impl Head {
         v
     }
 
+    /// `/completion`'s last object: the text (all of it, unstreamed; none after a stream),
+    /// why it stopped and the counts.
+    fn native(&self, o: &Outcome, content: &str) -> Value {
+        let stop_type = match (o.finish, o.word) {
+            (crate::slots::Finish::Length, _) => "limit",
+            (_, true) => "word",
+            _ => "eos",
+        };
+        json!({
+            "index": 0,
+            "content": content,
+            "tokens": if self.return_tokens { o.tokens.clone() } else { Vec::new() },
+            "id_slot": -1,
+            "stop": true,
+            "model": self.model,
+            "tokens_predicted": o.completion_tokens,
+            "tokens_evaluated": o.prompt_tokens,
+            "tokens_cached": o.cached_tokens,
+            "stop_type": stop_type,
+            "truncated": false,
+            "timings": o.timings(self.drafting),
+        })
+    }
+
     /// A streamed chunk's one choice.
     fn chunk(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
         let choice = match self.kind {
+            Kind::Native => {
+                return json!({"index": 0, "content": text, "tokens": [], "stop": false,
+                              "id_slot": -1});
+            }
             Kind::Text => {
                 json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
             }
@@ -696,6 +762,7 @@ async fn collect(head: Head, mut rx: UnboundedReceiver<Event>) -> Result<Respons
         .as_deref()
         .map_or(Value::Null, |l| logprobs_json(head.kind, l));
     let choice = match head.kind {
+        Kind::Native => return Ok(Json(head.native(&o, &text)).into_response()),
         Kind::Text => json!({
             "index": 0,
             "text": text,
@@ -731,7 +798,7 @@ fn logprobs_json(kind: Kind, l: &[crate::slots::Logprob]) -> Value {
                 .collect();
             json!({"content": content, "refusal": null})
         }
-        Kind::Text => {
+        Kind::Text | Kind::Native => {
             let mut offset = 0;
             let offsets: Vec<usize> = l
                 .iter()
@@ -807,6 +874,11 @@ fn sse_stream(
                 let v = st.head.chunk(&t, None, st.first);
                 st.first = false;
                 vec![json_event(&v)]
+            }
+            Some(Event::Done(o)) if st.head.kind == Kind::Native => {
+                // llama-server's stream ends with its last object, and no `[DONE]`.
+                st.done = true;
+                vec![json_event(&st.head.native(&o, ""))]
             }
             Some(Event::Done(o)) => {
                 st.done = true;

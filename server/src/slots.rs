@@ -62,6 +62,10 @@ pub struct Outcome {
     /// Each emitted token's log-probability and the most likely tokens there, when the
     /// request asked (`logprobs`).
     pub logprobs: Option<Vec<Logprob>>,
+    /// The tokens emitted (an end-of-generation token is not).
+    pub tokens: Vec<Token>,
+    /// A stop string ended the output (`finish` is then [`Finish::Stop`] too).
+    pub word: bool,
 }
 
 /// A token as `logprobs` reports it: its text (invalid UTF-8 replaced), its bytes, its
@@ -568,6 +572,8 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
         decode_seconds: g.decode_seconds,
         target_calls: g.target_calls,
         logprobs,
+        tokens: emitted,
+        word: text.stopped,
     };
     metrics.record(&o);
     log::info!(
@@ -728,6 +734,8 @@ mod tests {
                 decode_seconds: 0.0,
                 target_calls: 0,
                 logprobs: None,
+                tokens: Vec::new(),
+                word: false,
             }));
         }
 

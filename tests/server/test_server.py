@@ -236,6 +236,33 @@ def test_logprobs(server):
     assert complete(server.port, "The capital of France is", 2)["choices"][0]["logprobs"] is None
 
 
+def test_llama_server_s_completion_endpoint(server):
+    """llama-server's own `/completion`: its request (`n_predict`, `return_tokens`) and its
+    answer (`content`, `tokens`, `stop`, `stop_type`, `timings`), streamed in its shape too
+    (objects with `content` and `stop`, the last with the counts, no `[DONE]`); the text is
+    /v1/completions' for the same request."""
+    want = complete(server.port, PROMPT, 12)["choices"][0]["text"]
+    status, j = post(server.port, "/completion", {"prompt": PROMPT, "n_predict": 12,
+                                                  "temperature": 0, "return_tokens": True})
+    assert status == 200, j
+    assert j["content"] == want and j["stop"] is True, j
+    assert j["stop_type"] in ("limit", "eos") and j["tokens_predicted"] >= len(j["tokens"]) >= 1, j
+    assert j["timings"]["predicted_n"] == j["tokens_predicted"], j
+    status, d = post(server.port, "/detokenize", {"tokens": j["tokens"]})
+    assert status == 200 and d["content"] == want, d
+    c, r = open_stream(server.port, "/completion",
+                       {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "stream": True})
+    try:
+        events = [json.loads(line[5:]) for line in iter(r.readline, b"") if line.startswith(b"data:")]
+    finally:
+        c.close()
+    assert events and events[-1]["stop"] is True and "timings" in events[-1], events[-1]
+    assert all(e["stop"] is False for e in events[:-1])
+    assert "".join(e["content"] for e in events) == want
+    status, j = post(server.port, "/completion", {"prompt": PROMPT, "stream": True, "return_tokens": True})
+    assert_error(status, j, 400, param="return_tokens")
+
+
 def test_neutral_fields_change_nothing(server):
     """What SDKs and llama.cpp's web UI send at their defaults (every extra sampler off, no
     tools, text output, the model's name) is accepted and leaves the answer as it is."""
