@@ -355,8 +355,8 @@ impl Kernel {
                     );
                 }
             }
-            // `Q8_1`'s block sums, for the kernels that read them as `f32` (AVX-512, NEON).
-            if self.kind == Kind::Q4_1 && (self.zmm || cfg!(target_arch = "aarch64")) {
+            // `Q8_1`'s block sums as `f32`, converted once here rather than per weight row.
+            if self.kind == Kind::Q4_1 {
                 sums.extend((0..nb).map(|b| f16(a, b * ab + 2)));
             }
         }

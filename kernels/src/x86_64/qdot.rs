@@ -72,6 +72,7 @@ macro_rules! kernels {
                 x: *const u8,
                 y: [*const u8; K],
                 yd: [*const f32; K],
+                ysum: [*const f32; K],
                 out: *mut f32,
             ) {
                 let (wb, ab) = (kind.weight_block(), kind.act_block());
@@ -112,8 +113,9 @@ macro_rules! kernels {
                             for r in 0..K {
                                 let yb = y[r].add(b * ab);
                                 // ggml's `summs += m * s` (fused there; the f16 x f16
-                                // product is exact in f32, so fused or not agree).
-                                summs[r] = m.mul_add(f16(yb.add(2)), summs[r]);
+                                // product is exact in f32, so fused or not agree), with
+                                // `s` converted from f16 once per call (`Acts::sums`).
+                                summs[r] = m.mul_add(*ysum[r].add(b), summs[r]);
                                 let d = _mm256_mul_ps(d0, _mm256_broadcast_ss(&*yd[r].add(b)));
                                 let qy = _mm256_loadu_si256(yb.add(4).cast());
                                 acc[r] = _mm256_fmadd_ps(d, lanes(qx, qy), acc[r]);
@@ -139,20 +141,39 @@ macro_rules! kernels {
                 let y: Vec<*const u8> = acts.rows.iter().map(|a| a.as_ptr()).collect();
                 let yd: Vec<*const f32> =
                     (0..k).map(|r| acts.scales.as_ptr().add(r * nb)).collect();
+                // `Q8_1`'s block sums as f32 (`Q4_1` only; unused otherwise).
+                let ysum: Vec<*const f32> = (0..k)
+                    .map(|r| {
+                        if acts.sums.is_empty() {
+                            std::ptr::null()
+                        } else {
+                            acts.sums.as_ptr().add(r * nb)
+                        }
+                    })
+                    .collect();
                 for (i, o) in out.chunks_exact_mut(k).enumerate() {
                     let x = w.as_ptr().add(i * row);
                     let mut r = 0;
                     while r < k {
                         let o = o.as_mut_ptr().add(r);
                         match k - r {
-                            1 => group::<1>(kind, nb, x, [y[r]], [yd[r]], o),
-                            2 => group::<2>(kind, nb, x, [y[r], y[r + 1]], [yd[r], yd[r + 1]], o),
+                            1 => group::<1>(kind, nb, x, [y[r]], [yd[r]], [ysum[r]], o),
+                            2 => group::<2>(
+                                kind,
+                                nb,
+                                x,
+                                [y[r], y[r + 1]],
+                                [yd[r], yd[r + 1]],
+                                [ysum[r], ysum[r + 1]],
+                                o,
+                            ),
                             3 => group::<3>(
                                 kind,
                                 nb,
                                 x,
                                 [y[r], y[r + 1], y[r + 2]],
                                 [yd[r], yd[r + 1], yd[r + 2]],
+                                [ysum[r], ysum[r + 1], ysum[r + 2]],
                                 o,
                             ),
                             _ => group::<GROUP>(
@@ -161,6 +182,7 @@ macro_rules! kernels {
                                 x,
                                 [y[r], y[r + 1], y[r + 2], y[r + 3]],
                                 [yd[r], yd[r + 1], yd[r + 2], yd[r + 3]],
+                                [ysum[r], ysum[r + 1], ysum[r + 2], ysum[r + 3]],
                                 o,
                             ),
                         }
