@@ -269,6 +269,12 @@ pub fn rule(name: &str, ep: Endpoint) -> Option<Rule> {
     // `/completion` reads the completion fields, and returns the tokens when asked.
     let ep = match (ep, name) {
         (Endpoint::Native, "return_tokens") => return Some(Honoured),
+        // llama-server's `/completion` reports probabilities with `n_probs`, in a shape of its
+        // own this server does not give yet; OpenAI's `logprobs` are `/v1/completions`'.
+        (Endpoint::Native, "logprobs") => {
+            return Some(Neutral(falsy, "false here; /v1/completions takes logprobs"))
+        }
+        (Endpoint::Native, "top_logprobs") => return Some(Neutral(zero, "0")),
         (Endpoint::Native, _) => Completion,
         (ep, _) => ep,
     };
@@ -537,6 +543,12 @@ mod tests {
         check(native.as_object().unwrap(), Endpoint::Native).unwrap();
         let e = check(native.as_object().unwrap(), Completion).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("return_tokens"));
+        let e = check(
+            json!({"logprobs": 2}).as_object().unwrap(),
+            Endpoint::Native,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
         let e = check(json!({"messages": []}).as_object().unwrap(), Completion).unwrap_err();
         assert!(e.message.contains("chat field"), "{}", e.message);
         let body = json!({"messages": [
