@@ -53,8 +53,19 @@ fuzz_target!(|data: &[u8]| {
         Err(e) => check(&e),
     }
 
-    // /tokenize and /detokenize take `content` and `tokens`: the same parser, any JSON.
-    match oai::parse::<serde_json::Value>(data) {
+    // /completion: the completion fields and `return_tokens`.
+    match oai::parse::<oai::NativeRequest>(data) {
+        Ok(r) => {
+            if let Err(e) = r.0.common.params() {
+                check(&e);
+            }
+        }
+        Err(e) => check(&e),
+    }
+
+    // /tokenize and /detokenize take `content` and `tokens`: the same parser without the
+    // completion fields' table, any JSON.
+    match oai::parse_plain::<serde_json::Value>(data) {
         Ok(v) => {
             if let Some(ids) = v.get("tokens").and_then(|t| t.as_array()) {
                 let ids: Vec<i64> = ids.iter().filter_map(serde_json::Value::as_i64).collect();
