@@ -90,6 +90,12 @@ fn no_tool(v: &Value) -> bool {
 fn only_text(v: &Value) -> bool {
     v.is_null() || v.as_array().is_some_and(|a| a == &[Value::from("text")])
 }
+fn no_usage(v: &Value) -> bool {
+    v.is_null()
+        || !v
+            .get("include_usage")
+            .is_some_and(|u| u == &Value::Bool(true))
+}
 fn no_reasoning(v: &Value) -> bool {
     v.is_null() || v.as_str() == Some("none")
 }
@@ -249,6 +255,28 @@ pub const FIELDS: &[(&str, On, Rule)] = &[
     ("web_search_options", Only(Chat), Neutral(null, "null")),
 ];
 
+/// Where llama-server's own `/completion` reads a completion field otherwise than
+/// `/v1/completions` does.
+const NATIVE_FIELDS: &[(&str, Rule)] = &[
+    // The generated token ids in the answer.
+    ("return_tokens", Honoured),
+    // It reports probabilities with `n_probs`, in a shape of its own this server does not give
+    // yet; OpenAI's `logprobs` are `/v1/completions`'.
+    (
+        "logprobs",
+        Neutral(falsy, "false here; /v1/completions takes logprobs"),
+    ),
+    ("top_logprobs", Neutral(zero, "0")),
+    // Its stream has no usage chunk: the last object carries the counts.
+    (
+        "stream_options",
+        Neutral(
+            no_usage,
+            "no include_usage: the last object has tokens_predicted",
+        ),
+    ),
+];
+
 /// The fields of a chat message and their rules (`content` parts are checked by
 /// [`crate::oai::Message::to_chat`]).
 const MESSAGE_FIELDS: &[(&str, Rule)] = &[
@@ -264,19 +292,17 @@ const MESSAGE_FIELDS: &[(&str, Rule)] = &[
     ("reasoning_content", Neutral(empty, "null")),
 ];
 
-/// The rule for `name` in a request to `ep`, if the field is one of its.
+/// The rule for `name` in a request to `ep`, if the field is one of its: `/completion`'s own
+/// rows ([`NATIVE_FIELDS`]) first, then the completion fields it shares.
 pub fn rule(name: &str, ep: Endpoint) -> Option<Rule> {
-    // `/completion` reads the completion fields, and returns the tokens when asked.
-    let ep = match (ep, name) {
-        (Endpoint::Native, "return_tokens") => return Some(Honoured),
-        // llama-server's `/completion` reports probabilities with `n_probs`, in a shape of its
-        // own this server does not give yet; OpenAI's `logprobs` are `/v1/completions`'.
-        (Endpoint::Native, "logprobs") => {
-            return Some(Neutral(falsy, "false here; /v1/completions takes logprobs"))
+    let ep = match ep {
+        Endpoint::Native => {
+            if let Some(&(_, r)) = NATIVE_FIELDS.iter().find(|(n, _)| *n == name) {
+                return Some(r);
+            }
+            Completion
         }
-        (Endpoint::Native, "top_logprobs") => return Some(Neutral(zero, "0")),
-        (Endpoint::Native, _) => Completion,
-        (ep, _) => ep,
+        ep => ep,
     };
     FIELDS
         .iter()
@@ -549,6 +575,10 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("logprobs"));
+        let usage = json!({"stream_options": {"include_usage": true}});
+        let e = check(usage.as_object().unwrap(), Endpoint::Native).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stream_options"));
+        check(usage.as_object().unwrap(), Completion).unwrap();
         let e = check(json!({"messages": []}).as_object().unwrap(), Completion).unwrap_err();
         assert!(e.message.contains("chat field"), "{}", e.message);
         let body = json!({"messages": [

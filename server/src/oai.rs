@@ -191,6 +191,16 @@ pub struct Params {
     pub return_tokens: bool,
 }
 
+/// llama-server's sampling for what a request leaves out: temperature 0.8, and top-k 40,
+/// top-p 0.95 and min-p 0.05 as llama.cpp's own defaults (`SamplingParams::default`); the
+/// seed is drawn per request.
+pub fn defaults() -> leap_host::sampler::SamplingParams {
+    leap_host::sampler::SamplingParams {
+        temp: 0.8,
+        ..Default::default()
+    }
+}
+
 impl Common {
     /// [`Common::params`], with `seed` (the server's `--seed`) for a request that sends no
     /// seed or -1.
@@ -205,8 +215,7 @@ impl Common {
         Ok(p)
     }
 
-    /// Check ranges and fill defaults (llama-server's: temperature 0.8, top_k 40, top_p
-    /// 0.95, min_p 0.05, a random seed).
+    /// Check ranges and fill defaults ([`defaults`], a random seed).
     ///
     /// # Errors
     /// A field out of range, `n` other than 1, more than 4 stop strings.
@@ -234,19 +243,20 @@ impl Common {
             }
             Some((_, v)) => Some(v as usize),
         };
-        let temp = self.temperature.unwrap_or(0.8);
+        let d = defaults();
+        let temp = self.temperature.unwrap_or(d.temp);
         if !(0.0..=2.0).contains(&temp) {
             return bad("temperature", format!("temperature {temp}: from 0 to 2"));
         }
-        let top_p = self.top_p.unwrap_or(0.95);
+        let top_p = self.top_p.unwrap_or(d.top_p);
         if !(0.0..=1.0).contains(&top_p) {
             return bad("top_p", format!("top_p {top_p}: from 0 to 1"));
         }
-        let min_p = self.min_p.unwrap_or(0.05);
+        let min_p = self.min_p.unwrap_or(d.min_p);
         if !(0.0..=1.0).contains(&min_p) {
             return bad("min_p", format!("min_p {min_p}: from 0 to 1"));
         }
-        let top_k = self.top_k.unwrap_or(40);
+        let top_k = self.top_k.unwrap_or(d.top_k);
         if top_k < 0 {
             return bad("top_k", format!("top_k {top_k}: 0 (off) or more"));
         }
@@ -272,35 +282,7 @@ impl Common {
         if stop.iter().any(String::is_empty) {
             return bad("stop", "an empty stop string".into());
         }
-        let top_ok = |n: i64| (0..=MAX_TOP_LOGPROBS).contains(&n);
-        let logprobs = match (&self.logprobs, self.top_logprobs) {
-            (_, Some(n)) if !top_ok(n) => {
-                return bad(
-                    "top_logprobs",
-                    format!("top_logprobs {n}: from 0 to {MAX_TOP_LOGPROBS}"),
-                )
-            }
-            (None | Some(serde_json::Value::Null | serde_json::Value::Bool(false)), top) => {
-                if top.is_some_and(|n| n > 0) {
-                    return bad(
-                        "top_logprobs",
-                        "top_logprobs needs \"logprobs\": true".into(),
-                    );
-                }
-                None
-            }
-            (Some(serde_json::Value::Bool(true)), top) => Some(top.unwrap_or(0) as usize),
-            (Some(v), None) if v.as_i64().is_some_and(top_ok) => v.as_i64().map(|n| n as usize),
-            (Some(v), _) => {
-                return bad(
-                    "logprobs",
-                    format!(
-                        "logprobs {v}: true or false (chat, with top_logprobs), or 0 to \
-                         {MAX_TOP_LOGPROBS} (completions)"
-                    ),
-                )
-            }
-        };
+        let logprobs = self.logprobs()?;
         if logprobs.is_some() && self.stream {
             return bad(
                 "logprobs",
@@ -328,6 +310,36 @@ impl Common {
             logprobs,
             return_tokens: false,
         })
+    }
+}
+
+impl Common {
+    /// How many most likely tokens to list with each token's log-probability, when asked:
+    /// chat's `logprobs: true` with `top_logprobs`, or the completions API's count.
+    fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        use serde_json::Value;
+        let bad = |p: &str, why: String| Err(ApiError::invalid(why, Some(p)));
+        let top_ok = |n: i64| (0..=MAX_TOP_LOGPROBS).contains(&n);
+        match (&self.logprobs, self.top_logprobs) {
+            (_, Some(n)) if !top_ok(n) => bad(
+                "top_logprobs",
+                format!("top_logprobs {n}: from 0 to {MAX_TOP_LOGPROBS}"),
+            ),
+            (None | Some(Value::Null | Value::Bool(false)), Some(n)) if n > 0 => bad(
+                "top_logprobs",
+                "top_logprobs needs \"logprobs\": true".into(),
+            ),
+            (None | Some(Value::Null | Value::Bool(false)), _) => Ok(None),
+            (Some(Value::Bool(true)), top) => Ok(Some(top.unwrap_or(0) as usize)),
+            (Some(v), None) if v.as_i64().is_some_and(top_ok) => Ok(v.as_i64().map(|n| n as usize)),
+            (Some(v), _) => bad(
+                "logprobs",
+                format!(
+                    "logprobs {v}: true or false (chat, with top_logprobs), or 0 to \
+                     {MAX_TOP_LOGPROBS} (completions)"
+                ),
+            ),
+        }
     }
 }
 

@@ -249,15 +249,16 @@ async fn models(State(s): St) -> Response {
 async fn props(State(s): St) -> Result<Response, ApiError> {
     let rd = ready(&s)?;
     let template = rd.rt.model().chat_template(None).unwrap_or_default();
+    let d = oai::defaults();
     Ok(Json(json!({
         "default_generation_settings": {
             "n_ctx": s.n_ctx,
             "params": {
                 "n_predict": -1,
-                "temperature": 0.8,
-                "top_k": 40,
-                "top_p": 0.95,
-                "min_p": 0.05,
+                "temperature": d.temp,
+                "top_k": d.top_k,
+                "top_p": d.top_p,
+                "min_p": d.min_p,
                 "seed": s.seed.map_or(-1, i64::from),
             },
         },
