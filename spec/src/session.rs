@@ -654,23 +654,23 @@ pub struct TokenLogprob {
 }
 
 impl TokenLogprob {
-    /// The log-softmax of `logits` at `token`, and its `top_n` best entries.
+    /// The log-softmax of `logits` at `token`, and its `top_n` best entries: one pass for the
+    /// maximum and the best entries, one for the normaliser.
     pub fn of(logits: &[f32], token: Token, top_n: usize) -> Self {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut max = f32::NEG_INFINITY;
+        let mut top: Vec<(Token, f32)> = Vec::with_capacity(top_n + 1);
+        for (i, &l) in logits.iter().enumerate() {
+            max = max.max(l);
+            if top_n == 0 || (top.len() == top_n && l <= top[top_n - 1].1) {
+                continue;
+            }
+            let at = top.partition_point(|&(_, x)| x >= l);
+            top.insert(at, (i as Token, l));
+            top.truncate(top_n);
+        }
         let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
         let norm = f64::from(max) + sum.ln();
         let lp = |l: f32| (f64::from(l) - norm) as f32;
-        let mut top: Vec<(Token, f32)> = Vec::with_capacity(top_n + 1);
-        if top_n > 0 {
-            for (i, &l) in logits.iter().enumerate() {
-                if top.len() == top_n && l <= top[top_n - 1].1 {
-                    continue;
-                }
-                let at = top.partition_point(|&(_, x)| x >= l);
-                top.insert(at, (i as Token, l));
-                top.truncate(top_n);
-            }
-        }
         Self {
             token,
             logprob: logits
