@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use super::{Dots, AHEAD_BYTES};
 
-/// The CPU runs [`dots`] (AVX2/FMA/F16C).
+/// The CPU runs [`dots_blocked`] (AVX2/FMA/F16C).
 pub fn cpu_ok() -> bool {
     use std::sync::OnceLock;
     static OK: OnceLock<bool> = OnceLock::new();
@@ -26,10 +26,10 @@ fn wide() -> bool {
 }
 
 /// The kernels this CPU runs (where [`cpu_ok`]), the device's first: [`dots_wide`] with
-/// AVX-512VL, then [`dots_blocked`] and [`dots`].
+/// AVX-512VL, then [`dots_blocked`].
 pub fn kernels() -> &'static [Dots] {
-    const WIDE: &[Dots] = &[dots_wide, dots_blocked, dots];
-    const NARROW: &[Dots] = &[dots_blocked, dots];
+    const WIDE: &[Dots] = &[dots_wide, dots_blocked];
+    const NARROW: &[Dots] = &[dots_blocked];
     if wide() {
         WIDE
     } else {
@@ -58,51 +58,50 @@ pub unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
     go(x, out)
 }
 
-/// `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row k of `qs`
-/// (rows of `n`; `m = sums.len() / rows` of them), ggml's way, with AVX2's 16 registers: one
-/// cache row at a time against two query rows, query pairs outer (as [`dots_wide`], so a
-/// pair's rows stay in L1 while the block's cache rows come again from L2).
-///
-/// # Safety
-/// The CPU has AVX2/FMA/F16C; `rows` rows of `n` f16 values at `x`.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots(x: *const u8, stride: usize, rows: usize, qs: &[f32], n: usize, sums: &mut [f32]) {
-    let m = sums.len() / rows;
-    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
-    let mut k = 0;
-    while k < m {
-        let g = 2.min(m - k);
-        for (i, out) in sums.chunks_exact_mut(m).enumerate() {
-            // The first pair's pass reads the cache from memory: fetch ahead of it.
-            if k == 0 && i + ahead < rows {
-                let next = x.add((i + ahead) * stride);
-                for l in (0..2 * n).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
-                }
-            }
-            let x = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
-            match g {
-                1 => group::<1>(x, qs, n, k, out),
-                _ => group::<2>(x, qs, n, k, out),
+/// How many cache rows ahead the kernels fetch: [`AHEAD_BYTES`] of them.
+fn ahead(n: usize) -> usize {
+    (AHEAD_BYTES / (2 * n)).clamp(2, 16)
+}
+
+/// Fetch into L1 the cache rows `ahead` rows past those of `now` (rows of `n` halves, `stride`
+/// bytes apart from `x`, `rows` of them): the first query group's pass reads the cache from
+/// memory.
+#[inline(always)]
+unsafe fn fetch_ahead(
+    x: *const u8,
+    stride: usize,
+    rows: usize,
+    now: std::ops::Range<usize>,
+    ahead: usize,
+    n: usize,
+) {
+    for j in now {
+        if j + ahead < rows {
+            let next = x.add((j + ahead) * stride);
+            for l in (0..2 * n).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
             }
         }
-        k += g;
     }
 }
 
-/// [`dots`] with more pairs meeting in AVX2's 16 registers: each of ggml's four 8-lane sums
-/// of a (cache row, query row) pair is independent of the other three until the reduction, so
-/// they are computed one after another ([`block`]) instead of side by side. That leaves room
-/// for two cache rows against four query rows (8 accumulators): a query load feeds two fused
-/// multiply-adds and a converted cache load four, where [`dots`]' two query rows at four sums a
-/// pair give one and two. (Three cache rows, 12 accumulators, ran slower: Gemma's 8-row `kq`
-/// took 431-462 us a pass against [`dots`]' 318-345.) Each sum adds the same products in the
-/// same order, so the results are [`dots`]' bit for bit. One thread, warm cache
-/// (`tests/examples/attntime.rs`, this AMD EPYC, AVX2): Gemma's 8-row `kq` 366-382 us against
-/// [`dots`]' 432-458, its `kqv` 364-370 against 518-535, SmolLM2's `kqv` 53-59 against 70-81.
+/// `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row k of `qs`
+/// (rows of `n`; `m = sums.len() / rows` of them), ggml's way, with AVX2's 16 registers. Each
+/// of ggml's four 8-lane sums of a (cache row, query row) pair is independent of the other
+/// three until the reduction, so they are computed one after another ([`block`]) instead of
+/// side by side. That leaves room for two cache rows against four query rows (8
+/// accumulators): a query load feeds two fused multiply-adds and a converted cache load four,
+/// where the kernel this one replaced (one cache row against two query rows, the four sums
+/// side by side, until `efd247f`) gave one and two. (Three cache rows, 12 accumulators, ran
+/// slower: Gemma's 8-row `kq` took 431-462 us a pass against the old kernel's 318-345.) Each
+/// sum adds the same products in the same order, so the results are bit for bit the old
+/// kernel's, and ggml's. One thread, warm cache (`tests/examples/attntime.rs`, this AMD EPYC,
+/// AVX2): Gemma's 8-row `kq` 366-382 us against the old kernel's 432-458, its `kqv` 364-370
+/// against 518-535, SmolLM2's `kqv` 53-59 against 70-81. Query groups are outer, cache rows
+/// inner, so a group's rows stay in L1 while the block's cache rows come again from L2.
 ///
 /// # Safety
-/// As [`dots`].
+/// The CPU has AVX2/FMA/F16C; `rows` rows of `n` f16 values at `x`.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dots_blocked(
     x: *const u8,
@@ -113,7 +112,7 @@ unsafe fn dots_blocked(
     sums: &mut [f32],
 ) {
     let m = sums.len() / rows;
-    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
+    let ahead = ahead(n);
     let row = |i: usize| x.add(i * stride).cast::<u16>();
     let mut k = 0;
     while k < m {
@@ -121,16 +120,8 @@ unsafe fn dots_blocked(
         let mut i = 0;
         while i < rows {
             let r = 2.min(rows - i);
-            // The first group's pass reads the cache from memory: fetch ahead of it.
             if k == 0 {
-                for j in i..i + r {
-                    if j + ahead < rows {
-                        let next = x.add((j + ahead) * stride);
-                        for l in (0..2 * n).step_by(64) {
-                            _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
-                        }
-                    }
-                }
+                fetch_ahead(x, stride, rows, i..i + r, ahead, n);
             }
             macro_rules! go {
                 ($r:literal, $g:literal) => {
@@ -202,15 +193,16 @@ unsafe fn block<const R: usize, const G: usize>(
     }
 }
 
-/// [`dots`] with AVX-512's 32 registers: two cache rows at a time against four query rows
-/// (16 accumulators), so each query load feeds two fused multiply-adds; and query groups outer,
+/// [`dots_blocked`]'s products with AVX-512's 32 registers: two cache rows at a time against
+/// four query rows (16 accumulators), ggml's four sums of a pair side by side in two 512-bit
+/// registers, so each query load feeds two fused multiply-adds; and query groups outer,
 /// cache rows inner, so a group's rows (16 KB for Gemma's `kqv`) stay in L1 while the cache
 /// rows of the block come again from L2 for each group. (Cache rows outer, Gemma's 8-row `kqv`
 /// streamed its 128 KB of query rows through L2 for every cache row, slower than ggml.) The
 /// arithmetic is [`group`]'s: a 512-bit lane holds what one of ggml's four 256-bit sums holds.
 ///
 /// # Safety
-/// As [`dots`], and the CPU has AVX-512F/VL.
+/// As [`dots_blocked`], and the CPU has AVX-512F/VL.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 unsafe fn dots_wide(
     x: *const u8,
@@ -221,23 +213,15 @@ unsafe fn dots_wide(
     sums: &mut [f32],
 ) {
     let m = sums.len() / rows;
-    let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
+    let ahead = ahead(n);
     let row = |i: usize| std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
     let mut k = 0;
     while k < m {
         let g = 4.min(m - k);
         let mut i = 0;
         while i < rows {
-            // The first group's pass reads the cache from memory: fetch ahead of it.
             if k == 0 {
-                for j in [i, i + 1] {
-                    if j + ahead < rows {
-                        let next = x.add((j + ahead) * stride);
-                        for l in (0..2 * n).step_by(64) {
-                            _mm_prefetch::<_MM_HINT_T0>(next.add(l).cast());
-                        }
-                    }
-                }
+                fetch_ahead(x, stride, rows, i..i + 2, ahead, n);
             }
             if i + 1 < rows {
                 let (a, b) = sums[i * m..(i + 2) * m].split_at_mut(m);

@@ -138,51 +138,48 @@ macro_rules! kernels {
             ) {
                 let (nb, k) = (acts.nb, acts.rows.len());
                 let row = nb * kind.weight_block();
-                let y: Vec<*const u8> = acts.rows.iter().map(|a| a.as_ptr()).collect();
-                let yd: Vec<*const f32> =
-                    (0..k).map(|r| acts.scales.as_ptr().add(r * nb)).collect();
-                // `Q8_1`'s block sums as f32 (`Q4_1` only; unused otherwise).
-                let ysum: Vec<*const f32> = (0..k)
-                    .map(|r| {
-                        if acts.sums.is_empty() {
-                            std::ptr::null()
-                        } else {
-                            acts.sums.as_ptr().add(r * nb)
-                        }
-                    })
-                    .collect();
+                // Row r's quants, block scales and (`Q4_1`) block sums, as `group` reads them.
+                let y = |r: usize| acts.rows[r].as_ptr();
+                let yd = |r: usize| acts.scales.as_ptr().add(r * nb);
+                let ysum = |r: usize| {
+                    if acts.sums.is_empty() {
+                        std::ptr::null()
+                    } else {
+                        acts.sums.as_ptr().add(r * nb)
+                    }
+                };
                 for (i, o) in out.chunks_exact_mut(k).enumerate() {
                     let x = w.as_ptr().add(i * row);
                     let mut r = 0;
                     while r < k {
                         let o = o.as_mut_ptr().add(r);
                         match k - r {
-                            1 => group::<1>(kind, nb, x, [y[r]], [yd[r]], [ysum[r]], o),
+                            1 => group::<1>(kind, nb, x, [y(r)], [yd(r)], [ysum(r)], o),
                             2 => group::<2>(
                                 kind,
                                 nb,
                                 x,
-                                [y[r], y[r + 1]],
-                                [yd[r], yd[r + 1]],
-                                [ysum[r], ysum[r + 1]],
+                                [y(r), y(r + 1)],
+                                [yd(r), yd(r + 1)],
+                                [ysum(r), ysum(r + 1)],
                                 o,
                             ),
                             3 => group::<3>(
                                 kind,
                                 nb,
                                 x,
-                                [y[r], y[r + 1], y[r + 2]],
-                                [yd[r], yd[r + 1], yd[r + 2]],
-                                [ysum[r], ysum[r + 1], ysum[r + 2]],
+                                [y(r), y(r + 1), y(r + 2)],
+                                [yd(r), yd(r + 1), yd(r + 2)],
+                                [ysum(r), ysum(r + 1), ysum(r + 2)],
                                 o,
                             ),
                             _ => group::<GROUP>(
                                 kind,
                                 nb,
                                 x,
-                                [y[r], y[r + 1], y[r + 2], y[r + 3]],
-                                [yd[r], yd[r + 1], yd[r + 2], yd[r + 3]],
-                                [ysum[r], ysum[r + 1], ysum[r + 2], ysum[r + 3]],
+                                [y(r), y(r + 1), y(r + 2), y(r + 3)],
+                                [yd(r), yd(r + 1), yd(r + 2), yd(r + 3)],
+                                [ysum(r), ysum(r + 1), ysum(r + 2), ysum(r + 3)],
                                 o,
                             ),
                         }
