@@ -84,6 +84,26 @@ pub struct Logprob {
     pub top: Vec<Piece>,
 }
 
+impl Logprob {
+    /// [`Session::score`]'s figures with each token's text.
+    fn all(model: &leap_host::Model, lps: Vec<leap_spec::session::TokenLogprob>) -> Vec<Self> {
+        let piece = |t: Token, logprob: f32| {
+            let bytes = model.token_to_piece(t, false).unwrap_or_default();
+            Piece {
+                text: String::from_utf8_lossy(&bytes).into_owned(),
+                bytes,
+                logprob,
+            }
+        };
+        lps.into_iter()
+            .map(|l| Logprob {
+                token: piece(l.token, l.logprob),
+                top: l.top.into_iter().map(|(t, lp)| piece(t, lp)).collect(),
+            })
+            .collect()
+    }
+}
+
 impl Outcome {
     /// OpenAI's `usage`.
     pub fn usage(&self) -> serde_json::Value {
@@ -531,24 +551,7 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
     let logprobs = match job.logprobs {
         None => None,
         Some(top) => match session.score(&job.prompt, &emitted, top) {
-            Ok(lps) => {
-                let piece = |t: Token, logprob: f32| {
-                    let bytes = model.token_to_piece(t, false).unwrap_or_default();
-                    Piece {
-                        text: String::from_utf8_lossy(&bytes).into_owned(),
-                        bytes,
-                        logprob,
-                    }
-                };
-                Some(
-                    lps.into_iter()
-                        .map(|l| Logprob {
-                            token: piece(l.token, l.logprob),
-                            top: l.top.into_iter().map(|(t, lp)| piece(t, lp)).collect(),
-                        })
-                        .collect(),
-                )
-            }
+            Ok(lps) => Some(Logprob::all(model, lps)),
             Err(e) => {
                 log::warn!("slot {slot}: log-probabilities failed: {e}");
                 metrics.failed();
