@@ -238,7 +238,13 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
     };
     // Bad options and a file that is not a whole GGUF fail here, before the server listens
     // (the model itself loads in the background once it does).
-    opts.validate()?;
+    match args.ctx_size {
+        // A per-slot context the user did not type: say where it came from.
+        Some(total) => opts
+            .validate()
+            .with_context(|| format!("--ctx-size {total} over {} slots", args.parallel))?,
+        None => opts.validate()?,
+    }
     leap_host::GgufInfo::open(model)?;
     let alias = args.alias.clone().unwrap_or_else(|| {
         model
