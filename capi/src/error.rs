@@ -20,6 +20,8 @@ pub const LEAP_ERR_MODEL: leap_status = 3;
 pub const LEAP_ERR_DECODE: leap_status = 4;
 /// `LEAP_ERR_INTERNAL`.
 pub const LEAP_ERR_INTERNAL: leap_status = 5;
+/// `LEAP_ERR_BUFFER`.
+pub const LEAP_ERR_BUFFER: leap_status = 6;
 
 /// A failed call of the C API.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +38,13 @@ pub enum Error {
         what: &'static str,
         value: i64,
         expected: &'static str,
+    },
+    /// An output buffer too small for the result (its size is in the call's `n_out`).
+    #[error("{what} has room for {room}, {needed} needed")]
+    Buffer {
+        what: &'static str,
+        room: usize,
+        needed: usize,
     },
     /// The session is already generating (from another thread, or its own callback).
     #[error(
@@ -71,6 +80,7 @@ impl Error {
             Error::Null { .. } | Error::Utf8 { .. } | Error::Range { .. } | Error::Busy => {
                 LEAP_ERR_INVALID_ARGUMENT
             }
+            Error::Buffer { .. } => LEAP_ERR_BUFFER,
             Error::Engine(e) => e.code(),
             Error::Poisoned | Error::Panic(_) | Error::Cpu(_) => LEAP_ERR_INTERNAL,
         }
@@ -86,6 +96,7 @@ pub fn status_str(status: leap_status) -> &'static CStr {
         LEAP_ERR_MODEL => c"model file missing or unreadable",
         LEAP_ERR_DECODE => c"llama.cpp failed",
         LEAP_ERR_INTERNAL => c"internal error",
+        LEAP_ERR_BUFFER => c"output buffer too small",
         _ => c"unknown status",
     }
 }

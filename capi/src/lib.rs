@@ -24,10 +24,12 @@
 pub mod drafter;
 pub mod error;
 pub mod logging;
+pub use logging::leap_log_callback;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 
 use leap_host::sampler::SamplingParams;
@@ -35,10 +37,12 @@ use leap_spec::session::{Mode, Options, Request, Runtime, Session, Totals};
 
 use error::Error;
 pub use error::{
-    LEAP_ERR_CONTEXT_FULL, LEAP_ERR_DECODE, LEAP_ERR_INTERNAL, LEAP_ERR_INVALID_ARGUMENT,
-    LEAP_ERR_MODEL, LEAP_OK,
+    LEAP_ERR_BUFFER, LEAP_ERR_CONTEXT_FULL, LEAP_ERR_DECODE, LEAP_ERR_INTERNAL,
+    LEAP_ERR_INVALID_ARGUMENT, LEAP_ERR_MODEL, LEAP_OK,
 };
-use leap_spec::text::TextStream;
+use leap_host::model::ChatMessage;
+use leap_host::Token;
+use leap_spec::text::TextOut;
 
 /// `leap_status`: `LEAP_OK` or an error (the constants in [`error`]). An `int` rather than a
 /// Rust enum, so that any value C passes in is defined.
@@ -54,6 +58,21 @@ pub const LEAP_FINISH_LENGTH: i32 = 0;
 pub const LEAP_FINISH_EOG: i32 = 1;
 /// `LEAP_FINISH_CANCELLED`.
 pub const LEAP_FINISH_CANCELLED: i32 = 2;
+/// `LEAP_FINISH_STOP`.
+pub const LEAP_FINISH_STOP: i32 = 3;
+/// `LEAP_ABI_VERSION`: the N of the SONAME `libleap.so.N`, read from include/leap.h by build.rs.
+pub const LEAP_ABI_VERSION: i32 = parse_abi(env!("LEAP_ABI_VERSION"));
+
+const fn parse_abi(s: &str) -> i32 {
+    let b = s.as_bytes();
+    let mut n = 0;
+    let mut i = 0;
+    while i < b.len() {
+        n = n * 10 + (b[i] - b'0') as i32;
+        i += 1;
+    }
+    n
+}
 
 /// An open model (`leap_model`).
 pub struct leap_model {
@@ -66,6 +85,17 @@ pub struct leap_session {
     inner: Mutex<SessionState>,
     /// Keeps the runtime (its early-exit head, options) alive as long as the session.
     rt: Arc<Runtime>,
+    /// Set by `leap_session_cancel` (any thread), read by the session's decodes, cleared when
+    /// a generation starts.
+    cancel: Arc<AtomicBool>,
+}
+
+/// `leap_chat_message`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct leap_chat_message {
+    pub role: *const c_char,
+    pub content: *const c_char,
 }
 
 struct SessionState {
@@ -96,6 +126,8 @@ pub struct leap_generate_params {
     pub min_p: f32,
     pub seed: u32,
     pub chat: bool,
+    pub stop: *const *const c_char,
+    pub n_stop: usize,
 }
 
 /// `leap_stats`.
@@ -208,6 +240,36 @@ impl leap_model_params {
 }
 
 impl leap_generate_params {
+    /// The stop strings.
+    ///
+    /// # Safety
+    /// `stop` is NULL or points to `n_stop` pointers, each NULL or a NUL-terminated string,
+    /// valid for `'a`.
+    unsafe fn stops<'a>(&self) -> Result<Vec<&'a str>, Error> {
+        if self.n_stop == 0 {
+            return Ok(Vec::new());
+        }
+        if self.stop.is_null() {
+            return Err(Error::Null { what: "stop" });
+        }
+        // SAFETY: `n_stop` pointers at `stop` (contract).
+        let ptrs = unsafe { std::slice::from_raw_parts(self.stop, self.n_stop) };
+        ptrs.iter()
+            .map(|&p| {
+                // SAFETY: NULL or NUL-terminated (contract).
+                let s = unsafe { str_arg(p, "a stop string") }?;
+                if s.is_empty() {
+                    return Err(Error::Range {
+                        what: "stop string length",
+                        value: 0,
+                        expected: "at least 1 byte",
+                    });
+                }
+                Ok(s)
+            })
+            .collect()
+    }
+
     fn request(&self) -> Result<Request, Error> {
         if self.max_tokens < 1 {
             return Err(Error::Range {
@@ -306,7 +368,37 @@ pub extern "C" fn leap_generate_default_params() -> leap_generate_params {
         min_p: s.min_p,
         seed: s.seed,
         chat: false,
+        stop: std::ptr::null(),
+        n_stop: 0,
     }
+}
+
+/// `int32_t leap_abi_version(void)`.
+#[no_mangle]
+pub extern "C" fn leap_abi_version() -> i32 {
+    LEAP_ABI_VERSION
+}
+
+/// `leap_status leap_log_set(leap_log_callback, int32_t max_level, void *user_data)`.
+///
+/// # Safety
+/// `callback`, if not NULL, is safe to call with `user_data` from any thread, at any time
+/// until it is replaced.
+#[no_mangle]
+pub unsafe extern "C" fn leap_log_set(
+    callback: leap_log_callback,
+    max_level: i32,
+    user_data: *mut c_void,
+) -> leap_status {
+    guard(|| {
+        let max = logging::level_filter(max_level).ok_or(Error::Range {
+            what: "max_level",
+            value: max_level.into(),
+            expected: "LEAP_LOG_NONE (0) to LEAP_LOG_TRACE (5)",
+        })?;
+        logging::set_sink(callback, max, user_data);
+        Ok(())
+    })
 }
 
 /// `leap_status leap_model_open(const char *path, const leap_model_params *params,
@@ -379,12 +471,17 @@ pub unsafe extern "C" fn leap_session_new(
         // SAFETY: NULL or a live model (contract); only read.
         let model = unsafe { ref_arg(model, "model") }?;
         let session = model.rt.session()?;
+        let cancel = Arc::new(AtomicBool::new(false));
+        let mut session = session;
+        let flag = Arc::clone(&cancel);
+        session.set_cancel(Some(Arc::new(move || flag.load(Ordering::Relaxed))));
         let s = Box::new(leap_session {
             inner: Mutex::new(SessionState {
                 session,
                 last_finish: LEAP_FINISH_LENGTH,
             }),
             rt: Arc::clone(&model.rt),
+            cancel,
         });
         // SAFETY: checked writable above.
         unsafe { out.write(Box::into_raw(s)) };
@@ -422,8 +519,9 @@ fn try_lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>, Error> {
 ///
 /// # Safety
 /// `session` is NULL or a live session; `prompt` is NULL or a NUL-terminated string;
-/// `params` is NULL or points to a `leap_generate_params`; `callback`, if not NULL, is safe to
-/// call with `user_data` and a piece; `stats` is NULL or valid for a write of `leap_stats`.
+/// `params` is NULL or points to a `leap_generate_params` (its stop strings as documented);
+/// `callback`, if not NULL, is safe to call with `user_data` and a piece; `stats` is NULL or
+/// valid for a write of `leap_stats`.
 #[no_mangle]
 pub unsafe extern "C" fn leap_generate(
     session: *mut leap_session,
@@ -434,73 +532,269 @@ pub unsafe extern "C" fn leap_generate(
     stats: *mut leap_stats,
 ) -> leap_status {
     guard(|| {
-        if !stats.is_null() {
-            // SAFETY: non-null and writable (contract).
-            unsafe { stats.write(leap_stats::default()) };
-        }
-        // SAFETY: NULL or a live session (contract); shared, its state is behind the lock.
-        let s = unsafe { ref_arg(session.cast_const(), "session") }?;
-        // SAFETY: NULL or NUL-terminated (contract), read only during this call.
-        let prompt = unsafe { str_arg(prompt, "prompt") }?;
-        // SAFETY: NULL or a leap_generate_params (contract); copied.
-        let params = unsafe { params.as_ref() }
-            .copied()
-            .unwrap_or_else(|| leap_generate_default_params());
-        let req = params.request()?;
-        let mut state = try_lock(&s.inner)?;
-        let model = Arc::clone(s.rt.model());
-        let tokens = s.rt.prompt_tokens(prompt, params.chat)?;
+        let tokens = |rt: &Runtime, chat| {
+            // SAFETY: NULL or NUL-terminated (contract), read only during this call.
+            let prompt = unsafe { str_arg(prompt, "prompt") }?;
+            Ok(rt.prompt_tokens(prompt, chat)?)
+        };
+        // SAFETY: the caller's contract, passed on.
+        unsafe { generation(session, params, callback, user_data, stats, tokens) }
+    })
+}
 
-        let mut stream = TextStream::default();
-        let mut cancelled = false;
-        let deliver = |text: String, token: i32| -> bool {
-            let Some(cb) = callback else { return true };
-            let mut piece = text.into_bytes();
-            let len = piece.len();
-            piece.push(0);
-            // SAFETY: `piece` holds `len` bytes and a NUL, alive across the call; the
-            // callback and `user_data` are the caller's, callable per its contract. The
-            // callback is C and does not unwind.
-            unsafe { cb(piece.as_ptr().cast(), len, token, user_data) }
+/// `leap_status leap_generate_chat(leap_session *, const leap_chat_message *messages,
+/// size_t n_messages, const leap_generate_params *, leap_token_callback, void *user_data,
+/// leap_stats *stats)`.
+///
+/// # Safety
+/// As [`leap_generate`]; `messages` is NULL or points to `n_messages` messages whose `role`
+/// and `content` are NULL or NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn leap_generate_chat(
+    session: *mut leap_session,
+    messages: *const leap_chat_message,
+    n_messages: usize,
+    params: *const leap_generate_params,
+    callback: leap_token_callback,
+    user_data: *mut c_void,
+    stats: *mut leap_stats,
+) -> leap_status {
+    guard(|| {
+        let tokens = |rt: &Runtime, _chat| {
+            if messages.is_null() || n_messages == 0 {
+                return Err(Error::Null { what: "messages" });
+            }
+            // SAFETY: `n_messages` messages at `messages` (contract).
+            let msgs = unsafe { std::slice::from_raw_parts(messages, n_messages) };
+            let msgs = msgs
+                .iter()
+                .map(|m| {
+                    // SAFETY: NULL or NUL-terminated (contract), read during this call.
+                    let role = unsafe { str_arg(m.role, "a message's role") }?;
+                    // SAFETY: as above.
+                    let content = unsafe { str_arg(m.content, "a message's content") }?;
+                    Ok(ChatMessage {
+                        role: role.into(),
+                        content: content.into(),
+                    })
+                })
+                .collect::<Result<Vec<_>, Error>>()?;
+            Ok(rt.model().chat_tokens(&msgs, true)?)
         };
-        let mut on_token = |t: i32| {
-            let piece = model.token_to_piece(t, false).unwrap_or_default();
-            let go_on = deliver(stream.push(&piece), t);
-            cancelled |= !go_on;
-            go_on
-        };
-        let g = state.session.generate(&tokens, &req, &mut on_token)?;
-        let rest = stream.finish();
-        if !rest.is_empty() {
-            deliver(rest, -1);
-        }
-        let finish = if cancelled {
-            LEAP_FINISH_CANCELLED
-        } else if g.tokens.last().is_some_and(|&t| model.is_eog(t)) {
-            LEAP_FINISH_EOG
-        } else {
-            LEAP_FINISH_LENGTH
-        };
-        state.last_finish = finish;
-        if !stats.is_null() {
-            let one = Totals {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { generation(session, params, callback, user_data, stats, tokens) }
+    })
+}
+
+/// One generation on `session`, from the tokens `prompt` makes of the runtime and the
+/// parameters' `chat`: the body of `leap_generate` and `leap_generate_chat`.
+///
+/// # Safety
+/// As [`leap_generate`].
+unsafe fn generation(
+    session: *mut leap_session,
+    params: *const leap_generate_params,
+    callback: leap_token_callback,
+    user_data: *mut c_void,
+    stats: *mut leap_stats,
+    prompt: impl FnOnce(&Runtime, bool) -> Result<Vec<Token>, Error>,
+) -> Result<(), Error> {
+    if !stats.is_null() {
+        // SAFETY: non-null and writable (contract).
+        unsafe { stats.write(leap_stats::default()) };
+    }
+    // SAFETY: NULL or a live session (contract); shared, its state is behind the lock.
+    let s = unsafe { ref_arg(session.cast_const(), "session") }?;
+    // SAFETY: NULL or a leap_generate_params (contract); copied.
+    let params = unsafe { params.as_ref() }
+        .copied()
+        .unwrap_or_else(|| leap_generate_default_params());
+    let req = params.request()?;
+    // SAFETY: the stop strings as the contract says, read only during this call.
+    let stops = unsafe { params.stops() }?;
+    let mut state = try_lock(&s.inner)?;
+    let model = Arc::clone(s.rt.model());
+    let tokens = prompt(&s.rt, params.chat)?;
+
+    let mut text = TextOut::new(stops.iter().map(|s| s.to_string()).collect());
+    let (mut cancelled, mut delivered) = (false, 0u64);
+    let deliver = |text: String, token: i32| -> bool {
+        let Some(cb) = callback else { return true };
+        let mut piece = text.into_bytes();
+        let len = piece.len();
+        piece.push(0);
+        // SAFETY: `piece` holds `len` bytes and a NUL, alive across the call; the callback
+        // and `user_data` are the caller's, callable per its contract. The callback is C and
+        // does not unwind.
+        unsafe { cb(piece.as_ptr().cast(), len, token, user_data) }
+    };
+    let mut on_token = |t: i32| {
+        let piece = model.token_to_piece(t, false).unwrap_or_default();
+        let (out, stop) = text.push(&piece);
+        delivered += 1;
+        let go_on = deliver(out, t);
+        cancelled |= !go_on;
+        go_on && !stop
+    };
+    s.cancel.store(false, Ordering::Relaxed);
+    let g = match state.session.generate(&tokens, &req, &mut on_token) {
+        Err(e) if e.is_cancelled() => None,
+        g => Some(g?),
+    };
+    let rest = text.finish();
+    if !rest.is_empty() {
+        deliver(rest, -1);
+    }
+    let finish = match &g {
+        None => LEAP_FINISH_CANCELLED,
+        Some(_) if cancelled => LEAP_FINISH_CANCELLED,
+        Some(_) if text.stopped => LEAP_FINISH_STOP,
+        Some(g) if g.tokens.last().is_some_and(|&t| model.is_eog(t)) => LEAP_FINISH_EOG,
+        Some(_) => LEAP_FINISH_LENGTH,
+    };
+    state.last_finish = finish;
+    if !stats.is_null() {
+        let one = match &g {
+            Some(g) => Totals {
                 requests: 1,
                 prompt_tokens: tokens.len() as u64,
                 tokens: g.tokens.len() as u64,
                 target_calls: g.target_calls,
                 decode_seconds: g.decode_seconds,
                 prefill_seconds: g.prefill_seconds,
-            };
-            // SAFETY: non-null and writable (contract).
-            unsafe {
-                stats.write(leap_stats {
-                    finish,
-                    ..leap_stats::from(&one)
-                })
-            };
-        }
+            },
+            // Stopped by leap_session_cancel: what reached the callback.
+            None => Totals {
+                requests: 1,
+                prompt_tokens: tokens.len() as u64,
+                tokens: delivered,
+                ..Totals::default()
+            },
+        };
+        // SAFETY: non-null and writable (contract).
+        unsafe {
+            stats.write(leap_stats {
+                finish,
+                ..leap_stats::from(&one)
+            })
+        };
+    }
+    Ok(())
+}
+
+/// `leap_status leap_session_cancel(leap_session *)`: may run on any thread, during a
+/// generation on another.
+///
+/// # Safety
+/// `session` is NULL or a live session.
+#[no_mangle]
+pub unsafe extern "C" fn leap_session_cancel(session: *mut leap_session) -> leap_status {
+    guard(|| {
+        // SAFETY: NULL or a live session (contract); only its atomic flag is touched.
+        let s = unsafe { ref_arg(session.cast_const(), "session") }?;
+        s.cancel.store(true, Ordering::Relaxed);
         Ok(())
     })
+}
+
+/// `leap_status leap_tokenize(const leap_model *, const char *text, bool add_special,
+/// bool parse_special, int32_t *out, size_t max, size_t *n_out)`.
+///
+/// # Safety
+/// `model` is NULL or live; `text` NULL or NUL-terminated; `out` NULL or valid for `max`
+/// writes; `n_out` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn leap_tokenize(
+    model: *const leap_model,
+    text: *const c_char,
+    add_special: bool,
+    parse_special: bool,
+    out: *mut i32,
+    max: usize,
+    n_out: *mut usize,
+) -> leap_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        unsafe { write_out(n_out, 0, "n_out") }?;
+        // SAFETY: as above.
+        let (model, text) = unsafe { (ref_arg(model, "model")?, str_arg(text, "text")?) };
+        let tokens = model
+            .rt
+            .model()
+            .tokenize(text, add_special, parse_special)?;
+        // SAFETY: as above.
+        unsafe { n_out.write(tokens.len()) };
+        // SAFETY: as above.
+        unsafe { fill(out, max, &tokens, "out") }
+    })
+}
+
+/// `leap_status leap_detokenize(const leap_model *, const int32_t *tokens, size_t n_tokens,
+/// bool special, char *out, size_t size, size_t *n_out)`.
+///
+/// # Safety
+/// `model` is NULL or live; `tokens` NULL or `n_tokens` tokens; `out` NULL or valid for
+/// `size` writes; `n_out` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn leap_detokenize(
+    model: *const leap_model,
+    tokens: *const i32,
+    n_tokens: usize,
+    special: bool,
+    out: *mut c_char,
+    size: usize,
+    n_out: *mut usize,
+) -> leap_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        unsafe { write_out(n_out, 0, "n_out") }?;
+        // SAFETY: as above.
+        let model = unsafe { ref_arg(model, "model") }?;
+        let tokens = if n_tokens == 0 {
+            &[][..]
+        } else if tokens.is_null() {
+            return Err(Error::Null { what: "tokens" });
+        } else {
+            // SAFETY: `n_tokens` tokens at `tokens` (contract).
+            unsafe { std::slice::from_raw_parts(tokens, n_tokens) }
+        };
+        let bytes = model
+            .rt
+            .model()
+            .detokenize(tokens, false, special)?
+            .into_bytes();
+        // SAFETY: as above.
+        unsafe { n_out.write(bytes.len()) };
+        let mut with_nul = bytes;
+        with_nul.push(0);
+        // SAFETY: as above.
+        unsafe { fill(out.cast::<u8>(), size, &with_nul, "out") }
+    })
+}
+
+/// Copy `items` to `out` (room for `max`), or say how many are needed.
+///
+/// # Safety
+/// `out` is NULL or valid for `max` writes of `T`.
+unsafe fn fill<T: Copy>(
+    out: *mut T,
+    max: usize,
+    items: &[T],
+    what: &'static str,
+) -> Result<(), Error> {
+    if items.len() > max {
+        return Err(Error::Buffer {
+            what,
+            room: max,
+            needed: items.len(),
+        });
+    }
+    if out.is_null() {
+        return Err(Error::Null { what });
+    }
+    // SAFETY: `out` has room for `max >= items.len()` (contract); the regions are distinct.
+    unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, items.len()) };
+    Ok(())
 }
 
 /// `leap_status leap_session_totals(const leap_session *, leap_stats *out)`.
@@ -664,6 +958,66 @@ mod tests {
         assert_eq!(guard_value(7, || -> i32 { panic!("boom") }), 7);
     }
 
+    /// The header's version is the crate's (Cargo.toml's), and its ABI the library's.
+    #[test]
+    fn the_header_carries_the_version() {
+        let header = include_str!("../../include/leap.h");
+        let define = |name: &str| {
+            header
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("include/leap.h lacks {name}"))
+                .trim()
+                .to_string()
+        };
+        let version = format!(
+            "{}.{}.{}",
+            define("LEAP_VERSION_MAJOR"),
+            define("LEAP_VERSION_MINOR"),
+            define("LEAP_VERSION_PATCH")
+        );
+        assert_eq!(
+            version,
+            env!("CARGO_PKG_VERSION"),
+            "bump include/leap.h with Cargo.toml"
+        );
+        assert_eq!(define("LEAP_ABI_VERSION"), leap_abi_version().to_string());
+        assert!(leap_abi_version() >= 1);
+    }
+
+    #[test]
+    fn stop_strings_are_checked() {
+        let stops = [c"END".as_ptr(), c"".as_ptr()];
+        let mut p = leap_generate_params {
+            stop: stops.as_ptr(),
+            n_stop: 1,
+            ..leap_generate_default_params()
+        };
+        // SAFETY: `n_stop` valid strings at `stop`, alive for the calls.
+        assert_eq!(unsafe { p.stops() }.unwrap(), ["END"]);
+        p.n_stop = 2;
+        // SAFETY: as above.
+        let e = unsafe { p.stops() }.unwrap_err();
+        assert_eq!(e.to_string(), "stop string length 0: at least 1 byte");
+        p.stop = std::ptr::null();
+        // SAFETY: a NULL array with n_stop > 0 is refused before it is read.
+        assert!(matches!(
+            unsafe { p.stops() },
+            Err(Error::Null { what: "stop" })
+        ));
+        p.n_stop = 0;
+        // SAFETY: nothing is read.
+        assert!(unsafe { p.stops() }.unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_log_level_out_of_range_is_refused() {
+        // SAFETY: no callback is installed.
+        let st = unsafe { leap_log_set(None, 9, std::ptr::null_mut()) };
+        assert_eq!(st, LEAP_ERR_INVALID_ARGUMENT);
+        assert!(last_error().starts_with("max_level 9"), "{}", last_error());
+    }
+
     #[test]
     fn static_strings() {
         // SAFETY: static NUL-terminated strings.
@@ -689,6 +1043,12 @@ mod tests {
             "leap_session_free(leap_session *session)",
             "leap_generate(",
             "leap_session_totals(const leap_session *session, leap_stats *out)",
+            "leap_abi_version(void)",
+            "leap_log_set(leap_log_callback callback, int32_t max_level, void *user_data)",
+            "leap_tokenize(const leap_model *model, const char *text, bool add_special,",
+            "leap_detokenize(const leap_model *model, const int32_t *tokens, size_t n_tokens,",
+            "leap_session_cancel(leap_session *session)",
+            "leap_generate_chat(leap_session *session, const leap_chat_message *messages,",
         ] {
             assert!(header.contains(f), "include/leap.h lacks {f}");
         }
@@ -698,6 +1058,8 @@ mod tests {
             ("#define LEAP_FINISH_LENGTH ", LEAP_FINISH_LENGTH),
             ("#define LEAP_FINISH_EOG ", LEAP_FINISH_EOG),
             ("#define LEAP_FINISH_CANCELLED ", LEAP_FINISH_CANCELLED),
+            ("#define LEAP_FINISH_STOP ", LEAP_FINISH_STOP),
+            ("LEAP_ERR_BUFFER = ", LEAP_ERR_BUFFER),
             ("LEAP_ERR_INVALID_ARGUMENT = ", LEAP_ERR_INVALID_ARGUMENT),
             ("LEAP_ERR_CONTEXT_FULL = ", LEAP_ERR_CONTEXT_FULL),
             ("LEAP_ERR_MODEL = ", LEAP_ERR_MODEL),

@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use leap_host::Token;
 use leap_spec::session::{Request, Runtime, Session};
-use leap_spec::text::TextStream;
+use leap_spec::text::TextOut;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
@@ -591,87 +591,6 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
     let _ = job.events.send(Event::Done(o));
 }
 
-/// A generation's text as it may be sent: complete UTF-8 only ([`TextStream`]), and never
-/// text that could be the start of a stop string (held back until it is known not to be
-/// one). At a stop string the text before it is the output and the rest is dropped.
-#[derive(Debug, Default)]
-pub struct TextOut {
-    utf8: TextStream,
-    /// The complete characters so far.
-    text: String,
-    /// How much of `text` went out.
-    sent: usize,
-    stops: Vec<String>,
-    /// A stop string was found.
-    pub stopped: bool,
-}
-
-impl TextOut {
-    pub fn new(stops: Vec<String>) -> Self {
-        Self {
-            stops,
-            ..Default::default()
-        }
-    }
-
-    /// Add a token's bytes; returns the text that may go out now, and whether a stop string
-    /// ended the output.
-    pub fn push(&mut self, piece: &[u8]) -> (String, bool) {
-        if self.stopped {
-            return (String::new(), true);
-        }
-        self.text.push_str(&self.utf8.push(piece));
-        let text = self.text.as_str();
-        let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
-        // A stop string can only end in the new text: search from where one could start.
-        let mut from = self.sent.saturating_sub(longest);
-        while !text.is_char_boundary(from) {
-            from -= 1;
-        }
-        let hit = self
-            .stops
-            .iter()
-            .filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i))
-            .min();
-        if let Some(at) = hit {
-            self.stopped = true;
-            let out = text.get(self.sent..at).unwrap_or("").to_string();
-            self.sent = at.max(self.sent);
-            return (out, true);
-        }
-        // Hold back the longest tail that begins some stop string.
-        let hold = self
-            .stops
-            .iter()
-            .flat_map(|s| {
-                (1..s.len())
-                    .rev()
-                    .filter(|&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
-                    .take(1)
-            })
-            .max()
-            .unwrap_or(0);
-        let upto = text.len() - hold;
-        if upto <= self.sent {
-            return (String::new(), false);
-        }
-        let out = text[self.sent..upto].to_string();
-        self.sent = upto;
-        (out, false)
-    }
-
-    /// The end of the generation: whatever was held back (an incomplete character as U+FFFD).
-    pub fn finish(&mut self) -> String {
-        if self.stopped {
-            return String::new();
-        }
-        self.text.push_str(&self.utf8.finish());
-        let rest = self.text[self.sent..].to_string();
-        self.sent = self.text.len();
-        rest
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -862,54 +781,5 @@ mod tests {
             wait(queued_rx).as_slice(),
             [Event::Text(_), Event::Done(_)]
         ));
-    }
-
-    fn run(stops: &[&str], pieces: &[&[u8]]) -> (Vec<String>, String, bool) {
-        let mut t = TextOut::new(stops.iter().map(|s| s.to_string()).collect());
-        let mut outs = Vec::new();
-        for p in pieces {
-            let (o, stop) = t.push(p);
-            outs.push(o);
-            if stop {
-                break;
-            }
-        }
-        let rest = t.finish();
-        let all = outs.concat() + &rest;
-        (outs, all, t.stopped)
-    }
-
-    #[test]
-    fn split_characters_wait_for_their_last_byte() {
-        let e = "é".as_bytes();
-        let (outs, all, _) = run(&[], &[b"caf", &e[..1], &e[1..], b"!"]);
-        assert_eq!(outs, vec!["caf", "", "é", "!"]);
-        assert_eq!(all, "café!");
-    }
-
-    #[test]
-    fn stop_strings_cut_the_output_even_across_tokens() {
-        let (outs, all, stopped) = run(&["\n\n"], &[b"one", b"\n", b"\ntwo"]);
-        assert!(stopped);
-        assert_eq!(all, "one");
-        // The first newline was held back: it could have started the stop string.
-        assert_eq!(outs, vec!["one", "", ""]);
-        let (_, all, stopped) = run(&["END"], &[b"abc E", b"N", b"D more"]);
-        assert!(stopped);
-        assert_eq!(all, "abc ");
-    }
-
-    #[test]
-    fn a_held_back_prefix_that_is_not_a_stop_goes_out() {
-        let (outs, all, stopped) = run(&["STOP"], &[b"ST", b"ART", b"S"]);
-        assert!(!stopped);
-        assert_eq!(outs, vec!["", "START", ""]);
-        assert_eq!(all, "STARTS");
-    }
-
-    #[test]
-    fn the_earliest_stop_wins() {
-        let (_, all, _) = run(&["b", "a"], &[b"xxab"]);
-        assert_eq!(all, "xx");
     }
 }

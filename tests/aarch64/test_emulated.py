@@ -142,5 +142,6 @@ def test_the_c_example_runs_on_aarch64(tmp_path, arm_dir, host_leap):
                            text=True, timeout=EMULATED_TIMEOUT, env=clean_env(), stdin=subprocess.DEVNULL)
         assert r.returncode == 0, f"leap_example {mode} exited {r.returncode}:\n{r.stderr[-3000:]}"
         assert re.search(r"^tokens \d+$", r.stderr, re.M), r.stderr
+        assert "finish stop, the text cut there" in r.stderr, r.stderr
         outs[mode] = r.stdout
     assert outs["leap"].strip() and outs["leap"] == outs["plain"]

@@ -1,5 +1,6 @@
-/* Leap's C API from an app's side (include/leap.h): open a model, stream a generation, read
- * its statistics, run a second request on the same session, and report errors.
+/* Leap's C API from an app's side (include/leap.h): take the log, open a model, tokenize, stream
+ * a generation, read its statistics, run a second request on the same session, a conversation
+ * with a stop string, and report errors.
  * tests/tests/capi.rs compiles it against libleap.so and checks what it prints.
  *
  * usage: leap_example MODEL.gguf leap|plain MAX_TOKENS [CANCEL_AFTER]
@@ -35,14 +36,100 @@ static const char *finish_name(int32_t finish) {
     case LEAP_FINISH_LENGTH: return "length";
     case LEAP_FINISH_EOG: return "eog";
     case LEAP_FINISH_CANCELLED: return "cancelled";
+    case LEAP_FINISH_STOP: return "stop";
     default: return "?";
     }
+}
+
+/* The log, counted by source instead of printed (an app would hand it to its own logging). */
+struct log_counts {
+    int leap, llama;
+};
+
+static void on_log(int32_t level, const char *source, const char *message, void *user_data) {
+    struct log_counts *c = user_data;
+    (void)level;
+    (void)message;
+    if (strcmp(source, "llama.cpp") == 0)
+        c->llama++;
+    else
+        c->leap++;
+}
+
+/* A generation's text, collected. */
+struct text {
+    char buf[4096];
+    size_t len;
+};
+
+static bool collect(const char *piece, size_t len, int32_t token, void *user_data) {
+    struct text *t = user_data;
+    (void)token;
+    if (t->len + len < sizeof t->buf) {
+        memcpy(t->buf + t->len, piece, len);
+        t->len += len;
+        t->buf[t->len] = '\0';
+    }
+    return true;
 }
 
 static int fail(const char *what, leap_status status) {
     fprintf(stderr, "leap_example: %s: %s: %s\n", what, leap_status_string(status),
             leap_last_error());
     return 1;
+}
+
+/* The prompt's tokens and back: the size asked first, then the tokens. */
+static int round_trip(const leap_model *model) {
+    size_t n = 0;
+    leap_status st = leap_tokenize(model, PROMPT, false, false, NULL, 0, &n);
+    if (st != LEAP_ERR_BUFFER || n == 0) return fail("asking for the number of tokens", st);
+    int32_t *tokens = malloc(n * sizeof *tokens);
+    if (tokens == NULL) return 1;
+    st = leap_tokenize(model, PROMPT, false, false, tokens, n, &n);
+    char text[512];
+    size_t len = 0;
+    if (st == LEAP_OK) st = leap_detokenize(model, tokens, n, false, text, sizeof text, &len);
+    free(tokens);
+    if (st != LEAP_OK) return fail("tokenizing", st);
+    fprintf(stderr, "tokenize: %zu tokens, the text %s\n", n,
+            strcmp(text, PROMPT) == 0 && len == strlen(PROMPT) ? "back" : "changed");
+    return 0;
+}
+
+/* A conversation, then the same with a stop string taken from the middle of its answer: the
+ * second answer is the first's up to that string. */
+static int conversation(leap_session *session, int32_t max_tokens) {
+    leap_chat_message chat[] = {
+        {"system", "You are a helpful assistant."},
+        {"user", "What is a phone's battery made of?"},
+    };
+    leap_generate_params gp = leap_generate_default_params();
+    gp.max_tokens = max_tokens;
+    struct text full = {{0}, 0}, cut = {{0}, 0};
+    leap_stats stats;
+    leap_status st = leap_generate_chat(session, chat, 2, &gp, collect, &full, &stats);
+    if (st != LEAP_OK) return fail("a conversation", st);
+    /* Three ASCII letters from the middle of the answer. */
+    char stop[4] = {0};
+    for (size_t i = full.len / 2; i + 3 <= full.len && stop[0] == 0; i++) {
+        const char *p = full.buf + i;
+        if (p[0] >= 'a' && p[0] <= 'z' && p[1] >= 'a' && p[1] <= 'z' && p[2] >= 'a' && p[2] <= 'z')
+            memcpy(stop, p, 3);
+    }
+    if (stop[0] == 0) {
+        fprintf(stderr, "chat: no letters to stop at in [%s]\n", full.buf);
+        return 1;
+    }
+    const char *stops[] = {stop};
+    gp.stop = stops;
+    gp.n_stop = 1;
+    st = leap_generate_chat(session, chat, 2, &gp, collect, &cut, &stats);
+    if (st != LEAP_OK) return fail("a conversation with a stop string", st);
+    size_t expected = (size_t)(strstr(full.buf, stop) - full.buf);
+    fprintf(stderr, "chat: stop \"%s\" finish %s, the text %s\n", stop, finish_name(stats.finish),
+            cut.len == expected && memcmp(cut.buf, full.buf, expected) == 0 ? "cut there" : "differs");
+    return 0;
 }
 
 /* Errors an app must expect: a model that is not there, a prompt that is not UTF-8. */
@@ -62,12 +149,26 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s MODEL.gguf leap|plain MAX_TOKENS [CANCEL_AFTER]\n", argv[0]);
         return 64;
     }
+    if (leap_abi_version() != LEAP_ABI_VERSION) {
+        fprintf(stderr, "libleap's ABI is %d, leap.h's %d\n", (int)leap_abi_version(),
+                LEAP_ABI_VERSION);
+        return 1;
+    }
+    /* The load's log (llama.cpp's details are LEAP_LOG_DEBUG), then warnings only. */
+    struct log_counts logs = {0, 0};
+    leap_log_set(on_log, LEAP_LOG_DEBUG, &logs);
     leap_model_params mp = leap_model_default_params();
     mp.mode = strcmp(argv[2], "plain") == 0 ? LEAP_MODE_PLAIN : LEAP_MODE_LEAP;
 
     leap_model *model = NULL;
     leap_status st = leap_model_open(argv[1], &mp, &model);
     if (st != LEAP_OK) return fail("opening the model", st);
+    leap_log_set(on_log, LEAP_LOG_WARN, &logs);
+    fprintf(stderr, "log: llama.cpp %d leap %d\n", logs.llama, logs.leap);
+    if (round_trip(model) != 0) {
+        leap_model_free(model);
+        return 1;
+    }
     leap_session *session = NULL;
     st = leap_session_new(model, &session);
     if (st != LEAP_OK) {
@@ -111,7 +212,8 @@ int main(int argc, char **argv) {
     }
     fprintf(stderr, "totals: tokens %" PRIu64 " target_calls %" PRIu64 "\n", totals.tokens,
             totals.target_calls);
-    rc = check_errors(session);
+    rc = conversation(session, 24);
+    if (rc == 0) rc = check_errors(session);
 
 done:
     leap_session_free(session);

@@ -1,8 +1,10 @@
 //! Leap's C API as an app uses it: `tests/c/leap_example.c`, compiled here against
 //! `include/leap.h` and `libleap.so` (`cargo build --release -p leap-capi`), generates on
 //! SmolLM2 in both modes: Leap's greedy text is plain decoding's in no more target calls, a
-//! callback that says stop ends the generation there, and a missing model is an error with a
-//! message.
+//! callback that says stop ends the generation there, the log reaches the app's callback,
+//! tokens go back to their text, a stop string cuts a conversation's answer, and a missing
+//! model is an error with a message. The same example builds against `make install`'s tree
+//! through pkg-config, and a cancel from another thread stops prompt processing.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,13 +21,19 @@ fn libleap() -> PathBuf {
 
 /// Compile the example against the header and libleap.so.
 fn example(dir: &Path) -> PathBuf {
+    example_with(dir, &[])
+}
+
+/// Compile the example with the header and library `flags` name (the build tree's when empty).
+fn example_with(dir: &Path, flags: &[String]) -> PathBuf {
     libleap();
     let lib = profile_dir();
     let lib = lib.display();
     let llama = env!("LEAP_LLAMA_LIBDIR");
     let out = dir.join("leap_example");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let status = Command::new(&cc)
+    let mut cmd = Command::new(&cc);
+    let cmd = cmd
         .args([
             "-std=c99",
             "-O1",
@@ -36,16 +44,20 @@ fn example(dir: &Path) -> PathBuf {
         ])
         .arg("-o")
         .arg(&out)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/c/leap_example.c"))
-        .arg(format!("-I{}", include_dir()))
-        .arg(format!("-L{lib}"))
-        .arg("-lleap")
-        // libleap.so's own DT_RPATH finds llama.cpp's libraries; the program's finds libleap.
-        .arg(format!(
-            "-Wl,--disable-new-dtags,-rpath,{lib},-rpath,{llama}"
-        ))
-        .status()
-        .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/c/leap_example.c"));
+    let cmd = if flags.is_empty() {
+        cmd.arg(format!("-I{}", include_dir()))
+            .arg(format!("-L{lib}"))
+            .arg("-lleap")
+            // libleap.so's own DT_RPATH finds llama.cpp's libraries; the program's finds
+            // libleap.
+            .arg(format!(
+                "-Wl,--disable-new-dtags,-rpath,{lib},-rpath,{llama}"
+            ))
+    } else {
+        cmd.args(flags)
+    };
+    let status = cmd.status().unwrap_or_else(|e| panic!("running {cc}: {e}"));
     assert!(status.success(), "compiling leap_example.c failed");
     out
 }
@@ -78,7 +90,9 @@ fn run(exe: &Path, mode: &str, max_tokens: u32, cancel_after: Option<u32>) -> Ru
         .arg(mode)
         .arg(max_tokens.to_string())
         .env_remove("LEAP_LOG")
-        .env_remove("GGML_BACKEND_PATH");
+        .env_remove("GGML_BACKEND_PATH")
+        // cargo's, naming the build tree: the example finds its libraries through rpaths.
+        .env_remove("LD_LIBRARY_PATH");
     if let Some(n) = cancel_after {
         cmd.arg(n.to_string());
     }
@@ -136,6 +150,26 @@ fn the_c_example_generates_through_libleap() {
     assert!(leap
         .stat("totals:")
         .starts_with(&format!("tokens {} ", leap.number("tokens") + second)));
+    // The log went to the example's callback, none of it to stderr.
+    let log = leap.stat("log:");
+    let llama_lines: u64 = log
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .expect("log: llama.cpp N leap M");
+    assert!(
+        llama_lines > 10,
+        "the load's log reached the callback: {log}"
+    );
+    assert!(
+        !leap.stderr.contains("llama.cpp: "),
+        "no log line on stderr:\n{}",
+        leap.stderr
+    );
+    assert!(leap.stat("tokenize:").ends_with("the text back"));
+    // A stop string taken from a conversation's answer cuts the same answer there.
+    let chat = leap.stat("chat:");
+    assert!(chat.ends_with("finish stop, the text cut there"), "{chat}");
     // The error paths: a missing model, a prompt that is not UTF-8.
     let missing = leap.stat("missing model:");
     assert!(missing.starts_with("status 3 "), "{missing}");
@@ -155,6 +189,162 @@ fn the_c_example_generates_through_libleap() {
         cancelled.text,
         leap.text
     );
+}
+
+/// The app's side of `make install`: scripts/install into a fresh prefix, the example built
+/// with `pkg-config --cflags --libs leap` only, running on the installed libraries (none from
+/// the build tree) with the build tree's text.
+#[test]
+fn an_app_builds_against_the_installed_tree_with_pkg_config() {
+    libleap();
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("prefix");
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let st = Command::new(format!("{root}/scripts/install"))
+        .arg(&prefix)
+        .env("LIB_DIR", profile_dir())
+        .status()
+        .expect("run scripts/install");
+    assert!(st.success(), "scripts/install failed");
+    let lib = prefix.join("lib");
+    let abi = leap::leap_abi_version();
+    assert_eq!(
+        std::fs::read_link(lib.join("libleap.so")).unwrap(),
+        PathBuf::from(format!("libleap.so.{abi}"))
+    );
+    let dynamic = |file: &Path| {
+        let out = Command::new("readelf").arg("-d").arg(file).output();
+        String::from_utf8_lossy(&out.expect("readelf").stdout).into_owned()
+    };
+    let d = dynamic(&lib.join(format!("libleap.so.{abi}")));
+    assert!(
+        d.contains(&format!("Library soname: [libleap.so.{abi}]")),
+        "{d}"
+    );
+    assert!(d.contains("Library rpath: [$ORIGIN/leap]"), "{d}");
+
+    let pc = lib.join("pkgconfig");
+    let out = Command::new("pkg-config")
+        .args(["--cflags", "--libs", "leap"])
+        .env("PKG_CONFIG_PATH", &pc)
+        .output()
+        .expect("run pkg-config");
+    assert!(
+        out.status.success(),
+        "pkg-config leap: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut flags: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    assert!(
+        flags.contains(&format!("-I{}", prefix.join("include").display())),
+        "{flags:?}"
+    );
+    // Where the loader finds libleap.so.N is the app's to say.
+    flags.push(format!("-Wl,-rpath,{}", lib.display()));
+    let exe = example_with(dir.path(), &flags);
+    let ldd = Command::new("ldd")
+        .arg(&exe)
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("ldd");
+    let ldd = String::from_utf8_lossy(&ldd.stdout).into_owned();
+    let target = profile_dir();
+    for l in ldd
+        .lines()
+        .filter(|l| l.contains("libleap") || l.contains("libllama") || l.contains("libggml"))
+    {
+        assert!(
+            l.contains(&*prefix.to_string_lossy()) && !l.contains(&*target.to_string_lossy()),
+            "{l}\n{ldd}"
+        );
+    }
+    assert!(
+        ldd.contains(&format!("libleap.so.{abi} => {}", lib.display())),
+        "{ldd}"
+    );
+
+    let installed = run(&exe, "plain", 16, None);
+    let built = run(&example(dir.path()), "plain", 16, None);
+    assert_eq!(installed.text, built.text);
+    assert_eq!(installed.stat("chat:"), built.stat("chat:"));
+}
+
+/// `leap_session_cancel` from another thread stops a generation in its prompt processing; the
+/// session generates again afterwards.
+#[test]
+fn a_cancel_from_another_thread_stops_prompt_processing() {
+    use leap::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let path = std::ffi::CString::new(model_path(SMOLLM).to_str().unwrap()).unwrap();
+    let params = leap_model_params {
+        threads: leap_tests::threads(),
+        ..leap_model_default_params()
+    };
+    let prompt = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/data/attention-notes.txt"
+    ))
+    .unwrap();
+    let prompt = std::ffi::CString::new(prompt).unwrap();
+    let mut model = std::ptr::null_mut();
+    let mut session = std::ptr::null_mut();
+    // SAFETY: valid pointers; the session outlives the canceller (joined before it is freed).
+    unsafe {
+        assert_eq!(leap_model_open(path.as_ptr(), &params, &mut model), LEAP_OK);
+        assert_eq!(leap_session_new(model, &mut session), LEAP_OK);
+        let done = AtomicBool::new(false);
+        let addr = session as usize;
+        let mut stats = leap_stats::default();
+        let gp = leap_generate_params {
+            max_tokens: 64,
+            ..leap_generate_default_params()
+        };
+        let st = std::thread::scope(|s| {
+            // Cancels until the generation returns: one lands after it starts (a cancel
+            // before is forgotten), and the prompt of ~1500 tokens takes far longer.
+            s.spawn(|| {
+                while !done.load(Ordering::Relaxed) {
+                    assert_eq!(leap_session_cancel(addr as *mut leap_session), LEAP_OK);
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+            });
+            let st = leap_generate(
+                session,
+                prompt.as_ptr(),
+                &gp,
+                None,
+                std::ptr::null_mut(),
+                &mut stats,
+            );
+            done.store(true, Ordering::Relaxed);
+            st
+        });
+        assert_eq!(st, LEAP_OK, "{}", last_error());
+        assert_eq!(stats.finish, LEAP_FINISH_CANCELLED);
+        assert_eq!(stats.tokens, 0, "stopped before the first token");
+        assert!(stats.prompt_tokens > 1000);
+        let short = leap_generate_params {
+            max_tokens: 4,
+            ..leap_generate_default_params()
+        };
+        let st = leap_generate(
+            session,
+            c"Hello".as_ptr(),
+            &short,
+            None,
+            std::ptr::null_mut(),
+            &mut stats,
+        );
+        assert_eq!(st, LEAP_OK, "{}", last_error());
+        assert!(stats.tokens >= 1 && stats.finish != LEAP_FINISH_CANCELLED);
+        leap_session_free(session);
+        leap_model_free(model);
+    }
 }
 
 #[test]
