@@ -87,7 +87,9 @@ typedef enum {
      * that reported it cannot be used again: free it and make a new one. */
     LEAP_ERR_INTERNAL = 5,
     /* An output buffer too small for the result; the call's n_out says how much is needed. */
-    LEAP_ERR_BUFFER = 6
+    LEAP_ERR_BUFFER = 6,
+    /* The app stopped the work: a progress callback that returned false. */
+    LEAP_ERR_CANCELLED = 7
 } leap_status;
 
 /* The message of the last call that failed on the calling thread ("" if none). The string
@@ -127,6 +129,10 @@ leap_status leap_log_set(leap_log_callback callback, int32_t max_level, void *us
 
 typedef struct leap_model leap_model;
 
+/* Called as the model's weights load with the fraction done (0 to 1, rising; 1 at the end).
+ * Return true to go on, false to stop: leap_model_open then returns LEAP_ERR_CANCELLED. */
+typedef bool (*leap_progress_callback)(float progress, void *user_data);
+
 #define LEAP_MODE_LEAP 0  /* Leap's speculative engine (the default) */
 #define LEAP_MODE_PLAIN 1 /* llama.cpp alone: one model call per token */
 
@@ -144,6 +150,10 @@ typedef struct {
     /* The model's sidecar file (its early-exit head speeds up Leap's verification), or NULL
      * for MODEL.leap.gguf next to the model, if there is one. */
     const char *sidecar;
+    /* Called with the load's progress on the thread of leap_model_open (NULL, the default:
+     * not called), with `progress_user_data`. */
+    leap_progress_callback progress;
+    void *progress_user_data;
 } leap_model_params;
 
 /* The defaults. Start from these and change what you need, so that fields added in later

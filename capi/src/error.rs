@@ -22,6 +22,8 @@ pub const LEAP_ERR_DECODE: leap_status = 4;
 pub const LEAP_ERR_INTERNAL: leap_status = 5;
 /// `LEAP_ERR_BUFFER`.
 pub const LEAP_ERR_BUFFER: leap_status = 6;
+/// `LEAP_ERR_CANCELLED`.
+pub const LEAP_ERR_CANCELLED: leap_status = 7;
 
 /// A failed call of the C API.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +48,9 @@ pub enum Error {
         room: usize,
         needed: usize,
     },
+    /// The app's progress callback stopped loading the model.
+    #[error("the progress callback stopped loading the model")]
+    LoadStopped,
     /// The session is already generating (from another thread, or its own callback).
     #[error(
         "the session is busy with another leap_generate (on another thread, or this call \
@@ -81,6 +86,7 @@ impl Error {
                 LEAP_ERR_INVALID_ARGUMENT
             }
             Error::Buffer { .. } => LEAP_ERR_BUFFER,
+            Error::LoadStopped => LEAP_ERR_CANCELLED,
             Error::Engine(e) => e.code(),
             Error::Poisoned | Error::Panic(_) | Error::Cpu(_) => LEAP_ERR_INTERNAL,
         }
@@ -97,6 +103,7 @@ pub fn status_str(status: leap_status) -> &'static CStr {
         LEAP_ERR_DECODE => c"llama.cpp failed",
         LEAP_ERR_INTERNAL => c"internal error",
         LEAP_ERR_BUFFER => c"output buffer too small",
+        LEAP_ERR_CANCELLED => c"cancelled",
         _ => c"unknown status",
     }
 }

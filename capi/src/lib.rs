@@ -37,7 +37,7 @@ use leap_spec::session::{Mode, Options, Request, Runtime, Session, Totals};
 
 use error::Error;
 pub use error::{
-    LEAP_ERR_BUFFER, LEAP_ERR_CONTEXT_FULL, LEAP_ERR_DECODE, LEAP_ERR_INTERNAL,
+    LEAP_ERR_BUFFER, LEAP_ERR_CANCELLED, LEAP_ERR_CONTEXT_FULL, LEAP_ERR_DECODE, LEAP_ERR_INTERNAL,
     LEAP_ERR_INVALID_ARGUMENT, LEAP_ERR_MODEL, LEAP_OK,
 };
 use leap_host::model::ChatMessage;
@@ -113,7 +113,13 @@ pub struct leap_model_params {
     pub mode: i32,
     pub leap_kernels: bool,
     pub sidecar: *const c_char,
+    pub progress: leap_progress_callback,
+    pub progress_user_data: *mut c_void,
 }
+
+/// `leap_progress_callback`.
+pub type leap_progress_callback =
+    Option<unsafe extern "C" fn(progress: f32, user_data: *mut c_void) -> bool>;
 
 /// `leap_generate_params`.
 #[repr(C)]
@@ -342,6 +348,8 @@ pub extern "C" fn leap_model_default_params() -> leap_model_params {
         },
         leap_kernels: o.leap_kernels,
         sidecar: std::ptr::null(),
+        progress: None,
+        progress_user_data: std::ptr::null_mut(),
     };
     guard_value(
         leap_model_params {
@@ -350,6 +358,8 @@ pub extern "C" fn leap_model_default_params() -> leap_model_params {
             mode: LEAP_MODE_LEAP,
             leap_kernels: true,
             sidecar: std::ptr::null(),
+            progress: None,
+            progress_user_data: std::ptr::null_mut(),
         },
         || from(Options::default()),
     )
@@ -406,8 +416,9 @@ pub unsafe extern "C" fn leap_log_set(
 ///
 /// # Safety
 /// `path` is NULL or a NUL-terminated string; `params` is NULL or points to a
-/// `leap_model_params` (whose `sidecar` is NULL or a NUL-terminated string); `out` is NULL or
-/// valid for a write of a pointer.
+/// `leap_model_params` (whose `sidecar` is NULL or a NUL-terminated string, and whose
+/// `progress`, if set, is safe to call with `progress_user_data`); `out` is NULL or valid for
+/// a write of a pointer.
 #[no_mangle]
 pub unsafe extern "C" fn leap_model_open(
     path: *const c_char,
@@ -425,14 +436,21 @@ pub unsafe extern "C" fn leap_model_open(
         if let Some(f) = leap_kernels::cpu::missing_baseline() {
             return Err(Error::Cpu(leap_kernels::cpu::below_baseline_message(f)));
         }
-        let opts = if params.is_null() {
-            Options::default()
-        } else {
-            // SAFETY: non-null `params` points to a leap_model_params whose `sidecar` is NULL
-            // or NUL-terminated (contract).
-            unsafe { (*params).options() }?
+        // SAFETY: NULL or a leap_model_params (contract); copied.
+        let params = unsafe { params.as_ref() }
+            .copied()
+            .unwrap_or_else(|| leap_model_default_params());
+        // SAFETY: `sidecar` is NULL or NUL-terminated (contract).
+        let opts = unsafe { params.options() }?;
+        let mut report = |fraction: f32| match params.progress {
+            // SAFETY: the app's callback with its pointer (contract); C, it does not unwind.
+            Some(f) => unsafe { f(fraction, params.progress_user_data) },
+            None => true,
         };
-        let rt = Runtime::open(path.as_ref(), &opts)?;
+        let rt = match Runtime::open_reporting(path.as_ref(), &opts, Some(&mut report)) {
+            Err(e) if e.is_cancelled() => return Err(Error::LoadStopped),
+            rt => rt?,
+        };
         let model = Box::new(leap_model { rt: Arc::new(rt) });
         // SAFETY: checked writable above.
         unsafe { out.write(Box::into_raw(model)) };
@@ -1060,6 +1078,7 @@ mod tests {
             ("#define LEAP_FINISH_CANCELLED ", LEAP_FINISH_CANCELLED),
             ("#define LEAP_FINISH_STOP ", LEAP_FINISH_STOP),
             ("LEAP_ERR_BUFFER = ", LEAP_ERR_BUFFER),
+            ("LEAP_ERR_CANCELLED = ", LEAP_ERR_CANCELLED),
             ("LEAP_ERR_INVALID_ARGUMENT = ", LEAP_ERR_INVALID_ARGUMENT),
             ("LEAP_ERR_CONTEXT_FULL = ", LEAP_ERR_CONTEXT_FULL),
             ("LEAP_ERR_MODEL = ", LEAP_ERR_MODEL),

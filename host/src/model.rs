@@ -73,6 +73,28 @@ impl std::fmt::Debug for Model {
     }
 }
 
+/// The progress callback of one [`Model::load_reporting`], as llama.cpp calls it.
+struct Report<'a> {
+    progress: Option<&'a mut dyn FnMut(f32) -> bool>,
+    /// The callback said stop.
+    stopped: bool,
+}
+
+impl Report<'_> {
+    unsafe extern "C" fn trampoline(fraction: f32, user: *mut std::ffi::c_void) -> bool {
+        // SAFETY: `user` is the `Report` of the load in progress (load_reporting), alive and
+        // used by nothing else during llama_model_load_from_file.
+        let r = unsafe { &mut *user.cast::<Report<'_>>() };
+        let go_on = match r.progress.as_mut() {
+            Some(f) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(fraction)))
+                .unwrap_or(false),
+            None => true,
+        };
+        r.stopped |= !go_on;
+        go_on
+    }
+}
+
 /// A chat message for [`Model::apply_chat_template`].
 #[derive(Debug, Clone)]
 pub struct ChatMessage {
@@ -90,6 +112,19 @@ impl Model {
     /// [`Error::ModelNotFound`], [`Error::InvalidGguf`], [`Error::TruncatedGguf`],
     /// [`Error::ModelLoad`].
     pub fn load(path: &Path, params: &ModelParams) -> Result<Arc<Model>> {
+        Self::load_reporting(path, params, None)
+    }
+
+    /// [`Model::load`], calling `progress` with the fraction loaded (0 to 1) as llama.cpp
+    /// loads the weights; a `false` from it stops the load ([`Error::Cancelled`]).
+    ///
+    /// # Errors
+    /// As [`Model::load`]; [`Error::Cancelled`].
+    pub fn load_reporting(
+        path: &Path,
+        params: &ModelParams,
+        progress: Option<&mut dyn FnMut(f32) -> bool>,
+    ) -> Result<Arc<Model>> {
         backend::init();
         GgufInfo::open(path)?;
         let cpath = CString::new(path.as_os_str().as_encoded_bytes())
@@ -104,9 +139,21 @@ impl Model {
         };
         mp.vocab_only = params.vocab_only;
         mp.use_extra_bufts = params.extra_bufts;
+        let mut report = Report {
+            progress,
+            stopped: false,
+        };
+        if report.progress.is_some() {
+            mp.progress_callback = Some(Report::trampoline);
+            mp.progress_callback_user_data = (&raw mut report).cast();
+        }
         backend::take_last_problem();
-        // SAFETY: `cpath` is NUL-terminated and outlives the call; `mp` is fully initialised.
+        // SAFETY: `cpath` is NUL-terminated and outlives the call; `mp` is fully initialised;
+        // `report`, which the progress callback gets, outlives the call.
         let raw = unsafe { sys::llama_model_load_from_file(cpath.as_ptr(), mp) };
+        if raw.is_null() && report.stopped {
+            return Err(Error::Cancelled);
+        }
         let raw = NonNull::new(raw).ok_or_else(|| Error::ModelLoad {
             path: path.to_path_buf(),
             reason: backend::reason_or("llama_model_load_from_file returned null"),

@@ -224,12 +224,25 @@ impl Runtime {
     /// # Errors
     /// Options out of range, a model file that is missing or that llama.cpp cannot load.
     pub fn open(path: &Path, opts: &Options) -> Result<Self> {
+        Self::open_reporting(path, opts, None)
+    }
+
+    /// [`Runtime::open`], with the weights' load reported to `progress`
+    /// ([`Model::load_reporting`]: a `false` stops it, `leap_host::Error::Cancelled`).
+    ///
+    /// # Errors
+    /// As [`Runtime::open`]; the load stopped by `progress`.
+    pub fn open_reporting(
+        path: &Path,
+        opts: &Options,
+        progress: Option<&mut dyn FnMut(f32) -> bool>,
+    ) -> Result<Self> {
         opts.validate()?;
         if opts.leap_kernels {
             leap_backend::register();
         }
         leap_backend::set_enabled(opts.leap_kernels);
-        let model = Model::load(path, &ModelParams::default())?;
+        let model = Model::load_reporting(path, &ModelParams::default(), progress)?;
         check_ctx(&model, opts.n_ctx)?;
         let flash = match opts.flash_budget {
             Some(budget) => {

@@ -56,6 +56,19 @@ static void on_log(int32_t level, const char *source, const char *message, void 
         c->leap++;
 }
 
+/* The load's progress: how often it was reported, and the last fraction. */
+struct progress {
+    int calls;
+    float last;
+};
+
+static bool on_progress(float fraction, void *user_data) {
+    struct progress *p = user_data;
+    p->calls++;
+    p->last = fraction;
+    return true;
+}
+
 /* A generation's text, collected. */
 struct text {
     char buf[4096];
@@ -159,12 +172,16 @@ int main(int argc, char **argv) {
     leap_log_set(on_log, LEAP_LOG_DEBUG, &logs);
     leap_model_params mp = leap_model_default_params();
     mp.mode = strcmp(argv[2], "plain") == 0 ? LEAP_MODE_PLAIN : LEAP_MODE_LEAP;
+    struct progress loading = {0, 0.0f};
+    mp.progress = on_progress;
+    mp.progress_user_data = &loading;
 
     leap_model *model = NULL;
     leap_status st = leap_model_open(argv[1], &mp, &model);
     if (st != LEAP_OK) return fail("opening the model", st);
     leap_log_set(on_log, LEAP_LOG_WARN, &logs);
     fprintf(stderr, "log: llama.cpp %d leap %d\n", logs.llama, logs.leap);
+    fprintf(stderr, "progress: %d calls, last %.2f\n", loading.calls, loading.last);
     if (round_trip(model) != 0) {
         leap_model_free(model);
         return 1;

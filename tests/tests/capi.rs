@@ -167,6 +167,10 @@ fn the_c_example_generates_through_libleap() {
         leap.stderr
     );
     assert!(leap.stat("tokenize:").ends_with("the text back"));
+    let progress = leap.stat("progress:");
+    assert!(progress.ends_with("calls, last 1.00"), "{progress}");
+    let calls: u32 = progress.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(calls >= 2, "{progress}");
     // A stop string taken from a conversation's answer cuts the same answer there.
     let chat = leap.stat("chat:");
     assert!(chat.ends_with("finish stop, the text cut there"), "{chat}");
@@ -271,6 +275,39 @@ fn an_app_builds_against_the_installed_tree_with_pkg_config() {
     let built = run(&example(dir.path()), "plain", 16, None);
     assert_eq!(installed.text, built.text);
     assert_eq!(installed.stat("chat:"), built.stat("chat:"));
+}
+
+unsafe extern "C" fn stop_at_half(fraction: f32, user_data: *mut std::ffi::c_void) -> bool {
+    // SAFETY: `user_data` is the test's Vec, alive across the load.
+    unsafe { &mut *user_data.cast::<Vec<f32>>() }.push(fraction);
+    fraction < 0.5
+}
+
+/// A progress callback sees the load rise and can stop it: LEAP_ERR_CANCELLED, no model.
+#[test]
+fn a_progress_callback_can_stop_the_load() {
+    use leap::*;
+    let path = std::ffi::CString::new(model_path(SMOLLM).to_str().unwrap()).unwrap();
+    let mut seen: Vec<f32> = Vec::new();
+    let params = leap_model_params {
+        progress: Some(stop_at_half),
+        progress_user_data: (&raw mut seen).cast(),
+        ..leap_model_default_params()
+    };
+    let mut model = std::ptr::dangling_mut();
+    // SAFETY: valid pointers; `seen` outlives the call.
+    let st = unsafe { leap_model_open(path.as_ptr(), &params, &mut model) };
+    assert_eq!(st, LEAP_ERR_CANCELLED, "{}", last_error());
+    assert!(model.is_null());
+    assert_eq!(
+        last_error(),
+        "the progress callback stopped loading the model"
+    );
+    assert!(
+        seen.len() >= 2 && seen.windows(2).all(|w| w[0] <= w[1]),
+        "{seen:?}"
+    );
+    assert!(*seen.last().unwrap() >= 0.5, "{seen:?}");
 }
 
 /// `leap_session_cancel` from another thread stops a generation in its prompt processing; the
