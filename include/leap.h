@@ -137,7 +137,8 @@ typedef bool (*leap_progress_callback)(float progress, void *user_data);
 #define LEAP_MODE_PLAIN 1 /* llama.cpp alone: one model call per token */
 
 typedef struct {
-    /* Threads for prompt processing and decoding, per session (default: the CPU count). */
+    /* Threads for prompt processing and decoding, per session (default: one per physical core
+     * the process may use, as llama.cpp's -t). */
     int32_t threads;
     /* Context length of each session, in tokens: prompt and output together (default 4096;
      * llama.cpp rounds it up to a multiple of 256). */

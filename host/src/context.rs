@@ -77,7 +77,7 @@ pub struct ContextParams {
 
 impl Default for ContextParams {
     fn default() -> Self {
-        let threads = std::thread::available_parallelism().map_or(4, |n| n.get()) as i32;
+        let threads = crate::par::default_threads();
         Self {
             n_ctx: 4096,
             n_batch: 512,

@@ -3,6 +3,7 @@
 //! while after each graph.
 
 use std::ffi::{c_int, c_uint, c_void};
+use std::path::Path;
 use std::sync::OnceLock;
 
 type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
@@ -28,6 +29,31 @@ fn gomp() -> Option<(GompParallel, OmpInt, OmpInt)> {
             ))
         }
     })
+}
+
+/// Threads to decode with when the user names none, as llama.cpp chooses them: one per
+/// physical core (hyper-threads share a core's arithmetic units, and a second thread on a core
+/// slows both), within what the process may use (its CPU affinity and cgroup quota).
+pub fn default_threads() -> i32 {
+    let allowed = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let cores = physical_cores(Path::new("/sys/devices/system/cpu")).unwrap_or(allowed);
+    cores.clamp(1, allowed.max(1)) as i32
+}
+
+/// The number of physical cores under `sys` (`/sys/devices/system/cpu`): CPUs that list the
+/// same hardware threads as siblings are one core. `None` when the topology is not there.
+fn physical_cores(sys: &Path) -> Option<usize> {
+    let mut cores = std::collections::HashSet::new();
+    for cpu in 0.. {
+        let f = sys.join(format!("cpu{cpu}/topology/thread_siblings_list"));
+        match std::fs::read_to_string(&f) {
+            Ok(s) => {
+                cores.insert(s.trim().to_string());
+            }
+            Err(_) => break,
+        }
+    }
+    (!cores.is_empty()).then_some(cores.len())
 }
 
 /// Work for [`parallel`]: called as `f(thread, threads)` on each thread.
@@ -102,5 +128,26 @@ pub fn release_team() {
         unsafe {
             pause(1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hyper_threads_count_once() {
+        let dir = std::env::temp_dir().join(format!("leap-par-{}", std::process::id()));
+        // Two cores of two hyper-threads each (cpu0/cpu2 and cpu1/cpu3), as Intel numbers them.
+        for (cpu, siblings) in [(0, "0,2"), (1, "1,3"), (2, "0,2"), (3, "1,3")] {
+            let t = dir.join(format!("cpu{cpu}/topology"));
+            std::fs::create_dir_all(&t).unwrap();
+            std::fs::write(t.join("thread_siblings_list"), format!("{siblings}\n")).unwrap();
+        }
+        assert_eq!(physical_cores(&dir), Some(2));
+        assert_eq!(physical_cores(&dir.join("none")), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let d = default_threads();
+        assert!(d >= 1 && d as usize <= std::thread::available_parallelism().unwrap().get());
     }
 }

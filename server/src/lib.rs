@@ -72,7 +72,8 @@ pub struct ServeArgs {
     /// Accepted as llama-server takes it: /metrics is served unless --no-metrics.
     #[arg(long, conflicts_with = "no_metrics")]
     pub metrics: bool,
-    /// Threads for each slot's decoding and prefill.
+    /// Threads for each slot's decoding and prefill (default: one per physical core, as
+    /// llama.cpp).
     #[arg(short, long, default_value_t = default_threads())]
     pub threads: i32,
     /// Decoding: `leap` (Leap's speculative engine: the tokens of plain greedy decoding, or
@@ -139,7 +140,7 @@ pub struct ServeArgs {
 }
 
 fn default_threads() -> i32 {
-    std::thread::available_parallelism().map_or(4, |n| n.get() as i32)
+    leap_host::par::default_threads()
 }
 
 /// What the handlers share.

@@ -110,7 +110,7 @@ impl Options {
 impl Default for Options {
     fn default() -> Self {
         Self {
-            threads: std::thread::available_parallelism().map_or(4, |n| n.get()) as i32,
+            threads: leap_host::par::default_threads(),
             n_ctx: 4096,
             n_batch: 512,
             mode: Mode::Leap,

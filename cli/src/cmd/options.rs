@@ -11,7 +11,7 @@ use leap_host::FlashAttn;
 
 #[derive(Args, Clone)]
 pub struct RuntimeArgs {
-    /// Threads for decoding and prefill.
+    /// Threads for decoding and prefill (default: one per physical core, as llama.cpp).
     #[arg(short, long, default_value_t = default_threads())]
     pub threads: i32,
     /// Context length in tokens: the prompt and what is generated together (`leap generate`
@@ -131,8 +131,9 @@ impl SamplingArgs {
     }
 }
 
+/// One thread per physical core, as llama.cpp's `-t` ([`leap_host::par::default_threads`]).
 pub fn default_threads() -> i32 {
-    std::thread::available_parallelism().map_or(4, |n| n.get() as i32)
+    leap_host::par::default_threads()
 }
 
 /// A DRAM budget for flash streaming, in bytes: a fraction of `total` (the bytes every target
