@@ -283,14 +283,6 @@ impl Common {
             return bad("stop", "an empty stop string".into());
         }
         let logprobs = self.logprobs()?;
-        if logprobs.is_some() && self.stream {
-            return bad(
-                "logprobs",
-                "logprobs with \"stream\": true is not supported here yet: send the request \
-                 without streaming"
-                    .into(),
-            );
-        }
         Ok(Params {
             max_tokens,
             sampling: leap_host::sampler::SamplingParams {
@@ -495,7 +487,6 @@ mod tests {
             (r#""logprobs": "yes""#, "logprobs"),
             (r#""logprobs": true, "top_logprobs": 21"#, "top_logprobs"),
             (r#""top_logprobs": 2"#, "top_logprobs"),
-            (r#""logprobs": true, "stream": true"#, "logprobs"),
         ] {
             let got = lp(&format!(r#"{{"prompt": "x", {bad}}}"#));
             assert_eq!(got, Err(Some(param.to_string())), "{bad}");

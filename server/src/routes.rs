@@ -828,8 +828,8 @@ fn logprobs_json(kind: Kind, l: &[crate::slots::Logprob]) -> Value {
 }
 
 /// The request's events as server-sent events: a chunk per piece of text, a last chunk with
-/// the finish reason (and llama-server's `timings`), the usage chunk when asked for, then
-/// `[DONE]`. An error after the stream began is sent as an `error` object, then `[DONE]`.
+/// the finish reason (and llama-server's `timings`, and the logprobs when asked for), the
+/// usage chunk when asked for, then `[DONE]`. An error after the stream began is sent as an `error` object, then `[DONE]`.
 fn sse_stream(
     head: Head,
     rx: UnboundedReceiver<Event>,
@@ -890,6 +890,12 @@ fn sse_stream(
                 }
                 let mut last = st.head.chunk("", Some(o.finish.as_str()), false);
                 last["timings"] = o.timings(st.head.drafting);
+                if let Some(l) = o.logprobs.as_deref() {
+                    // They come from one pass over the output after it is generated
+                    // (Session::score): all of them with the last chunk, where clients that
+                    // gather a stream's logprobs (the openai package) add them to the rest.
+                    last["choices"][0]["logprobs"] = logprobs_json(st.head.kind, l);
+                }
                 events.push(json_event(&last));
                 if include_usage {
                     let u = st.head.wrap(true, json!([]), Some(("usage", o.usage())));

@@ -183,7 +183,6 @@ HI = [{"role": "user", "content": "hi"}]
          "response_format", None),
         ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function",
                                   "function": {"name": "f", "parameters": {}}}]}, "tools", None),
-        ("/v1/chat/completions", {"messages": HI, "logprobs": True, "stream": True}, "logprobs", None),
         ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs", None),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", None),
         ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a"'}, "grammar", None),
@@ -197,7 +196,7 @@ HI = [{"role": "user", "content": "hi"}]
         "malformed-json", "not-an-object", "missing-prompt", "prompt-int", "max_tokens-string",
         "max_tokens-0", "temperature-9", "n-2", "five-stops", "max_tokens-beyond-ctx",
         "prompt-beyond-ctx", "empty-prompt", "chat-unknown-role", "chat-no-messages",
-        "chat-messages-string", "json-output", "tools", "logprobs-streamed",
+        "chat-messages-string", "json-output", "tools",
         "top_logprobs-without-logprobs", "logprobs-21", "grammar", "penalty",
         "misspelt-field", "tool-message-field", "tokenize-unknown-field",
     ],
@@ -234,6 +233,34 @@ def test_logprobs(server):
     assert lp["text_offset"][0] == 0
     # Without asking, none.
     assert complete(server.port, "The capital of France is", 2)["choices"][0]["logprobs"] is None
+
+
+def test_streamed_logprobs_are_the_unstreamed_ones(server):
+    """Streamed, the logprobs come with the last chunk (they are computed in one pass after the
+    output): the openai package gathers them, and they are the unstreamed request's."""
+    client = openai.OpenAI(base_url=f"http://{HOST}:{server.port}/v1", api_key="none",
+                           timeout=HTTP_TIMEOUT, max_retries=0)
+    ask = dict(model="m", messages=HI, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**ask)
+    text, gathered = "", []
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        c = chunk.choices[0] if chunk.choices else None
+        if c and c.delta and c.delta.content:
+            text += c.delta.content
+        if c and c.logprobs and c.logprobs.content:
+            gathered += c.logprobs.content
+    assert text == whole.choices[0].message.content
+    assert [(t.token, t.logprob) for t in gathered] == \
+        [(t.token, t.logprob) for t in whole.choices[0].logprobs.content]
+    assert all(len(t.top_logprobs) == 2 for t in gathered)
+    # The completions API's shape, streamed.
+    events = stream(server.port, "/v1/completions",
+                    {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                     "logprobs": 2})
+    lps = [e["choices"][0]["logprobs"] for e in events[:-1] if e["choices"][0].get("logprobs")]
+    assert len(lps) == 1, events
+    want = complete(server.port, "The capital of France is", 6, logprobs=2)["choices"][0]["logprobs"]
+    assert lps[0] == want
 
 
 def test_llama_server_s_completion_endpoint(server):
