@@ -260,8 +260,9 @@ pub const FIELDS: &[(&str, On, Rule)] = &[
 const NATIVE_FIELDS: &[(&str, Rule)] = &[
     // The generated token ids in the answer.
     ("return_tokens", Honoured),
-    // It reports probabilities with `n_probs`, in a shape of its own this server does not give
-    // yet; OpenAI's `logprobs` are `/v1/completions`'.
+    // It reports probabilities with `n_probs` (`completion_probabilities`); OpenAI's
+    // `logprobs` are `/v1/completions`'.
+    ("n_probs", Honoured),
     (
         "logprobs",
         Neutral(falsy, "false here; /v1/completions takes logprobs"),

@@ -70,6 +70,10 @@ pub struct CompletionRequest {
     /// llama-server's `/completion`: the generated token ids in the answer too.
     #[serde(default)]
     pub return_tokens: bool,
+    /// llama-server's `/completion`: each generated token's log-probability and this many
+    /// most likely tokens at its position (`completion_probabilities`).
+    #[serde(default)]
+    pub n_probs: Option<i64>,
     #[serde(flatten)]
     pub common: Common,
 }

@@ -527,8 +527,9 @@ async fn completions(
     generate(s, prompt, params, Kind::Text, tenant).await
 }
 
-/// llama-server's own `/completion` (`n_predict`, `cache_prompt`, `return_tokens`; answered
-/// and streamed in its shape: `content`, `stop`, `tokens`, `timings`).
+/// llama-server's own `/completion` (`n_predict`, `cache_prompt`, `return_tokens`, `n_probs`;
+/// answered and streamed in its shape: `content`, `stop`, `tokens`, `timings`,
+/// `completion_probabilities`).
 async fn completion_native(
     State(s): St,
     Extension(tenant): Extension<Tenant>,
@@ -544,8 +545,19 @@ async fn completion_native(
             ));
         }
         let return_tokens = r.return_tokens;
+        let n_probs = match r.n_probs {
+            None | Some(0) => None,
+            Some(n) if (1..=oai::MAX_TOP_LOGPROBS).contains(&n) => Some(n as usize),
+            Some(n) => {
+                return Err(ApiError::invalid(
+                    format!("n_probs {n}: from 0 to {}", oai::MAX_TOP_LOGPROBS),
+                    Some("n_probs"),
+                ))
+            }
+        };
         let (prompt, mut params) = completion_prompt(st, rd, r)?;
         params.return_tokens = return_tokens;
+        params.logprobs = n_probs;
         Ok((prompt, params))
     })
     .await?;
@@ -706,7 +718,7 @@ impl Head {
             (_, true) => "word",
             _ => "eos",
         };
-        json!({
+        let mut v = json!({
             "index": 0,
             "content": content,
             "tokens": if self.return_tokens { o.tokens.clone() } else { Vec::new() },
@@ -719,7 +731,11 @@ impl Head {
             "stop_type": stop_type,
             "truncated": false,
             "timings": o.timings(self.drafting),
-        })
+        });
+        if let Some(l) = o.logprobs.as_deref() {
+            v["completion_probabilities"] = native_probs(l);
+        }
+        v
     }
 
     /// A streamed chunk's one choice.
@@ -780,6 +796,19 @@ async fn collect(head: Head, mut rx: UnboundedReceiver<Event>) -> Result<Respons
     let mut v = head.wrap(false, json!([choice]), Some(("usage", o.usage())));
     v["timings"] = o.timings(head.drafting);
     Ok(Json(v).into_response())
+}
+
+/// `n_probs`' `completion_probabilities` as llama-server answers them: for each token its
+/// `id`, `token`, `bytes` and `logprob`, and its position's most likely in `top_logprobs`.
+fn native_probs(l: &[crate::slots::Logprob]) -> Value {
+    let piece = |p: &crate::slots::Piece| json!({"id": p.id, "token": p.text, "bytes": p.bytes, "logprob": p.logprob});
+    l.iter()
+        .map(|e| {
+            let mut v = piece(&e.token);
+            v["top_logprobs"] = e.top.iter().map(piece).collect();
+            v
+        })
+        .collect()
 }
 
 /// `logprobs` as OpenAI answers them: chat's `{"content": [{token, logprob, bytes,

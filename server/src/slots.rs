@@ -72,6 +72,7 @@ pub struct Outcome {
 /// log-probability.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Piece {
+    pub id: Token,
     pub text: String,
     pub bytes: Vec<u8>,
     pub logprob: f32,
@@ -90,6 +91,7 @@ impl Logprob {
         let piece = |t: Token, logprob: f32| {
             let bytes = model.token_to_piece(t, false).unwrap_or_default();
             Piece {
+                id: t,
                 text: String::from_utf8_lossy(&bytes).into_owned(),
                 bytes,
                 logprob,

@@ -290,6 +290,27 @@ def test_llama_server_s_completion_endpoint(server):
     assert_error(status, j, 400, param="return_tokens")
 
 
+def test_n_probs_on_llama_server_s_completion(server):
+    """`n_probs` on `/completion`: llama-server's `completion_probabilities` (each token's id,
+    text, bytes and logprob, and the most likely at its position), the same figures as
+    /v1/completions' logprobs; absent when not asked; out of range, a 400."""
+    status, j = post(server.port, "/completion", {"prompt": PROMPT, "n_predict": 6, "temperature": 0,
+                                                  "n_probs": 2, "return_tokens": True})
+    assert status == 200, j
+    probs = j["completion_probabilities"]
+    assert [p["id"] for p in probs] == j["tokens"][:len(probs)] and probs, j
+    for p in probs:
+        assert len(p["top_logprobs"]) == 2 and p["top_logprobs"][0]["id"] == p["id"], p
+        assert p["top_logprobs"][0]["logprob"] == p["logprob"] <= 0, p
+        assert bytes(p["bytes"]).decode("utf-8", "replace") == p["token"], p
+    want = complete(server.port, PROMPT, 6, logprobs=2)["choices"][0]["logprobs"]
+    assert [p["logprob"] for p in probs] == want["token_logprobs"]
+    assert "completion_probabilities" not in post(server.port, "/completion",
+                                                  {"prompt": PROMPT, "n_predict": 2})[1]
+    status, j = post(server.port, "/completion", {"prompt": PROMPT, "n_probs": 21})
+    assert_error(status, j, 400, param="n_probs")
+
+
 def test_neutral_fields_change_nothing(server):
     """What SDKs and llama.cpp's web UI send at their defaults (every extra sampler off, no
     tools, text output, the model's name) is accepted and leaves the answer as it is."""
