@@ -35,6 +35,7 @@ pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/props", get(props))
+        .route("/slots", get(slots))
         .route("/completion", post(completion_native))
         .route("/v1/completions", post(completions))
         .route("/completions", post(completions))
@@ -270,6 +271,35 @@ async fn props(State(s): St) -> Result<Response, ApiError> {
         "build_info": concat!("leap-", env!("CARGO_PKG_VERSION")),
     }))
     .into_response())
+}
+
+/// llama-server's `GET /slots`: each slot's id, context, whether it drafts and is busy, and
+/// how many tokens its cache holds (not its prompt: the server may serve several tenants).
+/// `?fail_on_no_slot=1` answers 503 when every slot is busy, as llama-server does.
+async fn slots(
+    State(s): St,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let rd = ready(&s)?;
+    let view = rd.pool.view();
+    if q.contains_key("fail_on_no_slot") && view.iter().all(|v| v.processing) {
+        return Err(ApiError::unavailable("no slot available"));
+    }
+    let speculative = rd.rt.options().mode == leap_spec::session::Mode::Leap;
+    let slots: Vec<Value> = view
+        .iter()
+        .map(|v| {
+            json!({
+                "id": v.id,
+                "id_task": -1,
+                "n_ctx": s.n_ctx,
+                "speculative": speculative,
+                "is_processing": v.processing,
+                "tokens_cached": v.cached_tokens,
+            })
+        })
+        .collect();
+    Ok(Json(slots).into_response())
 }
 
 async fn metrics_text(State(s): St) -> Response {

@@ -253,7 +253,28 @@ pub struct Pool {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// What `GET /slots` shows of a slot: not its prompt (another tenant's), only whether it
+/// is busy and how much its cache holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotView {
+    pub id: usize,
+    pub processing: bool,
+    pub cached_tokens: usize,
+}
+
 impl Pool {
+    /// Each slot as `/slots` shows it.
+    pub fn view(&self) -> Vec<SlotView> {
+        let s = self.sched.0.lock().unwrap_or_else(|e| e.into_inner());
+        (0..s.idle.len())
+            .map(|i| SlotView {
+                id: i,
+                processing: !s.idle[i],
+                cached_tokens: s.held.get(i).map_or(0, Vec::len),
+            })
+            .collect()
+    }
+
     /// Start `n` slots decoding with `rt`, each creating its session on its own thread;
     /// at most `max_queue` requests wait. Returns when every slot is ready.
     ///

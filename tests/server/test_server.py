@@ -629,6 +629,19 @@ def test_llama_server_s_flags(leap, smollm):
         assert props["default_generation_settings"]["n_ctx"] == 256, props
         assert props["default_generation_settings"]["params"]["seed"] == 7, props
         assert props["model_path"].endswith(".gguf") and "im_start" in props["chat_template"], props
+        # /slots: two, idle, one holding the last request's tokens; none busy, so
+        # fail_on_no_slot is no failure. (A slot turns idle just after its answer is sent.)
+        for _ in range(100):
+            status, _, raw = request(s.port, "GET", "/slots?fail_on_no_slot=1")
+            slots = json.loads(raw)
+            if status == 200 and not any(x["is_processing"] for x in slots):
+                break
+            time.sleep(0.02)
+        assert status == 200 and [x["id"] for x in slots] == [0, 1], slots
+        assert all(x["n_ctx"] == 256 and x["is_processing"] is False and x["speculative"]
+                   for x in slots), slots
+        assert max(x["tokens_cached"] for x in slots) > 12, slots
+        assert "prompt" not in slots[0], slots
     finally:
         s.stop_and_check()
 
