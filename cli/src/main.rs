@@ -93,8 +93,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// llama-server's single-dash long options that `leap serve` shares, as the long ones clap
-/// parses: `-np N` is `--parallel N`.
+/// llama.cpp's single-dash long options, as the long ones clap parses: `-np N` is `leap
+/// serve`'s `--parallel N`, `-fa V` the other subcommands' `--flash-attn V`.
 fn llama_names(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
     let args: Vec<_> = args.collect();
     // The subcommand: the first argument that is no option (the global ones take no value).
@@ -107,6 +107,8 @@ fn llama_names(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::
         .map(|a| {
             if serve && a == "-np" {
                 "--parallel".into()
+            } else if !serve && a == "-fa" {
+                "--flash-attn".into()
             } else {
                 a
             }
@@ -139,5 +141,42 @@ fn run(command: Cmd) -> Result<()> {
         Cmd::PluginPath => cmd::attn::plugin_path(),
         Cmd::QnnSelftest(a) => leap_cli::qnn::qnn_selftest(&a),
         Cmd::Info(a) => cmd::info::info(a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(line: &str) -> Result<Cli, clap::Error> {
+        let args = line.split_whitespace().map(std::ffi::OsString::from);
+        Cli::try_parse_from(llama_names(args))
+    }
+
+    /// What a llama.cpp user types: `-c`/`--ctx-size`, `-s -1`, `-n -1`, `-fa`, `-np`.
+    #[test]
+    fn llama_cpp_s_names_parse() {
+        let Cmd::Generate(g) = parse("leap generate -p hi -c 512 -s -1 -n -1 -fa on --temp 0.8")
+            .unwrap()
+            .cmd
+        else {
+            panic!("not generate")
+        };
+        assert_eq!(g.runtime.ctx, 512);
+        assert_eq!(g.runtime.flash_attn, leap_host::FlashAttn::On);
+        assert_eq!(g.max_tokens, -1);
+        let Cmd::Generate(g) = parse("leap generate -p hi --ctx-size 256 --seed 7")
+            .unwrap()
+            .cmd
+        else {
+            panic!("not generate")
+        };
+        assert_eq!((g.runtime.ctx, g.sampling.seed), (256, 7));
+        assert!(parse("leap generate -p hi -s -2").is_err());
+        assert!(parse("leap generate -p hi -s 4294967296").is_err());
+        let Cmd::Serve(s) = parse("leap serve -np 3").unwrap().cmd else {
+            panic!("not serve")
+        };
+        assert_eq!(s.serve.parallel, 3);
     }
 }

@@ -40,6 +40,8 @@ pub struct Model {
     path: PathBuf,
     /// What the tokenizer can make of text, read off the vocabulary at first use.
     text_facts: std::sync::OnceLock<TextFacts>,
+    /// The chat template used instead of the GGUF's ([`Model::set_chat_template`]).
+    template: std::sync::OnceLock<String>,
 }
 
 /// Read off the vocabulary once: how much text a token can cover, and the control tokens'
@@ -169,6 +171,7 @@ impl Model {
             vocab,
             path: path.to_path_buf(),
             text_facts: std::sync::OnceLock::new(),
+            template: std::sync::OnceLock::new(),
         }))
     }
 
@@ -581,6 +584,41 @@ impl Model {
         Ok(out.into_iter().filter(|(p, _)| !p.is_empty()).collect())
     }
 
+    /// Use `tmpl` (the name of a template llama.cpp knows, `chatml`, `llama3`, `gemma`, ...,
+    /// or a template's text) for chats instead of the GGUF's, as llama.cpp's
+    /// `--chat-template`; once per model.
+    ///
+    /// # Errors
+    /// [`Error::ChatTemplate`] for a template llama.cpp does not know (tried on a message
+    /// first), or a second call.
+    pub fn set_chat_template(&self, tmpl: &str) -> Result<()> {
+        let probe = ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        };
+        apply_template(tmpl, &[probe], true).map_err(|e| match e {
+            Error::ChatTemplate { .. } => Error::ChatTemplate {
+                reason: "llama.cpp knows no such template: give one's name (chatml, llama3, \
+                         gemma, phi3, mistral-v7, ...) or a template's text"
+                    .into(),
+            },
+            e => e,
+        })?;
+        self.template
+            .set(tmpl.to_string())
+            .map_err(|_| Error::ChatTemplate {
+                reason: "the chat template was already set".into(),
+            })
+    }
+
+    /// The chat template chats use: [`Model::set_chat_template`]'s, or the GGUF's default.
+    pub fn chat_template_in_use(&self) -> Option<String> {
+        self.template
+            .get()
+            .cloned()
+            .or_else(|| self.chat_template(None))
+    }
+
     /// The model's chat template (the default one when `name` is `None`).
     pub fn chat_template(&self, name: Option<&str>) -> Option<String> {
         let cname = name.map(CString::new).transpose().ok()?;
@@ -609,7 +647,7 @@ impl Model {
         messages: &[ChatMessage],
         add_assistant: bool,
     ) -> Result<String> {
-        let tmpl = self.chat_template(None).unwrap_or_else(|| {
+        let tmpl = self.chat_template_in_use().unwrap_or_else(|| {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
                 log::warn!(

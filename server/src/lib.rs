@@ -69,6 +69,15 @@ pub struct ServeArgs {
     /// random one, as llama-server's default -1 does.
     #[arg(short = 's', long, allow_negative_numbers = true)]
     pub seed: Option<i64>,
+    /// The chat template for chat requests instead of the GGUF's: the name of one llama.cpp
+    /// knows (`chatml`, `llama3`, `gemma`, `phi3`, ...) or a template's text, as llama-server's.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Accepted as llama-server takes it, with a warning: chat templates are rendered by
+    /// llama.cpp's built-in formats (llama-server without --jinja), which tell the common
+    /// templates apart by their text; tools, which need Jinja there, are refused here.
+    #[arg(long)]
+    pub jinja: bool,
     /// Accepted as llama-server takes it: /metrics is served unless --no-metrics.
     #[arg(long, conflicts_with = "no_metrics")]
     pub metrics: bool,
@@ -205,6 +214,12 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         Some(s @ 0..0xFFFF_FFFF) => Some(s as u32),
         Some(s) => anyhow::bail!("--seed {s}: from 0 to 4294967295, or -1 for a random one"),
     };
+    if args.jinja {
+        eprintln!(
+            "leap serve: warning: --jinja: chat templates are rendered by llama.cpp's built-in \
+             formats (as llama-server without --jinja); tools are refused"
+        );
+    }
     let args = &args;
     let from_llama = || std::env::var("LLAMA_API_KEY").ok();
     let api_keys = match &args.api_key.clone().or_else(from_llama) {
@@ -343,6 +358,7 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
         let (failed, load_error) = (Arc::clone(&failed), Arc::clone(&load_error));
         let model = model.to_path_buf();
         let (parallel, max_queue) = (args.parallel, args.max_queue);
+        let chat_template = args.chat_template.clone();
         std::thread::Builder::new()
             .name("leap-load".into())
             .spawn(move || {
@@ -350,6 +366,11 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
                     (|| -> Result<()> {
                         let t0 = std::time::Instant::now();
                         let rt = Arc::new(Runtime::open(&model, &opts)?);
+                        if let Some(t) = &chat_template {
+                            rt.model()
+                                .set_chat_template(t)
+                                .with_context(|| format!("--chat-template {t:?}"))?;
+                        }
                         // Read off the vocabulary now rather than in the first request.
                         rt.model().max_token_bytes();
                         let pool = Pool::start(

@@ -249,7 +249,7 @@ async fn models(State(s): St) -> Response {
 /// model's file and chat template.
 async fn props(State(s): St) -> Result<Response, ApiError> {
     let rd = ready(&s)?;
-    let template = rd.rt.model().chat_template(None).unwrap_or_default();
+    let template = rd.rt.model().chat_template_in_use().unwrap_or_default();
     let d = oai::defaults();
     Ok(Json(json!({
         "default_generation_settings": {

@@ -611,8 +611,10 @@ def test_cors_and_llama_server_s_key_names(leap, smollm):
 def test_llama_server_s_flags(leap, smollm):
     """llama-server's command line works: `-c` is the context of all slots together (each of
     `-np 2` gets half), `-s` seeds the requests that send no seed, `--metrics` is taken (its
-    names under `llamacpp:` too); `/props` says so."""
-    s = Server(leap, smollm, "-c", "512", "-np", "2", "-s", "7", "--metrics", ctx=None, parallel=None)
+    names under `llamacpp:` too), `--chat-template` replaces the GGUF's, `--jinja` is taken;
+    `/props` and `/slots` say so."""
+    s = Server(leap, smollm, "-c", "512", "-np", "2", "-s", "7", "--metrics", "--chat-template",
+               "llama3", "--jinja", ctx=None, parallel=None)
     try:
         status, j = post(s.port, "/v1/completions", {"prompt": "x " * 300, "max_tokens": 4})
         assert_error(status, j, 400, code="context_length_exceeded")
@@ -628,7 +630,10 @@ def test_llama_server_s_flags(leap, smollm):
         assert status == 200 and props["total_slots"] == 2, props
         assert props["default_generation_settings"]["n_ctx"] == 256, props
         assert props["default_generation_settings"]["params"]["seed"] == 7, props
-        assert props["model_path"].endswith(".gguf") and "im_start" in props["chat_template"], props
+        assert props["model_path"].endswith(".gguf") and props["chat_template"] == "llama3", props
+        # --chat-template: llama3's format, not the GGUF's ChatML.
+        status, j = post(s.port, "/apply-template", {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and "<|start_header_id|>user<|end_header_id|>" in j["prompt"], j
         # /slots: two, idle, one holding the last request's tokens; none busy, so
         # fail_on_no_slot is no failure. (A slot turns idle just after its answer is sent.)
         for _ in range(100):

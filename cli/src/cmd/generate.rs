@@ -22,12 +22,23 @@ pub struct GenerateArgs {
     /// Read the prompt from a file (`-` for stdin).
     #[arg(short, long)]
     file: Option<PathBuf>,
-    /// Most tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 128)]
-    max_tokens: usize,
+    /// Most tokens to generate; -1 generates until the model ends its answer or the context
+    /// is full (as llama.cpp's `-n -1`).
+    #[arg(
+        short = 'n',
+        long,
+        visible_alias = "n-predict",
+        default_value_t = 128,
+        allow_negative_numbers = true
+    )]
+    pub(crate) max_tokens: i64,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     chat: bool,
+    /// The chat template for --chat instead of the GGUF's: the name of one llama.cpp knows
+    /// (`chatml`, `llama3`, `gemma`, ...) or a template's text, as llama.cpp's.
+    #[arg(long, requires = "chat")]
+    chat_template: Option<String>,
     /// Decoding: `leap` (Leap's speculative engine: the same tokens as plain greedy decoding,
     /// or with --temp the same distribution as plain sampling, in fewer target calls) or
     /// `plain` (llama.cpp, one target call per token).
@@ -41,9 +52,9 @@ pub struct GenerateArgs {
     #[arg(long)]
     flash_budget: Option<String>,
     #[command(flatten)]
-    runtime: RuntimeArgs,
+    pub(crate) runtime: RuntimeArgs,
     #[command(flatten)]
-    sampling: SamplingArgs,
+    pub(crate) sampling: SamplingArgs,
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
@@ -92,6 +103,11 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         },
     )?;
     let model = rt.model().clone();
+    if let Some(t) = &a.chat_template {
+        model
+            .set_chat_template(t)
+            .with_context(|| format!("--chat-template {t:?}"))?;
+    }
     let prompt = rt.prompt_tokens(&text, a.chat)?;
     let max_tokens = fit_context(prompt.len(), a.max_tokens, a.runtime.ctx)?;
     let mut session = rt.session()?;
@@ -169,14 +185,21 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 /// `ctx`: `max_tokens`, or fewer, with a warning, when the two do not fit together (generation
 /// stops at the context's end, as llama-cli's does without context shift). A prompt that fills
 /// the context by itself is an error.
-fn fit_context(prompt: usize, max_tokens: usize, ctx: u32) -> Result<usize> {
-    ensure!(max_tokens >= 1, "-n {max_tokens}: at least 1 token");
+fn fit_context(prompt: usize, max_tokens: i64, ctx: u32) -> Result<usize> {
+    ensure!(
+        max_tokens >= 1 || max_tokens == -1,
+        "-n {max_tokens}: at least 1 token, or -1 for up to the context's end"
+    );
     ensure!(
         prompt < ctx as usize,
         "the prompt is {prompt} tokens and --ctx {ctx} leaves no room to generate: raise --ctx \
          or shorten the prompt"
     );
     let room = ctx as usize - prompt;
+    if max_tokens == -1 {
+        return Ok(room);
+    }
+    let max_tokens = max_tokens as usize;
     if max_tokens > room {
         eprintln!(
             "leap: warning: the prompt's {prompt} tokens and -n {max_tokens} exceed --ctx {ctx}: \
@@ -200,5 +223,8 @@ mod tests {
         assert!(e.contains("101 tokens") && e.contains("--ctx 32"), "{e}");
         assert!(fit_context(32, 4, 32).is_err());
         assert!(fit_context(5, 0, 32).is_err());
+        assert!(fit_context(5, -2, 32).is_err());
+        // -1: up to the context's end, without a warning.
+        assert_eq!(fit_context(10, -1, 64).unwrap(), 54);
     }
 }

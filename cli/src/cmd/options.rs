@@ -16,10 +16,11 @@ pub struct RuntimeArgs {
     pub threads: i32,
     /// Context length in tokens: the prompt and what is generated together (`leap generate`
     /// stops at its end, with a warning).
-    #[arg(long, default_value_t = 4096)]
+    #[arg(short = 'c', long, visible_alias = "ctx-size", default_value_t = 4096)]
     pub ctx: u32,
-    /// llama.cpp's flash attention: on, off or auto. Off keeps speculative output identical
-    /// to plain decoding (ggml's CPU flash attention rounds a batch otherwise than one row).
+    /// llama.cpp's flash attention (`-fa` too): on, off or auto. Off keeps speculative output
+    /// identical to plain decoding (ggml's CPU flash attention rounds a batch otherwise than
+    /// one row).
     #[arg(long, default_value = "off")]
     pub flash_attn: FlashAttn,
     /// Who computes the quantized matrix products (and attention's f16 ones, and Gemma's GELU
@@ -114,9 +115,32 @@ pub struct SamplingArgs {
     /// Min-p when sampling.
     #[arg(long, default_value_t = 0.05)]
     pub min_p: f32,
-    /// Seed of the sampler.
-    #[arg(long, default_value_t = 0x5eed)]
+    /// Seed of the sampler; -1 draws one at random (as llama.cpp's `-s -1`).
+    #[arg(short = 's', long, default_value_t = 0x5eed, allow_negative_numbers = true,
+          value_parser = parse_seed)]
     pub seed: u32,
+}
+
+/// A `--seed`: 0 to 4294967295, or -1 for a random one.
+fn parse_seed(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<i64>() {
+        Ok(-1) => Ok(random_seed()),
+        Ok(n) => u32::try_from(n)
+            .map_err(|_| format!("{n}: from 0 to 4294967295, or -1 for a random one")),
+        Err(e) => Err(format!("{s}: {e}")),
+    }
+}
+
+/// A seed from the clock and the process's hasher keys.
+fn random_seed() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish() as u32
 }
 
 impl SamplingArgs {

@@ -11,7 +11,7 @@ pub struct ServeArgs {
     #[arg(short, long, default_value = models::DEFAULT_MODEL)]
     model: String,
     #[command(flatten)]
-    serve: leap_server::ServeArgs,
+    pub(crate) serve: leap_server::ServeArgs,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
