@@ -6,6 +6,7 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-changed=shim/anchor.cpp");
     println!("cargo:rerun-if-changed=shim/anchor.h");
+    println!("cargo:rerun-if-changed=shim/grammar.cpp");
     let src = llama_source_dir();
     // For the backend plugin's bindgen of ggml's backend interface (same tree).
     println!("cargo:srcdir={}", src.display());
@@ -13,6 +14,7 @@ fn main() {
     b.cpp(true)
         .std("c++17")
         .file("shim/anchor.cpp")
+        .file("shim/grammar.cpp")
         .include("shim")
         .include(src.join("include"))
         .include(src.join("ggml/include"))

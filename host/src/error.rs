@@ -65,6 +65,9 @@ pub enum Error {
     /// Tokenization failed.
     #[error("tokenizing {len} bytes of text failed (status {code})")]
     Tokenize { len: usize, code: i32 },
+    /// A grammar (GBNF) llama.cpp cannot parse, or a JSON schema it cannot turn into one.
+    #[error("{what}: {reason}")]
+    Grammar { what: &'static str, reason: String },
     /// The model has no chat template, or applying it failed.
     #[error("chat template: {reason}")]
     ChatTemplate { reason: String },

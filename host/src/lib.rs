@@ -11,6 +11,7 @@
 //! | [`context`] | [`Context`]: decode, logits per output row, KV memory (`seq_rm`/`seq_cp`/`seq_keep`/`seq_add`), threads |
 //! | [`batch`] | [`Batch`]: tokens with positions, several sequence ids each, and per-row output flags |
 //! | [`sampler`] | [`Sampler`]: llama.cpp's sampler chains (greedy, or temperature/top-k/top-p/min-p/seeded dist) |
+//! | [`grammar`] | [`grammar::Grammar`]: llama.cpp's grammar sampler as a mask over a row's logits (GBNF, or a JSON schema through common's converter in a C++ shim) |
 //! | [`eval`] | [`EvalObserver`]: llama.cpp's eval callback, for reading named intermediate tensors |
 //! | [`exit`] | [`exit::Exit`]: early exit at a layer of a verification call, as a row mask Leap's device honours |
 //! | [`usage`] | CPU time and peak RSS of the process, for benchmark accounting |
@@ -33,6 +34,7 @@ mod error;
 pub mod eval;
 pub mod exit;
 pub mod gguf;
+pub mod grammar;
 pub mod model;
 pub mod par;
 pub mod project;

@@ -179,7 +179,7 @@ impl Model {
         self.raw.as_ptr()
     }
 
-    fn vocab(&self) -> *const sys::llama_vocab {
+    pub(crate) fn vocab(&self) -> *const sys::llama_vocab {
         self.vocab.as_ptr()
     }
 

@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use leap_host::grammar::Grammar;
 use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
 use leap_host::usage::cpu_seconds;
@@ -167,7 +168,32 @@ pub fn plain_from(
     n_batch: usize,
     on_token: &mut dyn FnMut(Token) -> bool,
 ) -> Result<Generation> {
-    let mut od = od.filter(|_| sampling.is_greedy());
+    plain_constrained(
+        ctx, od, prompt, cached, max_tokens, sampling, n_batch, None, on_token,
+    )
+}
+
+/// [`plain_from`] under `grammar` (structured output): at each position the tokens it does
+/// not allow are masked out of the logits ([`Grammar::mask`]) before the greedy or sampled
+/// choice, which the grammar then accepts. It ends, without a token, where the grammar allows
+/// none (it cannot go on, and the model's end-of-generation token was not allowed either).
+///
+/// # Errors
+/// Decode failures.
+#[allow(clippy::too_many_arguments)]
+pub fn plain_constrained(
+    ctx: &mut Context,
+    od: Option<&OnDemand>,
+    prompt: &[Token],
+    cached: usize,
+    max_tokens: usize,
+    sampling: &SamplingParams,
+    n_batch: usize,
+    mut grammar: Option<&mut Grammar>,
+    on_token: &mut dyn FnMut(Token) -> bool,
+) -> Result<Generation> {
+    // The grammar masks llama.cpp's logits.
+    let mut od = od.filter(|_| sampling.is_greedy() && grammar.is_none());
     // Checked against llama.cpp's logits on the first step.
     let mut checked = false;
     let cached = keep_prefix(ctx, cached.min(prompt.len().saturating_sub(1)));
@@ -188,7 +214,21 @@ pub fn plain_from(
     let mut row = Vec::new();
     let mut hidden: Option<Vec<f32>> = None;
     while g.tokens.len() < max_tokens {
+        if let Some(gr) = grammar.as_deref_mut() {
+            row.clear();
+            row.extend_from_slice(ctx.logits(-1)?);
+            gr.mask(&mut row);
+            if row.iter().all(|&l| l == f32::NEG_INFINITY) {
+                log::warn!("the grammar allows no token here: the output ends");
+                break;
+            }
+        }
         let tok = match (trunc.as_ref(), hidden.take(), od) {
+            (Some(tr), _, _) if grammar.is_some() => pick(
+                &tr.apply(&row).entries,
+                position_uniform(sampling.seed, pos as usize),
+            ),
+            (None, _, _) if grammar.is_some() => argmax(&row),
             // Position `pos`'s token, with the uniform of (seed, pos) as every sampling path.
             (Some(tr), _, _) => pick(
                 &tr.apply(ctx.logits(-1)?).entries,
@@ -202,6 +242,9 @@ pub fn plain_from(
             }
             (None, _, _) => argmax(ctx.logits(-1)?),
         };
+        if let Some(gr) = grammar.as_deref_mut() {
+            gr.accept(tok);
+        }
         g.tokens.push(tok);
         if model.is_eog(tok) || !on_token(tok) || g.tokens.len() >= max_tokens {
             break;

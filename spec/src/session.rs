@@ -526,6 +526,33 @@ impl Session {
         req: &Request,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
+        self.generate_with(prompt, req, None, on_token)
+    }
+
+    /// [`Session::generate`] under `grammar` (structured output): each token is chosen among
+    /// those the grammar allows, by plain decoding under it (`plain::plain_constrained`), so
+    /// greedy output is plain decoding's under the same grammar and sampled output the
+    /// target's distribution restricted to it. Not drafted yet, in either mode.
+    ///
+    /// # Errors
+    /// As [`Session::generate`].
+    pub fn generate_constrained(
+        &mut self,
+        prompt: &[Token],
+        req: &Request,
+        grammar: &mut leap_host::grammar::Grammar,
+        on_token: &mut dyn FnMut(Token) -> bool,
+    ) -> Result<Generation> {
+        self.generate_with(prompt, req, Some(grammar), on_token)
+    }
+
+    fn generate_with(
+        &mut self,
+        prompt: &[Token],
+        req: &Request,
+        grammar: Option<&mut leap_host::grammar::Grammar>,
+        on_token: &mut dyn FnMut(Token) -> bool,
+    ) -> Result<Generation> {
         self.check_fits(prompt.len(), req.max_tokens)?;
         if !(req.sampling.temp.is_finite()
             && (0.0..=1.0).contains(&req.sampling.top_p)
@@ -540,7 +567,7 @@ impl Session {
         let cached = common_prefix(&self.kv, prompt).min(prompt.len() - 1);
         // Until this generation ends well, nothing in the cache is known.
         self.kv.clear();
-        let g = self.run(prompt, cached, req, on_token);
+        let g = self.run(prompt, cached, req, grammar, on_token);
         // This thread may not decode again soon (a server slot between requests, an app's
         // thread): its OpenMP team goes, or teams of idle threads slow every other one.
         leap_host::par::release_team();
@@ -629,8 +656,22 @@ impl Session {
         prompt: &[Token],
         cached: usize,
         req: &Request,
+        grammar: Option<&mut leap_host::grammar::Grammar>,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
+        if let Some(gr) = grammar {
+            return Ok(plain::plain_constrained(
+                &mut self.ctx,
+                None,
+                prompt,
+                cached,
+                req.max_tokens,
+                &req.sampling,
+                self.n_batch,
+                Some(gr),
+                on_token,
+            )?);
+        }
         Ok(match self.engine.as_mut() {
             Some(e) => e.generate_from(
                 &mut self.ctx,

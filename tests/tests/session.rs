@@ -401,3 +401,81 @@ fn smollm_logprobs_are_plain_decoding_s() {
 fn gemma_logprobs_are_plain_decoding_s() {
     logprobs_are_plain_decoding_s(GEMMA);
 }
+
+/// Structured output: under a JSON schema the greedy answer parses as JSON of that schema, it
+/// is plain decoding's under the same grammar (a Leap session and a plain one agree, the Leap
+/// one after a drafted request on it too), a GBNF grammar holds the answer to its words, and a
+/// grammar llama.cpp cannot parse is an error that says so.
+fn grammars_constrain_greedy_output(name: &str) {
+    use leap_host::grammar::Grammar;
+    let leap = runtime(name, Mode::Leap);
+    let plain = runtime(name, Mode::Plain);
+    let model = leap.model().clone();
+    let prompt = leap
+        .prompt_tokens("What is the capital of France? Answer in JSON.", true)
+        .unwrap();
+    let schema = r#"{"type": "object", "properties": {"capital": {"type": "string",
+        "enum": ["Paris", "London", "Rome"]}, "population_millions": {"type": "integer"}},
+        "required": ["capital", "population_millions"]}"#;
+    let mut s = leap.session().unwrap();
+    // A drafted request first: the constrained one must not depend on what the engine did.
+    s.generate(&prompt, &greedy(16), &mut |_| true).unwrap();
+    let mut run = |s: &mut leap_spec::session::Session| {
+        let mut g = Grammar::json_schema(&model, schema).unwrap();
+        s.generate_constrained(&prompt, &greedy(64), &mut g, &mut |_| true)
+            .unwrap()
+            .tokens
+    };
+    let got = run(&mut s);
+    let want = run(&mut plain.session().unwrap());
+    assert_eq!(got, want, "{name}: the Leap session's is plain decoding's");
+    assert!(model.is_eog(*got.last().unwrap()), "{name}: the JSON ended");
+    let text = model
+        .detokenize(&got[..got.len() - 1], true, false)
+        .unwrap();
+    let cap = text
+        .split("\"capital\"")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{name}: no capital in {text:?}"));
+    assert!(
+        text.trim_start().starts_with('{') && text.trim_end().ends_with('}'),
+        "{name}: {text:?}"
+    );
+    assert!(
+        ["Paris", "London", "Rome"].iter().any(|c| cap.contains(c)),
+        "{name}: {text:?}"
+    );
+    assert!(text.contains("\"population_millions\""), "{name}: {text:?}");
+
+    let mut yes_no = Grammar::gbnf(&model, r#"root ::= "yes" | "no""#).unwrap();
+    let g = s
+        .generate_constrained(&prompt, &greedy(8), &mut yes_no, &mut |_| true)
+        .unwrap();
+    let text = model.detokenize(&g.tokens, true, false).unwrap();
+    assert!(text == "yes" || text == "no", "{name}: {text:?}");
+    // The session drafts again afterwards, and stays exact.
+    let after = s.generate(&prompt, &greedy(16), &mut |_| true).unwrap();
+    let fresh = plain
+        .session()
+        .unwrap()
+        .generate(&prompt, &greedy(16), &mut |_| true)
+        .unwrap();
+    assert_eq!(after.tokens, fresh.tokens, "{name}");
+
+    let e = Grammar::gbnf(&model, "root ::= (").unwrap_err().to_string();
+    assert!(e.starts_with("grammar: "), "{e}");
+    let e = Grammar::json_schema(&model, "{not json")
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("JSON schema: "), "{e}");
+}
+
+#[test]
+fn smollm_grammars_constrain_greedy_output() {
+    grammars_constrain_greedy_output(SMOLLM);
+}
+
+#[test]
+fn gemma_grammars_constrain_greedy_output() {
+    grammars_constrain_greedy_output(GEMMA);
+}
