@@ -10,8 +10,8 @@
 //!   model is served), the caller's metadata, and the settings of a sampler that is off (the
 //!   field that turns it on is [`Rule::Neutral`]).
 //! - [`Rule::Neutral`]: accepted at the values that leave the output as it is without the
-//!   field (llama.cpp's defaults: `presence_penalty: 0`, `response_format: {"type": "text"}`,
-//!   `tools: []`, ...), which clients and SDKs often send; any other value is a 400.
+//!   field (llama.cpp's defaults: `presence_penalty: 0`, `tools: []`, ...), which clients and
+//!   SDKs often send; any other value is a 400.
 //!
 //! A field in neither API is a 400 too (OpenAI answers an unknown argument the same way): a
 //! misspelt `max_token` would otherwise run to the end of the context.
@@ -80,9 +80,6 @@ fn empty(v: &Value) -> bool {
         Value::Object(o) => o.is_empty(),
         _ => false,
     }
-}
-fn text_format(v: &Value) -> bool {
-    v.is_null() || v.get("type").and_then(Value::as_str) == Some("text")
 }
 fn no_tool(v: &Value) -> bool {
     v.is_null() || matches!(v.as_str(), Some("none" | "auto"))
@@ -203,13 +200,9 @@ pub const FIELDS: &[(&str, On, Rule)] = &[
     ("ignore_eos", Both, Neutral(falsy, "false")),
     ("n_probs", Both, Neutral(zero, "0")),
     ("post_sampling_probs", Both, Neutral(falsy, "false")),
-    ("grammar", Both, Neutral(empty, "\"\"")),
-    ("json_schema", Both, Neutral(null, "null")),
-    (
-        "response_format",
-        Both,
-        Neutral(text_format, "{\"type\": \"text\"}"),
-    ),
+    ("grammar", Both, Honoured),
+    ("json_schema", Both, Honoured),
+    ("response_format", Both, Honoured),
     ("tools", Both, Neutral(empty, "[]")),
     (
         "tool_choice",

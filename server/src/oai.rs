@@ -55,6 +55,22 @@ pub struct Common {
     pub logprobs: Option<serde_json::Value>,
     /// Chat: how many most likely tokens to list with each (needs `logprobs: true`).
     pub top_logprobs: Option<i64>,
+    /// llama-server's GBNF grammar the output must follow.
+    pub grammar: Option<String>,
+    /// llama-server's JSON schema the output must follow.
+    pub json_schema: Option<serde_json::Value>,
+    /// OpenAI's output format: `{"type": "text"}`, `{"type": "json_object"}` (llama-server
+    /// also reads a `schema` there) or `{"type": "json_schema", "json_schema": {"schema": ..}}`.
+    pub response_format: Option<serde_json::Value>,
+}
+
+/// What the output must follow (structured output), as the request gave it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    /// GBNF text.
+    Gbnf(String),
+    /// A JSON schema, as JSON text.
+    JsonSchema(String),
 }
 
 /// Most likely tokens a request may ask for at each position (OpenAI's limit).
@@ -193,6 +209,10 @@ pub struct Params {
     pub logprobs: Option<usize>,
     /// `/completion`'s `return_tokens` (set by its handler).
     pub return_tokens: bool,
+    /// Structured output: the grammar or schema the output follows.
+    pub constraint: Option<Constraint>,
+    /// The request field `constraint` came from.
+    pub constraint_field: &'static str,
 }
 
 /// llama-server's sampling for what a request leaves out: temperature 0.8, and top-k 40,
@@ -287,6 +307,10 @@ impl Common {
             return bad("stop", "an empty stop string".into());
         }
         let logprobs = self.logprobs()?;
+        let (constraint_field, constraint) = match self.constraint()? {
+            Some((f, c)) => (f, Some(c)),
+            None => ("", None),
+        };
         Ok(Params {
             max_tokens,
             sampling: leap_host::sampler::SamplingParams {
@@ -305,6 +329,8 @@ impl Common {
             cache_prompt: self.cache_prompt.unwrap_or(true),
             logprobs,
             return_tokens: false,
+            constraint,
+            constraint_field,
         })
     }
 }
@@ -312,6 +338,67 @@ impl Common {
 impl Common {
     /// How many most likely tokens to list with each token's log-probability, when asked:
     /// chat's `logprobs: true` with `top_logprobs`, or the completions API's count.
+    /// The structured-output constraint and the field it came from: `grammar`, `json_schema`
+    /// or `response_format` (at most one of them).
+    fn constraint(&self) -> Result<Option<(&'static str, Constraint)>, ApiError> {
+        use serde_json::Value;
+        let bad = |p: &str, why: String| Err(ApiError::invalid(why, Some(p)));
+        let grammar = match self.grammar.as_deref() {
+            None | Some("") => None,
+            Some(g) => Some(("grammar", Constraint::Gbnf(g.to_string()))),
+        };
+        let schema = match &self.json_schema {
+            None | Some(Value::Null) => None,
+            Some(v @ (Value::Object(_) | Value::Bool(true))) => {
+                Some(("json_schema", Constraint::JsonSchema(v.to_string())))
+            }
+            Some(v) => {
+                return bad(
+                    "json_schema",
+                    format!("json_schema {v}: a JSON schema object"),
+                )
+            }
+        };
+        let format = match &self.response_format {
+            None | Some(Value::Null) => None,
+            Some(f) => match f.get("type").and_then(Value::as_str) {
+                Some("text") => None,
+                Some("json_object") => {
+                    let s = f.get("schema").filter(|s| !s.is_null());
+                    let s = s.map_or_else(|| r#"{"type": "object"}"#.to_string(), Value::to_string);
+                    Some(("response_format", Constraint::JsonSchema(s)))
+                }
+                Some("json_schema") => {
+                    let Some(s) = f.pointer("/json_schema/schema").or_else(|| f.get("schema"))
+                    else {
+                        return bad(
+                            "response_format",
+                            "response_format json_schema without json_schema.schema".into(),
+                        );
+                    };
+                    Some(("response_format", Constraint::JsonSchema(s.to_string())))
+                }
+                _ => {
+                    return bad(
+                        "response_format",
+                        format!("response_format {f}: type text, json_object or json_schema"),
+                    )
+                }
+            },
+        };
+        let mut given: Vec<_> = [grammar, schema, format].into_iter().flatten().collect();
+        if given.len() > 1 {
+            return bad(
+                given[1].0,
+                format!(
+                    "{} and {}: one constraint per request",
+                    given[0].0, given[1].0
+                ),
+            );
+        }
+        Ok(given.pop())
+    }
+
     fn logprobs(&self) -> Result<Option<usize>, ApiError> {
         use serde_json::Value;
         let bad = |p: &str, why: String| Err(ApiError::invalid(why, Some(p)));
@@ -411,6 +498,56 @@ mod tests {
         assert!(e.message.contains("not valid JSON"), "{}", e.message);
         let e = parse::<CompletionRequest>(b"[1]").unwrap_err();
         assert!(e.message.contains("object"), "{}", e.message);
+    }
+
+    #[test]
+    fn structured_output_fields_give_one_constraint() {
+        let c = |j: &str| {
+            parse::<CompletionRequest>(j.as_bytes())
+                .and_then(|r| r.common.params())
+                .map(|p| (p.constraint_field, p.constraint))
+                .map_err(|e| e.param)
+        };
+        let schema = |s: &str| Constraint::JsonSchema(s.to_string());
+        assert_eq!(c(r#"{"prompt": "x"}"#), Ok(("", None)));
+        assert_eq!(
+            c(r#"{"prompt": "x", "response_format": {"type": "text"}, "grammar": ""}"#),
+            Ok(("", None))
+        );
+        assert_eq!(
+            c(r#"{"prompt": "x", "grammar": "root ::= \"a\""}"#),
+            Ok(("grammar", Some(Constraint::Gbnf(r#"root ::= "a""#.into()))))
+        );
+        assert_eq!(
+            c(r#"{"prompt": "x", "response_format": {"type": "json_object"}}"#),
+            Ok(("response_format", Some(schema(r#"{"type": "object"}"#))))
+        );
+        assert_eq!(
+            c(
+                r#"{"prompt": "x", "response_format": {"type": "json_schema",
+                  "json_schema": {"name": "n", "schema": {"type": "integer"}}}}"#
+            ),
+            Ok(("response_format", Some(schema(r#"{"type":"integer"}"#))))
+        );
+        assert_eq!(
+            c(r#"{"prompt": "x", "json_schema": {"type": "string"}}"#),
+            Ok(("json_schema", Some(schema(r#"{"type":"string"}"#))))
+        );
+        for (bad, param) in [
+            (r#""response_format": {"type": "xml"}"#, "response_format"),
+            (
+                r#""response_format": {"type": "json_schema"}"#,
+                "response_format",
+            ),
+            (r#""json_schema": "string""#, "json_schema"),
+            (
+                r#""grammar": "root ::= \"a\"", "json_schema": {}"#,
+                "json_schema",
+            ),
+        ] {
+            let got = c(&format!(r#"{{"prompt": "x", {bad}}}"#));
+            assert_eq!(got, Err(Some(param.to_string())), "{bad}");
+        }
     }
 
     #[test]

@@ -537,12 +537,45 @@ async fn prepared(
     prepare: impl FnOnce(&AppState, &Ready, &[u8]) -> Result<(Vec<leap_host::Token>, Params), ApiError>
         + Send
         + 'static,
-) -> Result<(Vec<leap_host::Token>, Params), ApiError> {
+) -> Result<Prepared, ApiError> {
     let (bytes, budget) = read_body(s, body).await?;
     let st = ready_arc(s)?;
-    let r = blocking(move || prepare(&st, ready(&st)?, &bytes)).await;
+    let r = blocking(move || {
+        let rd = ready(&st)?;
+        let (prompt, params) = prepare(&st, rd, &bytes)?;
+        let grammar = match &params.constraint {
+            None => None,
+            Some(c) => Some(
+                compile(rd, c)
+                    .map_err(|e| ApiError::invalid(e.to_string(), Some(params.constraint_field)))?,
+            ),
+        };
+        Ok(Prepared {
+            prompt,
+            params,
+            grammar,
+        })
+    })
+    .await;
     drop(budget);
     r
+}
+
+/// A generation request read: its prompt, parameters and compiled grammar.
+struct Prepared {
+    prompt: Vec<leap_host::Token>,
+    params: Params,
+    grammar: Option<leap_host::grammar::Grammar>,
+}
+
+/// The grammar of a request's constraint: a schema llama.cpp's converter cannot express, or a
+/// grammar it cannot parse, is the request's error.
+fn compile(rd: &Ready, c: &oai::Constraint) -> leap_host::Result<leap_host::grammar::Grammar> {
+    use leap_host::grammar::Grammar;
+    match c {
+        oai::Constraint::Gbnf(g) => Grammar::gbnf(rd.rt.model(), g),
+        oai::Constraint::JsonSchema(s) => Grammar::json_schema(rd.rt.model(), s),
+    }
 }
 
 async fn completions(
@@ -550,11 +583,11 @@ async fn completions(
     Extension(tenant): Extension<Tenant>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
+    let p = prepared(&s, body, |st, rd, bytes| {
         completion_prompt(st, rd, oai::parse::<CompletionRequest>(bytes)?)
     })
     .await?;
-    generate(s, prompt, params, Kind::Text, tenant).await
+    generate(s, p, Kind::Text, tenant).await
 }
 
 /// llama-server's own `/completion` (`n_predict`, `cache_prompt`, `return_tokens`, `n_probs`;
@@ -565,7 +598,7 @@ async fn completion_native(
     Extension(tenant): Extension<Tenant>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
+    let p = prepared(&s, body, |st, rd, bytes| {
         let r = oai::parse::<oai::NativeRequest>(bytes)?.0;
         if r.return_tokens && r.common.stream {
             return Err(ApiError::invalid(
@@ -591,7 +624,7 @@ async fn completion_native(
         Ok((prompt, params))
     })
     .await?;
-    generate(s, prompt, params, Kind::Native, tenant).await
+    generate(s, p, Kind::Native, tenant).await
 }
 
 /// A completion request's prompt as tokens, and its parameters.
@@ -627,7 +660,7 @@ async fn chat(
     Extension(tenant): Extension<Tenant>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let (prompt, params) = prepared(&s, body, |st, rd, bytes| {
+    let p = prepared(&s, body, |st, rd, bytes| {
         let r: ChatRequest = oai::parse(bytes)?;
         let params = r.common.params_seeded(st.seed)?;
         let msgs = chat_messages(&r, rd, st.n_ctx)?;
@@ -640,17 +673,21 @@ async fn chat(
         Ok((prompt, params))
     })
     .await?;
-    generate(s, prompt, params, Kind::Chat, tenant).await
+    generate(s, p, Kind::Chat, tenant).await
 }
 
 /// Queue the request on a slot and answer: a JSON body, or server-sent events.
 async fn generate(
     s: Arc<AppState>,
-    prompt: Vec<leap_host::Token>,
-    p: Params,
+    prepared: Prepared,
     kind: Kind,
     tenant: Tenant,
 ) -> Result<Response, ApiError> {
+    let Prepared {
+        prompt,
+        params: p,
+        grammar,
+    } = prepared;
     if prompt.is_empty() {
         return Err(ApiError::invalid("the prompt is empty", Some("prompt")));
     }
@@ -666,6 +703,7 @@ async fn generate(
         tenant,
         cache_prompt: p.cache_prompt,
         logprobs: p.logprobs,
+        grammar: std::sync::Mutex::new(grammar),
     });
     if let Err(e) = submitted {
         s.metrics.dequeued();

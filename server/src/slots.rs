@@ -185,6 +185,8 @@ pub struct Job {
     pub cache_prompt: bool,
     /// Report each token's log-probability and this many most likely tokens with it.
     pub logprobs: Option<usize>,
+    /// Structured output: the grammar the output follows (taken by the slot that runs it).
+    pub grammar: Mutex<Option<leap_host::grammar::Grammar>>,
 }
 
 /// What a slot runs jobs with: a [`Session`] in the server ([`SlotWorker`]).
@@ -541,7 +543,11 @@ fn serve(rt: &Runtime, session: &mut Session, job: &Job, metrics: &Metrics, slot
         }
         !stop_string
     };
-    let r = session.generate(&job.prompt, &req, &mut on_token);
+    let grammar = job.grammar.lock().ok().and_then(|mut g| g.take());
+    let r = match grammar {
+        Some(mut g) => session.generate_constrained(&job.prompt, &req, &mut g, &mut on_token),
+        None => session.generate(&job.prompt, &req, &mut on_token),
+    };
     drop(busy);
     let g = match r {
         Ok(g) => g,
@@ -721,6 +727,7 @@ mod tests {
             tenant,
             cache_prompt: true,
             logprobs: None,
+            grammar: Mutex::new(None),
         };
         (j, rx)
     }

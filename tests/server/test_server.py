@@ -179,13 +179,15 @@ HI = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", {"messages": "hi"}, None, None),
         # No field dropped in silence (server/src/fields.rs): what this server would not apply
         # is a 400 naming it, not a 200 with a different answer.
-        ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}},
+        ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}},
          "response_format", None),
         ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function",
                                   "function": {"name": "f", "parameters": {}}}]}, "tools", None),
         ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs", None),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", None),
-        ("/v1/completions", {"prompt": "x", "grammar": 'root ::= "a"'}, "grammar", None),
+        ("/v1/completions", {"prompt": "x", "grammar": 'root ::= ('}, "grammar", None),
+        ("/v1/completions", {"prompt": "x", "json_schema": {"type": "object", "properties": 3}},
+         "json_schema", None),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None),
         ("/v1/completions", {"prompt": "x", "max_token": 4}, "max_token", None),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_call_id": "7"}]},
@@ -196,8 +198,8 @@ HI = [{"role": "user", "content": "hi"}]
         "malformed-json", "not-an-object", "missing-prompt", "prompt-int", "max_tokens-string",
         "max_tokens-0", "temperature-9", "n-2", "five-stops", "max_tokens-beyond-ctx",
         "prompt-beyond-ctx", "empty-prompt", "chat-unknown-role", "chat-no-messages",
-        "chat-messages-string", "json-output", "tools",
-        "top_logprobs-without-logprobs", "logprobs-21", "grammar", "penalty",
+        "chat-messages-string", "unknown-format", "tools",
+        "top_logprobs-without-logprobs", "logprobs-21", "bad-grammar", "bad-schema", "penalty",
         "misspelt-field", "tool-message-field", "tokenize-unknown-field",
     ],
 )
@@ -233,6 +235,37 @@ def test_logprobs(server):
     assert lp["text_offset"][0] == 0
     # Without asking, none.
     assert complete(server.port, "The capital of France is", 2)["choices"][0]["logprobs"] is None
+
+
+def test_structured_output(server):
+    """Structured output through the openai package: `response_format` with a JSON schema gives
+    JSON of that schema (streamed too, the same text), `json_object` a JSON object, and
+    llama-server's `grammar` holds a completion to its words."""
+    client = openai.OpenAI(base_url=f"http://{HOST}:{server.port}/v1", api_key="none",
+                           timeout=HTTP_TIMEOUT, max_retries=0)
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Lyon"]}, "rank": {"type": "integer"}},
+        "required": ["city", "rank"], "additionalProperties": False}
+    ask = dict(model="m", max_tokens=48, temperature=0,
+               messages=[{"role": "user", "content": "Name the largest city of France as JSON."}],
+               response_format={"type": "json_schema",
+                                "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    r = client.chat.completions.create(**ask)
+    doc = json.loads(r.choices[0].message.content)
+    assert set(doc) == {"city", "rank"} and doc["city"] in ("Paris", "Lyon"), doc
+    assert isinstance(doc["rank"], int) and r.choices[0].finish_reason == "stop", r
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(stream=True, **ask) if c.choices)
+    assert streamed == r.choices[0].message.content
+    # Any object: it may run past max_tokens, but it is one from its first character.
+    r = client.chat.completions.create(**{**ask, "response_format": {"type": "json_object"}})
+    text = r.choices[0].message.content
+    assert text.lstrip().startswith("{"), text
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict), text
+    status, j = post(server.port, "/v1/completions",
+                     {"prompt": "Is Paris in France? Answer:", "max_tokens": 8, "temperature": 0,
+                      "grammar": 'root ::= " yes" | " no"'})
+    assert status == 200 and j["choices"][0]["text"] in (" yes", " no"), j
 
 
 def test_streamed_logprobs_are_the_unstreamed_ones(server):
