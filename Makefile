@@ -40,10 +40,13 @@ models: build
 run: models
 	$(LEAP) generate --prompt "$(PROMPT)" -n 96
 
-# tests/server also drives a stock llama-server (scripts/stock-llama builds it once, ~11 minutes,
-# cached in ~/.cache/leap) with Leap's plugin, and `make llama`'s llama-server with Leap built in.
+# The QNN tests that need Qualcomm's emulator library (fetched by scripts/setup) are #[ignore]d
+# in a plain `cargo test`; here they run. tests/server also drives a stock llama-server
+# (scripts/stock-llama builds it once, ~11 minutes, cached in ~/.cache/leap) with Leap's plugin,
+# and `make llama`'s llama-server with Leap built in.
 test: models build llama
 	$(CARGO) test --release --workspace
+	$(CARGO) test --release -p leap-tests --test qnn -- --ignored
 	LEAP_STOCK_BIN="$$(scripts/stock-llama)" LEAP_LLAMA_BIN=$(abspath $(LLAMA_BIN)) LEAP=$(abspath $(LEAP)) \
 	  python3 -m pytest -q tests/server
 

@@ -387,10 +387,7 @@ fn a_cancel_from_another_thread_stops_prompt_processing() {
 #[test]
 fn libleap_finds_llama_cpp() {
     let so = libleap();
-    let Ok(out) = Command::new("ldd").arg(&so).output() else {
-        eprintln!("skipped: no ldd here");
-        return;
-    };
+    let out = Command::new("ldd").arg(&so).output().expect("run ldd");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("libllama"), "{text}");
     assert!(!text.contains("not found"), "{text}");
