@@ -164,6 +164,14 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// Prompts the engine tests decode with Leap and with plain decoding: repetition (summary),
 /// code and a pattern (question and answer), so retrieval finds drafts in each.
+/// Prose for long prompts and corpora (`tests/data/attention-notes.txt`).
+pub const NOTES: &str = include_str!("../data/attention-notes.txt");
+
+/// Rust source for long prompts: a fixed copy of two of Leap's files (`tests/data/code-sample.txt`,
+/// backend's `attn.rs` then host's `qdot.rs` as they were), so that prompts do not change when
+/// the code does.
+pub const CODE_SAMPLE: &str = include_str!("../data/code-sample.txt");
+
 pub const PROMPTS: &[&str] = &[
     "The apt-get command installs packages. The apt-get command removes packages. The apt-get \
      command upgrades packages. The dpkg command installs a .deb file. Summary: the apt-get command",

@@ -22,12 +22,8 @@ fn opencl_estimate_decodes_like_the_cpu_estimate() {
         leap_backend::opencl_unavailable_reason()
     );
     let m = model(SMOLLM);
-    let text = [
-        include_str!("../../backend/src/attn.rs"),
-        include_str!("../../host/src/qdot.rs"),
-    ]
-    .concat();
-    let prompt: Vec<i32> = m.tokenize(&text, true, false).unwrap()[..1200].to_vec();
+    let prompt: Vec<i32> =
+        m.tokenize(leap_tests::CODE_SAMPLE, true, false).unwrap()[..1200].to_vec();
     // Prefill (1200 rows) stays with ggml in both runs: PoCL estimating it would take minutes
     // on these two cores, and the decode steps are what the comparison needs.
     let cfg = Sparse {

@@ -13,11 +13,7 @@ fn profile_heads_writes_a_sidecar_sparse_attention_uses() {
     let corpus = dir.path().join("corpus.txt");
     std::fs::write(
         &corpus,
-        [
-            include_str!("../../README.md"),
-            include_str!("../../backend/src/attn.rs"),
-        ]
-        .concat(),
+        [leap_tests::NOTES, leap_tests::CODE_SAMPLE].concat(),
     )
     .unwrap();
     let out = dir.path().join("smol.leap.gguf");

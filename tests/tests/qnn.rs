@@ -367,9 +367,7 @@ fn estimate_recall_on_gemma_queries_and_keys() {
 /// The first 1280 tokens of a text, as Gemma tokens.
 fn gemma_prompt() -> Vec<i32> {
     let m = leap_tests::model(leap_tests::GEMMA);
-    m.tokenize(include_str!("../../backend/src/attn.rs"), true, false)
-        .unwrap()[..1280]
-        .to_vec()
+    m.tokenize(leap_tests::CODE_SAMPLE, true, false).unwrap()[..1280].to_vec()
 }
 
 /// Prefill `prompt` in a Gemma context as [`leap_tests::greedy_logits`] makes it (flash
@@ -569,10 +567,8 @@ fn a_wrong_qnn_library_warns_and_decoding_carries_on() {
     log::set_logger(&Warnings).unwrap();
     log::set_max_level(log::LevelFilter::Warn);
     let m = leap_tests::model(leap_tests::SMOLLM);
-    let prompt: Vec<i32> = m
-        .tokenize(include_str!("../../backend/src/attn.rs"), true, false)
-        .unwrap()[..1100]
-        .to_vec();
+    let prompt: Vec<i32> =
+        m.tokenize(leap_tests::CODE_SAMPLE, true, false).unwrap()[..1100].to_vec();
     let cfg = Sparse {
         max_rows: 16,
         ..Sparse::default()
