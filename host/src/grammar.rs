@@ -126,8 +126,8 @@ impl Grammar {
     }
 
     /// Set to `-inf` the logits (one per vocabulary token) of the tokens the grammar does not
-    /// allow next.
-    pub fn mask(&mut self, logits: &mut [f32]) {
+    /// allow next; whether any token is left.
+    pub fn mask(&mut self, logits: &mut [f32]) -> bool {
         let n = (self.model.n_vocab() as usize).min(logits.len());
         self.cand.clear();
         self.cand.extend(
@@ -151,13 +151,17 @@ impl Grammar {
         unsafe { sys::llama_sampler_apply(self.raw.as_ptr(), &raw mut arr) };
         // SAFETY: the sampler may have pointed `data` elsewhere; it holds `size` entries.
         let out = unsafe { std::slice::from_raw_parts(arr.data, arr.size) };
+        let mut any = false;
         for c in out {
             if c.logit == f32::NEG_INFINITY {
                 if let Some(l) = logits.get_mut(c.id as usize) {
                     *l = f32::NEG_INFINITY;
                 }
+            } else {
+                any = true;
             }
         }
+        any
     }
 
     /// Advance the grammar past `token`, the one chosen.

@@ -427,7 +427,7 @@ impl Engine {
                 .map(|(od, _)| od)
                 .filter(|od| od.streamed());
             return crate::plain::plain_from(
-                ctx, od, prompt, cached, max_tokens, sampling, n_batch, on_token,
+                ctx, od, prompt, cached, max_tokens, sampling, n_batch, None, on_token,
             );
         }
         let mut cached = cached.min(prompt.len().saturating_sub(1));

@@ -149,39 +149,23 @@ pub fn plain_with(
     n_batch: usize,
     on_token: &mut dyn FnMut(Token) -> bool,
 ) -> Result<Generation> {
-    plain_from(ctx, od, prompt, 0, max_tokens, sampling, n_batch, on_token)
+    plain_from(
+        ctx, od, prompt, 0, max_tokens, sampling, n_batch, None, on_token,
+    )
 }
 
 /// [`plain_with`] when sequence 0 already holds `prompt[..cached]` (from an earlier request):
 /// only the rest is prefilled.
 ///
-/// # Errors
-/// Decode failures.
-#[allow(clippy::too_many_arguments)]
-pub fn plain_from(
-    ctx: &mut Context,
-    od: Option<&OnDemand>,
-    prompt: &[Token],
-    cached: usize,
-    max_tokens: usize,
-    sampling: &SamplingParams,
-    n_batch: usize,
-    on_token: &mut dyn FnMut(Token) -> bool,
-) -> Result<Generation> {
-    plain_constrained(
-        ctx, od, prompt, cached, max_tokens, sampling, n_batch, None, on_token,
-    )
-}
-
-/// [`plain_from`] under `grammar` (structured output): at each position the tokens it does
-/// not allow are masked out of the logits ([`Grammar::mask`]) before the greedy or sampled
-/// choice, which the grammar then accepts. It ends, without a token, where the grammar allows
-/// none (it cannot go on, and the model's end-of-generation token was not allowed either).
+/// Under a `grammar` (structured output) the tokens it does not allow at a position are masked
+/// out of the logits ([`Grammar::mask`]) before the greedy or sampled choice, which the
+/// grammar then accepts. It ends, without a token, where the grammar allows none (it cannot go
+/// on, and the model's end-of-generation token was not allowed either).
 ///
 /// # Errors
 /// Decode failures.
 #[allow(clippy::too_many_arguments)]
-pub fn plain_constrained(
+pub fn plain_from(
     ctx: &mut Context,
     od: Option<&OnDemand>,
     prompt: &[Token],
@@ -214,26 +198,29 @@ pub fn plain_constrained(
     let mut row = Vec::new();
     let mut hidden: Option<Vec<f32>> = None;
     while g.tokens.len() < max_tokens {
+        // Under a grammar, `row` holds the masked logits.
         if let Some(gr) = grammar.as_deref_mut() {
             row.clear();
             row.extend_from_slice(ctx.logits(-1)?);
-            gr.mask(&mut row);
-            if row.iter().all(|&l| l == f32::NEG_INFINITY) {
+            if !gr.mask(&mut row) {
                 log::warn!("the grammar allows no token here: the output ends");
                 break;
             }
         }
         let tok = match (trunc.as_ref(), hidden.take(), od) {
-            (Some(tr), _, _) if grammar.is_some() => pick(
-                &tr.apply(&row).entries,
-                position_uniform(sampling.seed, pos as usize),
-            ),
-            (None, _, _) if grammar.is_some() => argmax(&row),
             // Position `pos`'s token, with the uniform of (seed, pos) as every sampling path.
-            (Some(tr), _, _) => pick(
-                &tr.apply(ctx.logits(-1)?).entries,
-                position_uniform(sampling.seed, pos as usize),
-            ),
+            (Some(tr), _, _) => {
+                let logits = if grammar.is_some() {
+                    &row
+                } else {
+                    ctx.logits(-1)?
+                };
+                pick(
+                    &tr.apply(logits).entries,
+                    position_uniform(sampling.seed, pos as usize),
+                )
+            }
+            (None, _, _) if grammar.is_some() => argmax(&row),
             (None, Some(h), Some(od)) => {
                 let tp = Instant::now();
                 od.try_logits(&h, &mut row)?;

@@ -530,7 +530,7 @@ impl Session {
     }
 
     /// [`Session::generate`] under `grammar` (structured output): each token is chosen among
-    /// those the grammar allows, by plain decoding under it (`plain::plain_constrained`), so
+    /// those the grammar allows, by plain decoding under it (`plain::plain_from`), so
     /// greedy output is plain decoding's under the same grammar and sampled output the
     /// target's distribution restricted to it. Not drafted yet, in either mode.
     ///
@@ -659,21 +659,8 @@ impl Session {
         grammar: Option<&mut leap_host::grammar::Grammar>,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
-        if let Some(gr) = grammar {
-            return Ok(plain::plain_constrained(
-                &mut self.ctx,
-                None,
-                prompt,
-                cached,
-                req.max_tokens,
-                &req.sampling,
-                self.n_batch,
-                Some(gr),
-                on_token,
-            )?);
-        }
-        Ok(match self.engine.as_mut() {
-            Some(e) => e.generate_from(
+        Ok(match (self.engine.as_mut(), grammar) {
+            (Some(e), None) => e.generate_from(
                 &mut self.ctx,
                 prompt,
                 cached,
@@ -682,7 +669,8 @@ impl Session {
                 &req.sampling,
                 on_token,
             )?,
-            None => plain::plain_from(
+            // A grammar is decoded plainly (not drafted yet), in either mode.
+            (_, grammar) => plain::plain_from(
                 &mut self.ctx,
                 self.plain_od.as_ref(),
                 prompt,
@@ -690,6 +678,7 @@ impl Session {
                 req.max_tokens,
                 &req.sampling,
                 self.n_batch,
+                grammar,
                 on_token,
             )?,
         })

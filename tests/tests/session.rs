@@ -420,7 +420,7 @@ fn grammars_constrain_greedy_output(name: &str) {
     let mut s = leap.session().unwrap();
     // A drafted request first: the constrained one must not depend on what the engine did.
     s.generate(&prompt, &greedy(16), &mut |_| true).unwrap();
-    let mut run = |s: &mut leap_spec::session::Session| {
+    let run = |s: &mut leap_spec::session::Session| {
         let mut g = Grammar::json_schema(&model, schema).unwrap();
         s.generate_constrained(&prompt, &greedy(64), &mut g, &mut |_| true)
             .unwrap()
