@@ -1,6 +1,6 @@
 //! libleap.so's link: its SONAME `libleap.so.N`, N being `LEAP_ABI_VERSION` in include/leap.h
-//! (the one place it is written; `LEAP_ABI_VERSION` reaches the crate as an environment
-//! variable too), and the directory of llama.cpp's shared libraries (exported by leap-host) in
+//! (the one place it is written; the crate's `LEAP_ABI_VERSION` constant is generated from it,
+//! `OUT_DIR/abi.rs`), and the directory of llama.cpp's shared libraries (exported by leap-host) in
 //! its DT_RPATH (DT_RPATH, unlike RUNPATH, also serves libllama's own dependency on libggml);
 //! `$ORIGIN` (set in .cargo/config.toml) covers copies of the libraries shipped next to it.
 //! `make install` (scripts/install) rewrites that rpath for the installed tree.
@@ -17,7 +17,12 @@ fn main() {
         .find_map(|l| l.strip_prefix("#define LEAP_ABI_VERSION "))
         .and_then(|v| v.trim().parse().ok())
         .expect("include/leap.h defines LEAP_ABI_VERSION as a number");
-    println!("cargo:rustc-env=LEAP_ABI_VERSION={abi}");
+    let out = std::path::PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
+    std::fs::write(
+        out.join("abi.rs"),
+        format!("/// `LEAP_ABI_VERSION` (include/leap.h): the N of the SONAME `libleap.so.N`.\npub const LEAP_ABI_VERSION: i32 = {abi};\n"),
+    )
+    .expect("write abi.rs");
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libleap.so.{abi}");
     soname_link(abi);
     if let Ok(dir) = std::env::var("DEP_LEAPHOST_LIBDIR") {

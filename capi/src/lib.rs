@@ -60,19 +60,7 @@ pub const LEAP_FINISH_EOG: i32 = 1;
 pub const LEAP_FINISH_CANCELLED: i32 = 2;
 /// `LEAP_FINISH_STOP`.
 pub const LEAP_FINISH_STOP: i32 = 3;
-/// `LEAP_ABI_VERSION`: the N of the SONAME `libleap.so.N`, read from include/leap.h by build.rs.
-pub const LEAP_ABI_VERSION: i32 = parse_abi(env!("LEAP_ABI_VERSION"));
-
-const fn parse_abi(s: &str) -> i32 {
-    let b = s.as_bytes();
-    let mut n = 0;
-    let mut i = 0;
-    while i < b.len() {
-        n = n * 10 + (b[i] - b'0') as i32;
-        i += 1;
-    }
-    n
-}
+include!(concat!(env!("OUT_DIR"), "/abi.rs"));
 
 /// An open model (`leap_model`).
 pub struct leap_model {
@@ -488,9 +476,8 @@ pub unsafe extern "C" fn leap_session_new(
         unsafe { write_out(out, std::ptr::null_mut(), "out") }?;
         // SAFETY: NULL or a live model (contract); only read.
         let model = unsafe { ref_arg(model, "model") }?;
-        let session = model.rt.session()?;
+        let mut session = model.rt.session()?;
         let cancel = Arc::new(AtomicBool::new(false));
-        let mut session = session;
         let flag = Arc::clone(&cancel);
         session.set_cancel(Some(Arc::new(move || flag.load(Ordering::Relaxed))));
         let s = Box::new(leap_session {
