@@ -31,6 +31,19 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temp.is_nan() || self.temp < Self::GREEDY_BELOW
     }
+
+    /// A seed for a request that asks for a random one (llama.cpp's seed -1): the clock,
+    /// hashed with the process's random hasher keys.
+    pub fn random_seed() -> u32 {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.finish() as u32
+    }
 }
 
 impl Default for SamplingParams {

@@ -286,7 +286,9 @@ impl Common {
         }
         // llama.cpp's seeds: 32 bits, and its default (-1, or 0xFFFFFFFF) draws a random one.
         let seed = match self.seed {
-            None | Some(-1) | Some(0xFFFF_FFFF) => random_seed(),
+            None | Some(-1) | Some(0xFFFF_FFFF) => {
+                leap_host::sampler::SamplingParams::random_seed()
+            }
             Some(s @ 0..0xFFFF_FFFF) => s as u32,
             Some(s) => {
                 return bad(
@@ -424,18 +426,6 @@ impl Common {
             ),
         }
     }
-}
-
-/// A seed for a request that gave none.
-fn random_seed() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
-    );
-    h.finish() as u32
 }
 
 impl Message {

@@ -124,23 +124,11 @@ pub struct SamplingArgs {
 /// A `--seed`: 0 to 4294967295, or -1 for a random one.
 fn parse_seed(s: &str) -> Result<u32, String> {
     match s.trim().parse::<i64>() {
-        Ok(-1) => Ok(random_seed()),
+        Ok(-1) => Ok(SamplingParams::random_seed()),
         Ok(n) => u32::try_from(n)
             .map_err(|_| format!("{n}: from 0 to 4294967295, or -1 for a random one")),
         Err(e) => Err(format!("{s}: {e}")),
     }
-}
-
-/// A seed from the clock and the process's hasher keys.
-fn random_seed() -> u32 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish() as u32
 }
 
 impl SamplingArgs {
