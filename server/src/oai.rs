@@ -209,10 +209,9 @@ pub struct Params {
     pub logprobs: Option<usize>,
     /// `/completion`'s `return_tokens` (set by its handler).
     pub return_tokens: bool,
-    /// Structured output: the grammar or schema the output follows.
-    pub constraint: Option<Constraint>,
-    /// The request field `constraint` came from.
-    pub constraint_field: &'static str,
+    /// Structured output: the grammar or schema the output follows, and the request field it
+    /// came from.
+    pub constraint: Option<(&'static str, Constraint)>,
 }
 
 /// llama-server's sampling for what a request leaves out: temperature 0.8, and top-k 40,
@@ -309,10 +308,7 @@ impl Common {
             return bad("stop", "an empty stop string".into());
         }
         let logprobs = self.logprobs()?;
-        let (constraint_field, constraint) = match self.constraint()? {
-            Some((f, c)) => (f, Some(c)),
-            None => ("", None),
-        };
+        let constraint = self.constraint()?;
         Ok(Params {
             max_tokens,
             sampling: leap_host::sampler::SamplingParams {
@@ -332,7 +328,6 @@ impl Common {
             logprobs,
             return_tokens: false,
             constraint,
-            constraint_field,
         })
     }
 }
@@ -495,7 +490,10 @@ mod tests {
         let c = |j: &str| {
             parse::<CompletionRequest>(j.as_bytes())
                 .and_then(|r| r.common.params())
-                .map(|p| (p.constraint_field, p.constraint))
+                .map(|p| match p.constraint {
+                    Some((field, c)) => (field, Some(c)),
+                    None => ("", None),
+                })
                 .map_err(|e| e.param)
         };
         let schema = |s: &str| Constraint::JsonSchema(s.to_string());

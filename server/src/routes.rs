@@ -545,10 +545,9 @@ async fn prepared(
         let (prompt, params) = prepare(&st, rd, &bytes)?;
         let grammar = match &params.constraint {
             None => None,
-            Some(c) => Some(
-                compile(rd, c)
-                    .map_err(|e| ApiError::invalid(e.to_string(), Some(params.constraint_field)))?,
-            ),
+            Some((field, c)) => {
+                Some(compile(rd, c).map_err(|e| ApiError::invalid(e.to_string(), Some(field)))?)
+            }
         };
         Ok(Prepared {
             prompt,
