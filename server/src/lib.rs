@@ -73,9 +73,9 @@ pub struct ServeArgs {
     /// knows (`chatml`, `llama3`, `gemma`, `phi3`, ...) or a template's text, as llama-server's.
     #[arg(long)]
     pub chat_template: Option<String>,
-    /// Accepted as llama-server takes it, with a warning: chat templates are rendered by
-    /// llama.cpp's built-in formats (llama-server without --jinja), which tell the common
-    /// templates apart by their text; tools, which need Jinja there, are refused here.
+    /// Not served here: refused by name. Chat templates are rendered by llama.cpp's built-in
+    /// formats (llama-server without --jinja), which tell the common templates apart by their
+    /// text; Jinja's rendering (and the tools it carries) is not.
     #[arg(long)]
     pub jinja: bool,
     /// Accepted as llama-server takes it: /metrics is served unless --no-metrics.
@@ -215,9 +215,9 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         Some(s) => anyhow::bail!("--seed {s}: from 0 to 4294967295, or -1 for a random one"),
     };
     if args.jinja {
-        eprintln!(
-            "leap serve: warning: --jinja: chat templates are rendered by llama.cpp's built-in \
-             formats (as llama-server without --jinja); tools are refused"
+        anyhow::bail!(
+            "--jinja: leap serve renders chat templates with llama.cpp's built-in formats, as \
+             llama-server does without --jinja (--chat-template picks one); leave --jinja out"
         );
     }
     let args = &args;

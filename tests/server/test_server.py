@@ -644,10 +644,10 @@ def test_cors_and_llama_server_s_key_names(leap, smollm):
 def test_llama_server_s_flags(leap, smollm):
     """llama-server's command line works: `-c` is the context of all slots together (each of
     `-np 2` gets half), `-s` seeds the requests that send no seed, `--metrics` is taken (its
-    names under `llamacpp:` too), `--chat-template` replaces the GGUF's, `--jinja` is taken;
+    names under `llamacpp:` too), `--chat-template` replaces the GGUF's;
     `/props` and `/slots` say so."""
     s = Server(leap, smollm, "-c", "512", "-np", "2", "-s", "7", "--metrics", "--chat-template",
-               "llama3", "--jinja", ctx=None, parallel=None)
+               "llama3", ctx=None, parallel=None)
     try:
         status, j = post(s.port, "/v1/completions", {"prompt": "x " * 300, "max_tokens": 4})
         assert_error(status, j, 400, code="context_length_exceeded")
