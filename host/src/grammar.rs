@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
+use crate::sampler::argmax;
 use crate::{backend, Error, Model, Result, Token};
 
 extern "C" {
@@ -162,6 +163,78 @@ impl Grammar {
             }
         }
         any
+    }
+
+    /// Whether the grammar allows `token` next (one candidate through the sampler: far
+    /// cheaper than [`Grammar::mask`] over a whole vocabulary).
+    pub fn allows(&mut self, token: Token) -> bool {
+        let mut one = sys::llama_token_data {
+            id: token,
+            logit: 0.0,
+            p: 0.0,
+        };
+        let mut arr = sys::llama_token_data_array {
+            data: &raw mut one,
+            size: 1,
+            selected: -1,
+            sorted: false,
+        };
+        // SAFETY: `arr` points at `one`, alive and unaliased during the call; the grammar
+        // sampler only rewrites logits in place.
+        unsafe { sys::llama_sampler_apply(self.raw.as_ptr(), &raw mut arr) };
+        // SAFETY: the sampler may have pointed `data` elsewhere; it holds `size` entries.
+        let out = unsafe { std::slice::from_raw_parts(arr.data, arr.size) };
+        out.iter()
+            .any(|c| c.id == token && c.logit != f32::NEG_INFINITY)
+    }
+
+    /// The greedy choice under the grammar: the allowed token with the largest logit (the
+    /// lowest id among equals), `None` when the grammar allows none. As llama.cpp's
+    /// `common_sampler` does, the unconstrained best is tried first and the whole vocabulary
+    /// masked only when the grammar refuses it: the same token either way, since an allowed
+    /// overall best is also the best allowed. `scratch` holds the masked copy.
+    pub fn choose_greedy(&mut self, logits: &[f32], scratch: &mut Vec<f32>) -> Option<Token> {
+        let best = argmax(logits);
+        if self.allows(best) {
+            return Some(best);
+        }
+        scratch.clear();
+        scratch.extend_from_slice(logits);
+        self.mask(scratch).then(|| argmax(scratch))
+    }
+
+    /// An independent copy in the same state (to walk drafts without moving this one).
+    ///
+    /// # Errors
+    /// [`Error::Grammar`] when llama.cpp cannot copy it.
+    pub fn try_clone(&self) -> Result<Self> {
+        // SAFETY: a live sampler; the copy is a new sampler owned by the result.
+        let raw = unsafe { sys::llama_sampler_clone(self.raw.as_ptr()) };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::Grammar {
+            what: "grammar",
+            reason: "llama.cpp could not copy its state".into(),
+        })?;
+        Ok(Self {
+            raw,
+            model: Arc::clone(&self.model),
+            cand: Vec::new(),
+        })
+    }
+
+    /// How many of `tokens`, one after another from here, the grammar allows (a copy walks
+    /// them; this one stays where it is).
+    ///
+    /// # Errors
+    /// As [`Grammar::try_clone`].
+    pub fn allowed_prefix(&self, tokens: &[Token]) -> Result<usize> {
+        let mut walk = self.try_clone()?;
+        for (i, &t) in tokens.iter().enumerate() {
+            if !walk.allows(t) {
+                return Ok(i);
+            }
+            walk.accept(t);
+        }
+        Ok(tokens.len())
     }
 
     /// Advance the grammar past `token`, the one chosen.

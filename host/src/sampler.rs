@@ -6,6 +6,20 @@ use llama_cpp_sys_2 as sys;
 
 use crate::{backend, Context, Token};
 
+/// Index of the largest logit (the first on ties, as llama.cpp's greedy sampler); 0 for an
+/// empty row.
+pub fn argmax(logits: &[f32]) -> Token {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best_v {
+            best_v = v;
+            best = i;
+        }
+    }
+    best as Token
+}
+
 /// Settings for a sampled (non-greedy) chain.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {

@@ -9,6 +9,7 @@
 
 use std::time::Instant;
 
+use leap_host::grammar::Grammar;
 use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
 use leap_host::usage::cpu_seconds;
@@ -315,6 +316,7 @@ impl Engine {
         max_tokens: usize,
         n_batch: usize,
         sampled: bool,
+        grammar: Option<&mut Grammar>,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Option<Generation>> {
         let Some(vc) = self.cfg.vocab.filter(|_| !sampled && self.cfg.on_demand) else {
@@ -373,6 +375,7 @@ impl Engine {
             *cached,
             max_tokens,
             n_batch,
+            grammar,
             on_token,
         )
         .map(Some)
@@ -396,13 +399,23 @@ impl Engine {
         sampling: &SamplingParams,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
-        self.generate_from(ctx, prompt, 0, max_tokens, n_batch, sampling, on_token)
+        self.generate_from(
+            ctx, prompt, 0, max_tokens, n_batch, sampling, None, on_token,
+        )
     }
 
     /// [`Engine::generate_with`] when sequence 0 of `ctx` already holds `prompt[..cached]`
     /// at positions `0..cached` (kept from an earlier request on this context, as
     /// [`crate::session::Session`] tracks): only the rest is prefilled. The output is the
     /// same as with `cached` 0: a row's results do not depend on its batch.
+    ///
+    /// Under a `grammar` (structured output), greedy generation drafts as without one: drafts
+    /// are cut at the first token the grammar refuses, each verified row's token is the
+    /// target's best among the tokens the grammar allows after the path to it (a copy of the
+    /// grammar walks the path, so rejected drafts leave the grammar where it was), and the
+    /// grammar accepts the tokens emitted. The output is plain decoding's under the same
+    /// grammar ([`crate::plain::plain_from`]), which is also how sampled generation under a
+    /// grammar runs (not drafted).
     ///
     /// # Errors
     /// As [`Engine::generate`].
@@ -415,19 +428,23 @@ impl Engine {
         max_tokens: usize,
         n_batch: usize,
         sampling: &SamplingParams,
+        mut grammar: Option<&mut Grammar>,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
-        if ctx.model().is_recurrent() {
-            // Verifying a draft would advance the state past tokens that are then not kept:
-            // plain decoding (under flash streaming, through the streamed projection).
-            warn_recurrent(ctx.model());
+        let recurrent = ctx.model().is_recurrent();
+        if recurrent || (grammar.is_some() && !sampling.is_greedy()) {
+            // Verifying a draft would advance a recurrent state past tokens that are then not
+            // kept: plain decoding (under flash streaming, through the streamed projection).
+            if recurrent {
+                warn_recurrent(ctx.model());
+            }
             let od = self
                 .on_demand
                 .as_ref()
                 .map(|(od, _)| od)
                 .filter(|od| od.streamed());
             return crate::plain::plain_from(
-                ctx, od, prompt, cached, max_tokens, sampling, n_batch, None, on_token,
+                ctx, od, prompt, cached, max_tokens, sampling, n_batch, grammar, on_token,
             );
         }
         let mut cached = cached.min(prompt.len().saturating_sub(1));
@@ -446,6 +463,7 @@ impl Engine {
             max_tokens,
             n_batch,
             sampled,
+            grammar.as_deref_mut(),
             on_token,
         )? {
             return Ok(g);
@@ -483,13 +501,25 @@ impl Engine {
         let cpu0 = cpu_seconds();
         let t1 = Instant::now();
         let mut pos0 = prompt.len() as i32;
-        let first = if sampled {
-            accept::pick(
+        // A vocabulary-sized buffer for a row's logits masked by the grammar.
+        let mut masked = Vec::new();
+        let first = match grammar.as_deref_mut() {
+            _ if sampled => accept::pick(
                 &trunc.apply(ctx.logits(-1)?).entries,
                 accept::position_uniform(sampling.seed, prompt.len()),
-            )
-        } else {
-            argmax(ctx.logits(-1)?)
+            ),
+            Some(gr) => match gr.choose_greedy(ctx.logits(-1)?, &mut masked) {
+                Some(t) => {
+                    gr.accept(t);
+                    t
+                }
+                None => {
+                    log::warn!("the grammar allows no token here: the output ends");
+                    g.decode_seconds = t1.elapsed().as_secs_f64();
+                    return Ok(g);
+                }
+            },
+            None => argmax(ctx.logits(-1)?),
         };
         g.tokens.push(first);
         // The first token goes out before the drafters take the prompt (a draft model
@@ -526,6 +556,9 @@ impl Engine {
             if budget > 0 {
                 for d in self.drafters(&mut local) {
                     d.propose(budget, branches, &mut proposals);
+                }
+                if let Some(gr) = grammar.as_deref() {
+                    allowed_drafts(gr, &mut proposals)?;
                 }
             }
             let (tree, evidence, expected) =
@@ -641,6 +674,10 @@ impl Engine {
                     }
                 }
             };
+            // Under a grammar, a copy walks the accepted path: each row's token is the best the
+            // grammar allows after the tokens before it. `stuck`: it allowed none.
+            let mut walker = grammar.as_deref().map(Grammar::try_clone).transpose()?;
+            let mut stuck = false;
             let acc = if sampled {
                 // The k-th token emitted here is at sequence position `base + k`.
                 let base = prompt.len() + g.tokens.len();
@@ -688,7 +725,26 @@ impl Engine {
                             _ => logits_of(node, &mut |l| predicted[node] = Some(argmax(l))),
                         }
                     }
-                    predicted[node].unwrap_or(-1)
+                    let best = predicted[node].unwrap_or(-1);
+                    let Some(w) = walker.as_mut().filter(|_| best >= 0) else {
+                        return best;
+                    };
+                    // The best overall when the grammar allows it, else the best allowed
+                    // from the row's logits (projected again: rare).
+                    let t = if w.allows(best) {
+                        Some(best)
+                    } else {
+                        let mut t = None;
+                        logits_of(node, &mut |l| t = w.choose_greedy(l, &mut masked));
+                        t
+                    };
+                    let Some(t) = t else {
+                        stuck = true;
+                        return -1;
+                    };
+                    w.accept(t);
+                    predicted[node] = Some(t);
+                    t
                 })
             };
             g.output_rows += singles.get();
@@ -766,7 +822,7 @@ impl Engine {
             // rest of the path is drafted again first thing next step (see `trunk_end`).
             // Sampling keeps the whole path: rounding does not change whose distribution a
             // token follows, and accepting a token twice would.
-            let trunk = if sampled {
+            let trunk = if sampled || stuck {
                 acc.node
             } else {
                 tree.trunk_end(acc.node)
@@ -792,8 +848,16 @@ impl Engine {
             pos0 += acc_tokens.len() as i32;
 
             for &t in acc_tokens {
+                if t < 0 && stuck {
+                    log::warn!("the grammar allows no token here: the output ends");
+                    done = true;
+                    break;
+                }
                 if t < 0 {
                     return Err(Error::NoLogits { row: -1 });
+                }
+                if let Some(gr) = grammar.as_deref_mut() {
+                    gr.accept(t);
                 }
                 g.tokens.push(t);
                 for d in self.drafters(&mut local) {
@@ -827,6 +891,19 @@ impl Engine {
         }
         Ok(g)
     }
+}
+
+/// Cut each proposal (drafts after the last emitted token) at the first token `grammar` does
+/// not allow there, and drop those left empty: the target would refuse them anyway.
+///
+/// # Errors
+/// The grammar cannot be copied.
+fn allowed_drafts(grammar: &Grammar, proposals: &mut Vec<Proposal>) -> Result<()> {
+    for p in proposals.iter_mut() {
+        p.tokens.truncate(grammar.allowed_prefix(&p.tokens)?);
+    }
+    proposals.retain(|p| !p.tokens.is_empty());
+    Ok(())
 }
 
 /// Most rows projected together in greedy verification.

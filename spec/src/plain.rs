@@ -103,17 +103,7 @@ pub fn keep_prefix(ctx: &mut Context, keep: usize) -> usize {
 }
 
 /// Index of the largest logit (the first on ties, as llama.cpp's greedy sampler).
-pub fn argmax(logits: &[f32]) -> Token {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best_v {
-            best_v = v;
-            best = i;
-        }
-    }
-    best as Token
-}
+pub use leap_host::sampler::argmax;
 
 /// Plain decoding: greedy when [`SamplingParams::is_greedy`], else llama.cpp's sampler chain
 /// ([`Truncation`]) drawn with the uniform of (seed, position) ([`position_uniform`]). Stops
@@ -198,36 +188,41 @@ pub fn plain_from(
     let mut row = Vec::new();
     let mut hidden: Option<Vec<f32>> = None;
     while g.tokens.len() < max_tokens {
-        // Under a grammar, `row` holds the masked logits.
-        if let Some(gr) = grammar.as_deref_mut() {
-            row.clear();
-            row.extend_from_slice(ctx.logits(-1)?);
-            if !gr.mask(&mut row) {
-                log::warn!("the grammar allows no token here: the output ends");
-                break;
-            }
-        }
-        let tok = match (trunc.as_ref(), hidden.take(), od) {
-            // Position `pos`'s token, with the uniform of (seed, pos) as every sampling path.
-            (Some(tr), _, _) => {
-                let logits = if grammar.is_some() {
-                    &row
-                } else {
-                    ctx.logits(-1)?
+        let tok = match (trunc.as_ref(), grammar.as_deref_mut(), hidden.take(), od) {
+            // Position `pos`'s token, with the uniform of (seed, pos) as every sampling path;
+            // under a grammar, from the masked logits.
+            (Some(tr), gr, _, _) => {
+                let logits = match gr {
+                    Some(gr) => {
+                        row.clear();
+                        row.extend_from_slice(ctx.logits(-1)?);
+                        if !gr.mask(&mut row) {
+                            log::warn!("the grammar allows no token here: the output ends");
+                            break;
+                        }
+                        &row
+                    }
+                    None => ctx.logits(-1)?,
                 };
                 pick(
                     &tr.apply(logits).entries,
                     position_uniform(sampling.seed, pos as usize),
                 )
             }
-            (None, _, _) if grammar.is_some() => argmax(&row),
-            (None, Some(h), Some(od)) => {
+            (None, Some(gr), _, _) => match gr.choose_greedy(ctx.logits(-1)?, &mut row) {
+                Some(t) => t,
+                None => {
+                    log::warn!("the grammar allows no token here: the output ends");
+                    break;
+                }
+            },
+            (None, None, Some(h), Some(od)) => {
                 let tp = Instant::now();
                 od.try_logits(&h, &mut row)?;
                 g.project_seconds += tp.elapsed().as_secs_f64();
                 argmax(&row)
             }
-            (None, _, _) => argmax(ctx.logits(-1)?),
+            (None, None, _, _) => argmax(ctx.logits(-1)?),
         };
         if let Some(gr) = grammar.as_deref_mut() {
             gr.accept(tok);

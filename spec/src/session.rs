@@ -530,9 +530,10 @@ impl Session {
     }
 
     /// [`Session::generate`] under `grammar` (structured output): each token is chosen among
-    /// those the grammar allows, by plain decoding under it (`plain::plain_from`), so
-    /// greedy output is plain decoding's under the same grammar and sampled output the
-    /// target's distribution restricted to it. Not drafted yet, in either mode.
+    /// those the grammar allows. Greedy output is plain decoding's under the same grammar
+    /// (`plain::plain_from`), drafted in Leap's mode (drafts the grammar refuses are cut,
+    /// see [`crate::engine::Engine::generate_from`]); sampled output is the target's
+    /// distribution restricted to the grammar, decoded plainly in either mode.
     ///
     /// # Errors
     /// As [`Session::generate`].
@@ -659,18 +660,19 @@ impl Session {
         grammar: Option<&mut leap_host::grammar::Grammar>,
         on_token: &mut dyn FnMut(Token) -> bool,
     ) -> Result<Generation> {
-        Ok(match (self.engine.as_mut(), grammar) {
-            (Some(e), None) => e.generate_from(
+        Ok(match self.engine.as_mut() {
+            // Under a grammar too: greedy drafts, sampled decodes plainly (see the engine).
+            Some(e) => e.generate_from(
                 &mut self.ctx,
                 prompt,
                 cached,
                 req.max_tokens,
                 self.n_batch,
                 &req.sampling,
+                grammar,
                 on_token,
             )?,
-            // A grammar is decoded plainly (not drafted yet), in either mode.
-            (_, grammar) => plain::plain_from(
+            None => plain::plain_from(
                 &mut self.ctx,
                 self.plain_od.as_ref(),
                 prompt,

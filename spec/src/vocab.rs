@@ -23,6 +23,7 @@
 
 use std::time::Instant;
 
+use leap_host::grammar::Grammar;
 use leap_host::project::{DraftVocab, OnDemand};
 use leap_host::usage::cpu_seconds;
 use leap_host::{Batch, Context, Error, Result, Token};
@@ -295,6 +296,7 @@ pub fn generate(
     cached: usize,
     max_tokens: usize,
     n_batch: usize,
+    mut grammar: Option<&mut Grammar>,
     on_token: &mut dyn FnMut(Token) -> bool,
 ) -> Result<Generation> {
     if prompt.is_empty() {
@@ -308,12 +310,27 @@ pub fn generate(
     // The prompt's pass ends in llama.cpp's projection: nothing of Leap's to read ahead.
     od.prefetch(false);
     prefill_from(ctx, prompt, cached, n_batch)?;
-    let first = argmax(ctx.logits(-1)?);
     let model = ctx.model().clone();
     let mut g = Generation {
         prefill_seconds: t0.elapsed().as_secs_f64(),
         self_drafted: true,
         ..Default::default()
+    };
+    // A vocabulary-sized buffer for a row's logits masked by the grammar.
+    let mut masked = Vec::new();
+    let first = match grammar.as_deref_mut() {
+        Some(gr) => match gr.choose_greedy(ctx.logits(-1)?, &mut masked) {
+            Some(t) => {
+                gr.accept(t);
+                t
+            }
+            None => {
+                log::warn!("the grammar allows no token here: the output ends");
+                od.prefetch(true);
+                return Ok(g);
+            }
+        },
+        None => argmax(ctx.logits(-1)?),
     };
     let cpu0 = cpu_seconds();
     let t1 = Instant::now();
@@ -387,6 +404,10 @@ pub fn generate(
             if let Some(p) = proposals.first() {
                 chain.clone_from(&p.tokens);
             }
+            // Under a grammar, up to the first token it refuses.
+            if let Some(gr) = grammar.as_deref() {
+                chain.truncate(gr.allowed_prefix(&chain)?);
+            }
         }
         g.draft_seconds += td.elapsed().as_secs_f64();
         // The stream reads the projection's first chunk ahead only in the call before a pass.
@@ -420,6 +441,8 @@ pub fn generate(
         }
         g.target_calls += 1;
         let k = k.max(drafts.len());
+        // Under a grammar, a copy of it after the drafts so far (made at the first step).
+        let mut walk: Option<Grammar> = None;
         while drafts.len() < k
             && !drafts.last().is_some_and(|&d| model.is_eog(d))
             && g.tokens.len() + drafts.len() + 1 < max_tokens
@@ -429,6 +452,21 @@ pub fn generate(
             let Some(d) = ahead.take().or_else(|| vocab.argmax(h).map(|(d, _)| d)) else {
                 break;
             };
+            if let Some(gr) = grammar.as_deref() {
+                let w = match &mut walk {
+                    Some(w) => w,
+                    None => {
+                        let mut w = gr.try_clone()?;
+                        drafts.iter().for_each(|&t| w.accept(t));
+                        walk.insert(w)
+                    }
+                };
+                // The target would refuse it: no step for it.
+                if !w.allows(d) {
+                    break;
+                }
+                w.accept(d);
+            }
             g.draft_seconds += td.elapsed().as_secs_f64();
             drafts.push(d);
             if model.is_eog(d) {
@@ -463,9 +501,24 @@ pub fn generate(
         g.output_rows += rows as u64;
         g.rows_after_exit += rows as u64;
         // Walk: the target's token after each state; a draft stands while it is that token.
+        // Under a grammar, the best it allows (it accepts the token: every token emitted here
+        // is output, or the generation ends). `stuck`: it allowed none.
         emitted.clear();
+        let mut stuck = false;
         for (i, l) in logits[..rows].iter().enumerate() {
-            let t = argmax(l);
+            let t = match grammar.as_deref_mut() {
+                Some(gr) => match gr.choose_greedy(l, &mut masked) {
+                    Some(t) => {
+                        gr.accept(t);
+                        t
+                    }
+                    None => {
+                        stuck = true;
+                        break;
+                    }
+                },
+                None => argmax(l),
+            };
             emitted.push(t);
             if drafts.get(i) != Some(&t) {
                 break;
@@ -512,6 +565,10 @@ pub fn generate(
                 done = true;
                 break;
             }
+        }
+        if stuck {
+            log::warn!("the grammar allows no token here: the output ends");
+            break;
         }
         next = *emitted.last().expect("one token per pass at least");
         pos += 1 + m as i32;

@@ -5,7 +5,7 @@
 
 use leap_host::Token;
 use leap_spec::session::{Error, Mode, Options, Request, Runtime};
-use leap_tests::{kernels, model_path, threads, GEMMA, PROMPTS, SMOLLM};
+use leap_tests::{kernels, model_path, threads, GEMMA, NOTES, PROMPTS, SMOLLM};
 
 fn runtime(name: &str, mode: Mode) -> Runtime {
     kernels();
@@ -478,4 +478,82 @@ fn smollm_grammars_constrain_greedy_output() {
 #[test]
 fn gemma_grammars_constrain_greedy_output() {
     grammars_constrain_greedy_output(GEMMA);
+}
+
+/// Structured output drafts: asked to quote a text as JSON of a schema, a Leap session drafts
+/// (the quotes are in the prompt) and takes fewer target calls than tokens, and its tokens are
+/// a plain session's under the same grammar. The grammar's own operations agree: the greedy
+/// choice is the best of the masked row, and a copy walks drafts without moving the original.
+fn grammars_draft_and_stay_exact(name: &str) {
+    use leap_host::grammar::Grammar;
+    let leap = runtime(name, Mode::Leap);
+    let plain = runtime(name, Mode::Plain);
+    let model = leap.model().clone();
+    let para = &NOTES[NOTES.find("\n\n").unwrap() + 2..];
+    let para = &para[..para.find("\n\n").unwrap()];
+    let ask = format!(
+        "{para}\n\nCopy the first three sentences of the text above word for word. Answer in \
+         JSON, with the sentences in a list called quotes."
+    );
+    let prompt = leap.prompt_tokens(&ask, true).unwrap();
+    let schema = r#"{"type": "object", "properties": {"quotes": {"type": "array",
+        "items": {"type": "string"}, "minItems": 1, "maxItems": 3}}, "required": ["quotes"]}"#;
+    let run = |s: &mut leap_spec::session::Session| {
+        let mut g = Grammar::json_schema(&model, schema).unwrap();
+        s.generate_constrained(&prompt, &greedy(160), &mut g, &mut |_| true)
+            .unwrap()
+    };
+    let got = run(&mut leap.session().unwrap());
+    let want = run(&mut plain.session().unwrap());
+    let text = model.detokenize(&got.tokens, true, false).unwrap();
+    assert_eq!(got.tokens, want.tokens, "{name}: {text:?}");
+    eprintln!(
+        "{name}: {} tokens in {} calls ({} drafted, self-drafted {}): {text:?}",
+        got.tokens.len(),
+        got.target_calls,
+        got.drafted_tokens,
+        got.self_drafted
+    );
+    assert!(
+        got.drafted_tokens > 0 && got.target_calls < got.tokens.len() as u64,
+        "{name}: {} calls for {} tokens, {} drafted: {text:?}",
+        got.target_calls,
+        got.tokens.len(),
+        got.drafted_tokens
+    );
+    assert!(
+        text.starts_with('{') && text.contains("\"quotes\": ["),
+        "{name}: {text:?}"
+    );
+
+    // The grammar's operations. A copy walks the whole output (it is the grammar's, its end
+    // of generation included); the original stays at the start (it allows the first token
+    // again below, which a complete grammar would not).
+    let mut g = Grammar::json_schema(&model, schema).unwrap();
+    let walked = g.allowed_prefix(&want.tokens).unwrap();
+    assert_eq!(walked, want.tokens.len(), "{name}: {text:?}");
+    let n_vocab = model.n_vocab() as usize;
+    let mut masked = Vec::new();
+    for (i, &t) in want.tokens.iter().take(12).enumerate() {
+        // A row where the best overall is refused (`{` is the only start), and rows where
+        // it is allowed: the greedy choice is the masked row's best either way.
+        let mut row: Vec<f32> = (0..n_vocab)
+            .map(|v| ((v * 7919 + i * 104_729) % 1000) as f32)
+            .collect();
+        let chosen = g.choose_greedy(&row, &mut masked).unwrap();
+        assert!(g.mask(&mut row));
+        assert_eq!(chosen, leap_host::sampler::argmax(&row), "{name}: row {i}");
+        assert!(g.allows(t) && g.allowed_prefix(&[t]).unwrap() == 1);
+        g.accept(t);
+    }
+}
+
+#[test]
+fn smollm_grammars_draft_and_stay_exact() {
+    grammars_draft_and_stay_exact(SMOLLM);
+}
+
+#[test]
+fn gemma_grammars_draft_and_stay_exact() {
+    grammars_draft_and_stay_exact(GEMMA);
 }

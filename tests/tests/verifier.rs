@@ -224,6 +224,7 @@ fn any_draft_gives_plain_greedy_output_and_a_fresh_prefills_cache() {
                         TOKENS,
                         512,
                         &SamplingParams::default(),
+                        None,
                         &mut |_| true,
                     )
                     .expect("engine generation");
