@@ -179,7 +179,8 @@ pub const FIELDS: &[(&str, On, Rule)] = &[
     ("mirostat_tau", Both, NoEffect),
     ("mirostat_eta", Both, NoEffect),
     ("dynatemp_exponent", Both, NoEffect),
-    ("parallel_tool_calls", Both, NoEffect),
+    ("parallel_tool_calls", Only(Chat), Honoured),
+    ("parallel_tool_calls", Only(Completion), NoEffect),
     // Accepted only where they change nothing.
     ("presence_penalty", Both, Neutral(zero, "0")),
     ("frequency_penalty", Both, Neutral(zero, "0")),
@@ -203,10 +204,17 @@ pub const FIELDS: &[(&str, On, Rule)] = &[
     ("grammar", Both, Honoured),
     ("json_schema", Both, Honoured),
     ("response_format", Both, Honoured),
-    ("tools", Both, Neutral(empty, "[]")),
+    // Chat calls tools ([`crate::tools`]); a completion has no messages to call them from.
+    ("tools", Only(Chat), Honoured),
+    ("tool_choice", Only(Chat), Honoured),
+    (
+        "tools",
+        Only(Completion),
+        Neutral(empty, "[] (chat calls tools)"),
+    ),
     (
         "tool_choice",
-        Both,
+        Only(Completion),
         Neutral(no_tool, "\"none\" or \"auto\" (no tools)"),
     ),
     ("functions", Both, Neutral(empty, "[]")),
@@ -278,8 +286,8 @@ const MESSAGE_FIELDS: &[(&str, Rule)] = &[
     ("content", Honoured),
     // llama.cpp's built-in chat templates (the ones this server applies) do not render it.
     ("name", NoEffect),
-    ("tool_calls", Neutral(empty, "[]")),
-    ("tool_call_id", Neutral(null, "null")),
+    ("tool_calls", Honoured),
+    ("tool_call_id", Honoured),
     ("function_call", Neutral(null, "null")),
     ("refusal", Neutral(null, "null")),
     ("audio", Neutral(null, "null")),
@@ -580,8 +588,13 @@ mod tests {
             {"role": "assistant", "content": null,
              "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
         ]});
+        check(body.as_object().unwrap(), Chat).unwrap();
+        let body = json!({"messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "y", "audio": {"id": "a1"}}
+        ]});
         let e = check(body.as_object().unwrap(), Chat).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("messages[1].tool_calls"));
+        assert_eq!(e.param.as_deref(), Some("messages[1].audio"));
         let body = json!({"messages": [{"role": "user", "content": "x", "mood": "happy"}]});
         let e = check(body.as_object().unwrap(), Chat).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].mood"));

@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod oai;
 pub mod routes;
 pub mod slots;
+pub mod tools;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -75,7 +76,8 @@ pub struct ServeArgs {
     pub chat_template: Option<String>,
     /// Not served here: refused by name. Chat templates are rendered by llama.cpp's built-in
     /// formats (llama-server without --jinja), which tell the common templates apart by their
-    /// text; Jinja's rendering (and the tools it carries) is not.
+    /// text; Jinja's rendering is not (tools are described in the system message instead,
+    /// see `tools`).
     #[arg(long)]
     pub jinja: bool,
     /// Accepted as llama-server takes it: /metrics is served unless --no-metrics.

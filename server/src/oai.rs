@@ -123,11 +123,21 @@ pub struct Message {
     pub role: String,
     /// `null` is allowed for an assistant turn that only called tools; it counts as empty.
     pub content: Option<Content>,
+    /// An assistant turn's calls (OpenAI's `tool_calls`).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
+    /// Functions the model may call ([`crate::tools`]).
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -212,6 +222,8 @@ pub struct Params {
     /// Structured output: the grammar or schema the output follows, and the request field it
     /// came from.
     pub constraint: Option<(&'static str, Constraint)>,
+    /// A chat request's tools: the answer is a call or text in JSON ([`crate::tools`]).
+    pub tools: Option<std::sync::Arc<crate::tools::Tools>>,
 }
 
 /// llama-server's sampling for what a request leaves out: temperature 0.8, and top-k 40,
@@ -328,6 +340,7 @@ impl Common {
             logprobs,
             return_tokens: false,
             constraint,
+            tools: None,
         })
     }
 }
@@ -424,19 +437,21 @@ impl Common {
 }
 
 impl Message {
-    /// The message's text (parts joined; non-text parts refused).
+    /// The message's text (parts joined; non-text parts refused). An assistant turn's calls
+    /// and a `tool` message's result are written as JSON in the shape tool answers take
+    /// ([`crate::tools`]); a `tool` message is a user turn.
     ///
     /// # Errors
-    /// An unknown role, a part that is not text.
+    /// An unknown role, a part that is not text, a call without a function name.
     pub fn to_chat(&self, i: usize) -> Result<leap_host::model::ChatMessage, ApiError> {
         let param = format!("messages[{i}]");
         let role = match self.role.as_str() {
             "system" | "developer" => "system",
-            "user" => "user",
+            "user" | "tool" => "user",
             "assistant" => "assistant",
             r => {
                 return Err(ApiError::invalid(
-                    format!("{param}: role {r:?}: system, user or assistant"),
+                    format!("{param}: role {r:?}: system, user, assistant or tool"),
                     Some(&param),
                 ))
             }
@@ -459,6 +474,18 @@ impl Message {
                 }
                 s
             }
+        };
+        let content = match (self.role.as_str(), self.tool_calls.as_deref()) {
+            ("tool", _) => crate::tools::tool_result(&content, self.tool_call_id.as_deref()),
+            ("assistant", Some(calls)) if !calls.is_empty() => {
+                let calls = crate::tools::assistant_calls(calls, &param)?;
+                if content.is_empty() {
+                    calls
+                } else {
+                    format!("{content}\n{calls}")
+                }
+            }
+            _ => content,
         };
         Ok(leap_host::model::ChatMessage {
             role: role.into(),

@@ -661,8 +661,16 @@ async fn chat(
 ) -> Result<Response, ApiError> {
     let p = prepared(&s, body, |st, rd, bytes| {
         let r: ChatRequest = oai::parse(bytes)?;
-        let params = r.common.params_seeded(st.seed)?;
-        let msgs = chat_messages(&r, rd, st.n_ctx)?;
+        let mut params = r.common.params_seeded(st.seed)?;
+        let mut msgs = chat_messages(&r, rd, st.n_ctx)?;
+        let tools = crate::tools::Tools::from_request(
+            r.tools.as_ref(),
+            r.tool_choice.as_ref(),
+            r.parallel_tool_calls,
+        )?;
+        if let Some(t) = tools {
+            with_tools(&mut msgs, &mut params, t)?;
+        }
         // The template's control tokens as control tokens; what the messages say as text.
         let prompt = rd
             .rt
@@ -673,6 +681,41 @@ async fn chat(
     })
     .await?;
     generate(s, p, Kind::Chat, tenant).await
+}
+
+/// A chat request with tools: the system message describes them and the answer's shape, and
+/// the answer is constrained to it ([`crate::tools`]).
+///
+/// # Errors
+/// A 400 when the request also constrains the output itself (one constraint per request).
+fn with_tools(
+    msgs: &mut Vec<leap_host::model::ChatMessage>,
+    params: &mut Params,
+    tools: crate::tools::Tools,
+) -> Result<(), ApiError> {
+    if let Some((field, _)) = &params.constraint {
+        return Err(ApiError::invalid(
+            format!(
+                "{field} and tools: a tool call's answer follows its own schema; send \
+                 tool_choice \"none\" to constrain a text answer"
+            ),
+            Some(field),
+        ));
+    }
+    let text = tools.instructions();
+    match msgs.first_mut() {
+        Some(m) if m.role == "system" => m.content = format!("{}\n\n{text}", m.content),
+        _ => msgs.insert(
+            0,
+            leap_host::model::ChatMessage {
+                role: "system".into(),
+                content: text,
+            },
+        ),
+    }
+    params.constraint = Some(("tools", oai::Constraint::JsonSchema(tools.schema())));
+    params.tools = Some(Arc::new(tools));
+    Ok(())
 }
 
 /// Queue the request on a slot and answer: a JSON body, or server-sent events.
@@ -723,6 +766,7 @@ async fn generate(
         kind,
         drafting: s.drafting_stats,
         return_tokens: p.return_tokens,
+        tools: p.tools.clone(),
     };
     if p.stream {
         let stream = sse_stream(head, rx, p.include_usage);
@@ -751,6 +795,8 @@ struct Head {
     drafting: bool,
     /// `/completion`'s `return_tokens`.
     return_tokens: bool,
+    /// A chat request's tools: the text is an answer to parse ([`Head::answer`]).
+    tools: Option<Arc<crate::tools::Tools>>,
 }
 
 impl Head {
@@ -805,6 +851,22 @@ impl Head {
         v
     }
 
+    /// A chat answer's message and finish reason: with tools, the calls the text makes
+    /// (`tool_calls`) or the text answer in it; the text as it is when it is not an answer
+    /// (cut short by a length limit or a stop string).
+    fn answer(&self, text: &str, finish: &'static str) -> (Value, &'static str) {
+        use crate::tools::Answer;
+        match self.tools.as_deref().map(|t| t.parse(text)) {
+            Some(Some(Answer::Calls(calls))) => (
+                json!({"role": "assistant", "content": null,
+                       "tool_calls": crate::tools::calls_json(&calls, &self.id)}),
+                "tool_calls",
+            ),
+            Some(Some(Answer::Text(t))) => (json!({"role": "assistant", "content": t}), finish),
+            _ => (json!({"role": "assistant", "content": text}), finish),
+        }
+    }
+
     /// A streamed chunk's one choice.
     fn chunk(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
         let choice = match self.kind {
@@ -853,12 +915,15 @@ async fn collect(head: Head, mut rx: UnboundedReceiver<Event>) -> Result<Respons
             "logprobs": logprobs,
             "finish_reason": o.finish.as_str(),
         }),
-        Kind::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": o.finish.as_str(),
-        }),
+        Kind::Chat => {
+            let (message, finish) = head.answer(&text, o.finish.as_str());
+            json!({
+                "index": 0,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            })
+        }
     };
     let mut v = head.wrap(false, json!([choice]), Some(("usage", o.usage())));
     v["timings"] = o.timings(head.drafting);
@@ -938,8 +1003,11 @@ fn sse_stream(
         next: Option<Event>,
         first: bool,
         done: bool,
+        /// With tools, the text until it ends (an answer is parsed whole).
+        held: Option<String>,
     }
     let st = St {
+        held: head.tools.as_ref().map(|_| String::new()),
         head,
         rx,
         next: None,
@@ -968,9 +1036,14 @@ fn sse_stream(
                         }
                     }
                 }
-                let v = st.head.chunk(&t, None, st.first);
-                st.first = false;
-                vec![json_event(&v)]
+                if let Some(h) = st.held.as_mut() {
+                    h.push_str(&t);
+                    Vec::new()
+                } else {
+                    let v = st.head.chunk(&t, None, st.first);
+                    st.first = false;
+                    vec![json_event(&v)]
+                }
             }
             Some(Event::Done(o)) if st.head.kind == Kind::Native => {
                 // llama-server's stream ends with its last object, and no `[DONE]`.
@@ -980,11 +1053,25 @@ fn sse_stream(
             Some(Event::Done(o)) => {
                 st.done = true;
                 let mut events = Vec::new();
-                if st.first && st.head.kind == Kind::Chat {
+                let mut finish = o.finish.as_str();
+                if let Some(text) = st.held.take() {
+                    // The answer in one delta, as OpenAI streams a call: its role, and the
+                    // text or each call (with its index) whole.
+                    let (mut delta, f) = st.head.answer(&text, finish);
+                    finish = f;
+                    if let Some(calls) = delta.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                        for (i, c) in calls.iter_mut().enumerate() {
+                            c["index"] = json!(i);
+                        }
+                    }
+                    let mut v = st.head.chunk("", None, true);
+                    v["choices"][0]["delta"] = delta;
+                    events.push(json_event(&v));
+                } else if st.first && st.head.kind == Kind::Chat {
                     // Every chat stream opens with the assistant's role.
                     events.push(json_event(&st.head.chunk("", None, true)));
                 }
-                let mut last = st.head.chunk("", Some(o.finish.as_str()), false);
+                let mut last = st.head.chunk("", Some(finish), false);
                 last["timings"] = o.timings(st.head.drafting);
                 if let Some(l) = o.logprobs.as_deref() {
                     // They come from one pass over the output after it is generated

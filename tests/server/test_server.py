@@ -181,8 +181,8 @@ HI = [{"role": "user", "content": "hi"}]
         # is a 400 naming it, not a 200 with a different answer.
         ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}},
          "response_format", None),
-        ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function",
-                                  "function": {"name": "f", "parameters": {}}}]}, "tools", None),
+        ("/v1/completions", {"prompt": "x", "tools": [{"type": "function",
+                             "function": {"name": "f", "parameters": {}}}]}, "tools", None),
         ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs", None),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", None),
         ("/v1/completions", {"prompt": "x", "grammar": 'root ::= ('}, "grammar", None),
@@ -190,17 +190,20 @@ HI = [{"role": "user", "content": "hi"}]
          "json_schema", None),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None),
         ("/v1/completions", {"prompt": "x", "max_token": 4}, "max_token", None),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_call_id": "7"}]},
-         "messages[0].tool_call_id", None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]},
+         "messages[0].audio", None),
+        ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "content": None,
+                                  "tool_calls": [{"id": "1", "type": "function"}]}]},
+         "messages[1]", None),
         ("/tokenize", {"content": "x", "add_bos": True}, "add_bos", None),
     ],
     ids=[
         "malformed-json", "not-an-object", "missing-prompt", "prompt-int", "max_tokens-string",
         "max_tokens-0", "temperature-9", "n-2", "five-stops", "max_tokens-beyond-ctx",
         "prompt-beyond-ctx", "empty-prompt", "chat-unknown-role", "chat-no-messages",
-        "chat-messages-string", "unknown-format", "tools",
+        "chat-messages-string", "unknown-format", "tools-on-completions",
         "top_logprobs-without-logprobs", "logprobs-21", "bad-grammar", "bad-schema", "penalty",
-        "misspelt-field", "tool-message-field", "tokenize-unknown-field",
+        "misspelt-field", "message-audio", "tool-call-without-name", "tokenize-unknown-field",
     ],
 )
 def test_bad_request(server, path, body, param, code):
@@ -266,6 +269,79 @@ def test_structured_output(server):
                      {"prompt": "Is Paris in France? Answer:", "max_tokens": 8, "temperature": 0,
                       "grammar": 'root ::= " yes" | " no"'})
     assert status == 200 and j["choices"][0]["text"] in (" yes", " no"), j
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather now in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The time now in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                       "required": ["zone"], "additionalProperties": False}}},
+]
+
+
+def test_tool_calls(server):
+    """Tool calling through the openai package: a required call parses to a given function and
+    its arguments' schema, streamed the same (deltas as OpenAI streams a call), a named function
+    is the one called; the call and its result go back as messages for the next turn; without a
+    call the answer is text; what cannot be honoured is a 400 naming the field."""
+    client = openai.OpenAI(base_url=f"http://{HOST}:{server.port}/v1", api_key="none",
+                           timeout=HTTP_TIMEOUT, max_retries=0)
+    ask = dict(model="m", max_tokens=64, temperature=0, tools=TOOLS, tool_choice="required",
+               messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    r = client.chat.completions.create(**ask)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, r
+    call = c.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    want_key = {"get_weather": "city", "get_time": "zone"}[call.function.name]
+    assert set(args) == {want_key} and isinstance(args[want_key], str), args
+    assert call.type == "function" and call.id
+    # Streamed: the openai package's deltas, gathered, are the same calls.
+    names, arguments, finish = {}, {}, None
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        for d in ch.delta.tool_calls or []:
+            names[d.index] = names.get(d.index, "") + (d.function.name or "")
+            arguments[d.index] = arguments.get(d.index, "") + (d.function.arguments or "")
+        finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(names[i], arguments[i]) for i in sorted(names)] == \
+        [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+    # A named function, one call.
+    r = client.chat.completions.create(**{
+        **ask, "parallel_tool_calls": False,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_time", r
+    assert set(json.loads(calls[0].function.arguments)) == {"zone"}
+    # The next turn: the call and its result as messages; "none" answers in text.
+    turn = ask["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "celsius": 21}'}]
+    r = client.chat.completions.create(**{**ask, "messages": turn, "tool_choice": "none"})
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls, r
+    # "auto": a call or a text answer, either parsed.
+    r = client.chat.completions.create(**{**ask, "messages": turn, "tool_choice": "auto"})
+    m = r.choices[0].message
+    assert (m.tool_calls and r.choices[0].finish_reason == "tool_calls") or \
+        (m.content is not None and not m.content.lstrip().startswith('{"response"')), r
+    for body, param in [
+        ({**ask, "tool_choice": {"type": "function", "function": {"name": "rm"}}}, "tool_choice"),
+        ({**ask, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**ask, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": 3}}}]}, "tools"),
+    ]:
+        body.pop("model")
+        status, j = post(server.port, "/v1/chat/completions", body)
+        assert_error(status, j, 400, param)
 
 
 def test_streamed_logprobs_are_the_unstreamed_ones(server):
