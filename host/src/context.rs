@@ -73,6 +73,20 @@ pub struct ContextParams {
     /// on the batch shapes and on the number of sequences (its size does), and the attention
     /// sums over cells in SIMD lanes by cell index, so a token's logits would depend on them.
     pub swa_full: bool,
+    /// Pool each sequence's final hidden states into one embedding ([`Context::embedding`])
+    /// instead of computing logits; `None` for a generating context.
+    pub pooling: Option<Pooling>,
+}
+
+/// How an embedding context pools a sequence's rows (llama.cpp's pooling types).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// The mean of every row.
+    Mean,
+    /// The last row.
+    Last,
+    /// The first row.
+    Cls,
 }
 
 impl Default for ContextParams {
@@ -88,6 +102,7 @@ impl Default for ContextParams {
             flash_attn: FlashAttn::Off,
             kv_unified: true,
             swa_full: true,
+            pooling: None,
         }
     }
 }
@@ -185,6 +200,14 @@ impl Context {
         };
         cp.kv_unified = params.kv_unified;
         cp.swa_full = params.swa_full;
+        if let Some(p) = params.pooling {
+            cp.embeddings = true;
+            cp.pooling_type = match p {
+                Pooling::Mean => sys::LLAMA_POOLING_TYPE_MEAN,
+                Pooling::Last => sys::LLAMA_POOLING_TYPE_LAST,
+                Pooling::Cls => sys::LLAMA_POOLING_TYPE_CLS,
+            };
+        }
         let mut observer = observer.map(|obs| {
             Box::new(crate::eval::Hook {
                 obs,
@@ -322,6 +345,25 @@ impl Context {
         // SAFETY: a non-null result points to n_vocab floats owned by the context, valid
         // until the next decode, which needs `&mut self` and so cannot overlap this borrow.
         Ok(unsafe { std::slice::from_raw_parts(p, self.model.n_vocab() as usize) })
+    }
+
+    /// Sequence `seq`'s pooled embedding after a decode, in a context made with
+    /// [`ContextParams::pooling`] (`n_embd` values).
+    ///
+    /// # Errors
+    /// [`Error::NoLogits`] (row -1) when the context does not pool or `seq` was not decoded.
+    pub fn embedding(&self, seq: SeqId) -> Result<&[f32]> {
+        self.check_seq(seq)?;
+        // SAFETY: live context; llama.cpp returns null for a context or sequence without
+        // a pooled embedding.
+        let p = unsafe { sys::llama_get_embeddings_seq(self.raw(), seq) };
+        if p.is_null() {
+            backend::take_last_problem();
+            return Err(Error::NoLogits { row: -1 });
+        }
+        // SAFETY: a non-null result points to n_embd floats owned by the context, valid until
+        // the next decode, which needs `&mut self`.
+        Ok(unsafe { std::slice::from_raw_parts(p, self.model.n_embd() as usize) })
     }
 
     fn mem(&self) -> sys::llama_memory_t {

@@ -44,7 +44,7 @@ pub mod sidecar;
 pub mod usage;
 
 pub use batch::Batch;
-pub use context::{Cancel, Context, ContextParams, FlashAttn};
+pub use context::{Cancel, Context, ContextParams, FlashAttn, Pooling};
 pub use error::{Error, Result};
 pub use eval::{Chain, EvalObserver, TensorView};
 pub use gguf::GgufInfo;

@@ -55,6 +55,18 @@ impl ApiError {
         }
     }
 
+    /// 501: an endpoint this server serves only when started so (llama-server's answer).
+    pub fn not_implemented(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::NOT_IMPLEMENTED,
+            message: message.into(),
+            kind: "not_supported_error",
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
     /// 404: no such route.
     pub fn not_found(path: &str) -> Self {
         Self {

@@ -148,6 +148,14 @@ pub struct ServeArgs {
     /// `timings`.
     #[arg(long)]
     pub drafting_stats: bool,
+    /// Serve /v1/embeddings (as llama-server's --embeddings): the target's final hidden
+    /// states pooled (--pooling) and normalised, from a context of --ctx tokens of its own.
+    #[arg(long)]
+    pub embeddings: bool,
+    /// How /v1/embeddings pools a text's rows. llama-server takes the model's own, which for
+    /// a generative model is none, and refuses OpenAI's endpoint then; mean here.
+    #[arg(long, default_value = "mean", value_parser = ["mean", "last", "cls"])]
+    pub pooling: String,
 }
 
 fn default_threads() -> i32 {
@@ -181,6 +189,30 @@ pub struct AppState {
 struct Ready {
     rt: Arc<Runtime>,
     pool: Pool,
+    /// The embedding context (`--embeddings`), one request at a time.
+    embed: Option<std::sync::Mutex<leap_host::Context>>,
+}
+
+/// A context that pools the target's final hidden states (`--embeddings`): a text of up to
+/// `n_ctx` tokens in one batch.
+fn embedding_context(
+    rt: &Runtime,
+    pooling: leap_host::Pooling,
+    n_ctx: u32,
+    threads: i32,
+) -> leap_host::Result<leap_host::Context> {
+    leap_host::Context::new(
+        rt.model(),
+        &leap_host::ContextParams {
+            n_ctx,
+            n_batch: n_ctx,
+            n_ubatch: n_ctx,
+            n_threads: threads,
+            n_threads_batch: threads,
+            pooling: Some(pooling),
+            ..Default::default()
+        },
+    )
 }
 
 /// The `--max-body` default for a context of `n_ctx` tokens: 64 KiB of JSON around 64 bytes
@@ -361,6 +393,11 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
         let model = model.to_path_buf();
         let (parallel, max_queue) = (args.parallel, args.max_queue);
         let chat_template = args.chat_template.clone();
+        let pooling = args.embeddings.then(|| match args.pooling.as_str() {
+            "last" => leap_host::Pooling::Last,
+            "cls" => leap_host::Pooling::Cls,
+            _ => leap_host::Pooling::Mean,
+        });
         std::thread::Builder::new()
             .name("leap-load".into())
             .spawn(move || {
@@ -391,7 +428,14 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
                         if opts.mode == Mode::Leap { "leap" } else { "plain" },
                         if rt.has_exit_head() { " with an early-exit head" } else { "" }
                     );
-                        let _ = state.ready.set(Ready { rt, pool });
+                        let embed = match &pooling {
+                            Some(p) => Some(std::sync::Mutex::new(
+                                embedding_context(&rt, *p, opts.n_ctx, opts.threads)
+                                    .context("--embeddings: the embedding context")?,
+                            )),
+                            None => None,
+                        };
+                        let _ = state.ready.set(Ready { rt, pool, embed });
                         Ok(())
                     })();
                 if let Err(e) = r {

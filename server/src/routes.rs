@@ -42,6 +42,8 @@ pub fn router(state: Arc<AppState>, metrics: bool) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/chat/completions", post(chat))
         .route("/apply-template", post(apply_template))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize));
     if metrics {
@@ -418,6 +420,145 @@ async fn tokenize(State(s): St, body: Body) -> Result<Response, ApiError> {
             toks.iter().map(|&t| json!(t)).collect()
         };
         Ok(json!({ "tokens": tokens }))
+    })
+    .await?;
+    Ok(Json(v).into_response())
+}
+
+/// OpenAI's `/v1/embeddings` (llama-server's with `--embeddings`): each input's pooled,
+/// L2-normalised embedding from the target, in OpenAI's shape.
+async fn embeddings(State(s): St, body: Body) -> Result<Response, ApiError> {
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Input {
+        Text(String),
+        Texts(Vec<String>),
+        Tokens(Vec<i64>),
+        TokenLists(Vec<Vec<i64>>),
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Req {
+        /// OpenAI's name; llama-server also reads `content`.
+        input: Option<Input>,
+        content: Option<Input>,
+        #[allow(dead_code)]
+        model: Option<String>,
+        #[allow(dead_code)]
+        user: Option<String>,
+        encoding_format: Option<String>,
+        dimensions: Option<i64>,
+    }
+    let (bytes, _budget) = read_body(&s, body).await?;
+    let st = ready_arc(&s)?;
+    let v = blocking(move || {
+        let rd = ready(&st)?;
+        let Some(embed) = rd.embed.as_ref() else {
+            return Err(ApiError::not_implemented(
+                "embeddings are served with --embeddings (as llama-server's)",
+            ));
+        };
+        let r: Req = oai::parse_plain(&bytes)?;
+        // The openai package asks for base64 unless told otherwise.
+        let base64 = match r.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(f) => {
+                return Err(ApiError::invalid(
+                    format!("encoding_format {f:?}: float or base64"),
+                    Some("encoding_format"),
+                ))
+            }
+        };
+        let model = rd.rt.model();
+        let n_embd = model.n_embd() as i64;
+        if let Some(d) = r.dimensions.filter(|&d| d != n_embd) {
+            return Err(ApiError::invalid(
+                format!("dimensions {d}: this model's embeddings have {n_embd}"),
+                Some("dimensions"),
+            ));
+        }
+        let (field, input) = match (r.input, r.content) {
+            (Some(i), None) => ("input", i),
+            (None, Some(c)) => ("content", c),
+            (Some(_), Some(_)) => {
+                return Err(ApiError::invalid(
+                    "input and content: send one",
+                    Some("content"),
+                ))
+            }
+            (None, None) => return Err(ApiError::invalid("input is missing", Some("input"))),
+        };
+        let text = |t: &str| {
+            check_text_len(rd, st.n_ctx, t.len())?;
+            model
+                .tokenize(t, true, false)
+                .map_err(|e| ApiError::invalid(e.to_string(), Some(field)))
+        };
+        let inputs: Vec<Vec<leap_host::Token>> = match input {
+            Input::Text(t) => vec![text(&t)?],
+            Input::Texts(v) => v.iter().map(|t| text(t)).collect::<Result<_, _>>()?,
+            Input::Tokens(ids) => vec![to_tokens(&ids, model.n_vocab(), field)?],
+            Input::TokenLists(v) => v
+                .iter()
+                .map(|ids| to_tokens(ids, model.n_vocab(), field))
+                .collect::<Result<_, _>>()?,
+        };
+        if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
+            return Err(ApiError::invalid(
+                format!("{field}: an empty input"),
+                Some(field),
+            ));
+        }
+        if let Some(n) = inputs.iter().map(Vec::len).find(|&n| n > st.n_ctx as usize) {
+            return Err(ApiError::too_long(format!(
+                "an input of {n} tokens: more than the context of {} tokens",
+                st.n_ctx
+            )));
+        }
+        let mut ctx = embed
+            .lock()
+            .map_err(|_| ApiError::internal("the embedding context failed earlier"))?;
+        let mut data = Vec::with_capacity(inputs.len());
+        let mut batch = leap_host::Batch::new(st.n_ctx as usize, 1);
+        for (i, toks) in inputs.iter().enumerate() {
+            ctx.clear(false);
+            batch.clear();
+            for (p, &t) in toks.iter().enumerate() {
+                batch
+                    .add(t, p as i32, &[0], true)
+                    .map_err(|e| ApiError::internal(e.to_string()))?;
+            }
+            ctx.decode(&batch)
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            let e = ctx
+                .embedding(0)
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            // Euclidean norm 1, as llama-server's default (`embd_normalize` 2).
+            let norm = e
+                .iter()
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum::<f64>()
+                .sqrt();
+            let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+            let v = e.iter().map(|&x| (f64::from(x) * scale) as f32);
+            let embedding = if base64 {
+                // OpenAI's: the little-endian bytes of the float32 values.
+                use base64::Engine as _;
+                let bytes: Vec<u8> = v.flat_map(f32::to_le_bytes).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(v.collect::<Vec<f32>>())
+            };
+            data.push(json!({"object": "embedding", "index": i, "embedding": embedding}));
+        }
+        let n: usize = inputs.iter().map(Vec::len).sum();
+        Ok(json!({
+            "object": "list",
+            "data": data,
+            "model": st.alias,
+            "usage": {"prompt_tokens": n, "total_tokens": n},
+        }))
     })
     .await?;
     Ok(Json(v).into_response())

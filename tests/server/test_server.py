@@ -7,6 +7,7 @@ served. Generations are short (16-32 tokens) to keep the suite quick on a shared
 
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -19,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from conftest import HOST, HTTP_TIMEOUT, Server, assert_error, complete, metrics, open_stream, post, request
+from conftest import (HOST, HTTP_TIMEOUT, LlamaServer, Server, assert_error, complete, metrics,
+                      open_stream, post, request)
 
 PROMPT = "The capital of France is"
 PROMPTS = [
@@ -342,6 +344,51 @@ def test_tool_calls(server):
         body.pop("model")
         status, j = post(server.port, "/v1/chat/completions", body)
         assert_error(status, j, 400, param)
+
+
+def test_embeddings(leap, smollm, stock_bin, server):
+    """/v1/embeddings with --embeddings, through the openai package (which asks for base64) and
+    as floats: unit vectors of the model's width, llama.cpp's own (a stock llama-server with
+    --embeddings --pooling mean) up to kernel rounding, a paraphrase nearer than another topic.
+    Without --embeddings, llama-server's 501."""
+    texts = ["The cat sat on the mat.", "A cat was sitting on a mat.",
+             "Quarterly revenue rose by four percent."]
+    cos = lambda u, v: sum(p * q for p, q in zip(u, v)) / math.sqrt(
+        sum(p * p for p in u) * sum(q * q for q in v))
+    status, j = post(server.port, "/v1/embeddings", {"input": "x"})
+    assert status == 501 and "--embeddings" in j["error"]["message"], j
+    s = Server(leap, smollm, "--embeddings", ctx=512)
+    stock = LlamaServer(stock_bin, smollm, ["--embeddings", "--pooling", "mean"], ctx=512)
+    try:
+        client = openai.OpenAI(base_url=f"http://{HOST}:{s.port}/v1", api_key="none",
+                               timeout=HTTP_TIMEOUT, max_retries=0)
+        r = client.embeddings.create(model="m", input=texts)
+        got = [d.embedding for d in r.data]
+        assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens > 0
+        status, j = post(s.port, "/v1/embeddings", {"input": texts, "encoding_format": "float"})
+        assert status == 200 and [d["embedding"] for d in j["data"]] == got, j
+        status, _, body = request(stock.port, "POST", "/v1/embeddings",
+                                  {"input": texts, "encoding_format": "float"})
+        assert status == 200, body
+        want = [d["embedding"] for d in json.loads(body)["data"]]
+        for g, w in zip(got, want):
+            assert len(g) == len(w) == 576
+            assert abs(math.sqrt(sum(x * x for x in g)) - 1) < 1e-4
+            assert cos(g, w) > 0.995, cos(g, w)
+        assert cos(got[0], got[1]) > cos(got[0], got[2])
+        # Token ids, llama-server's `content`, and what is refused by name.
+        ids = json.loads(request(s.port, "POST", "/tokenize",
+                                 {"content": texts[0], "add_special": True})[2])["tokens"]
+        status, j = post(s.port, "/embeddings", {"content": [ids], "encoding_format": "float"})
+        assert status == 200 and j["data"][0]["embedding"] == got[0], j
+        for body, param in [({"input": texts, "dimensions": 8}, "dimensions"),
+                            ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                            ({"input": []}, "input"), ({"input": "x", "pooling": "max"}, None)]:
+            status, j = post(s.port, "/v1/embeddings", body)
+            assert_error(status, j, 400, param)
+    finally:
+        stock.stop()
+        s.stop_and_check()
 
 
 def test_streamed_logprobs_are_the_unstreamed_ones(server):
