@@ -393,7 +393,7 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
         let model = model.to_path_buf();
         let (parallel, max_queue) = (args.parallel, args.max_queue);
         let chat_template = args.chat_template.clone();
-        let pooling = args.embeddings.then(|| match args.pooling.as_str() {
+        let pooling = args.embeddings.then_some(match args.pooling.as_str() {
             "last" => leap_host::Pooling::Last,
             "cls" => leap_host::Pooling::Cls,
             _ => leap_host::Pooling::Mean,
