@@ -26,6 +26,9 @@ use crate::plain::{argmax, Generation};
 use crate::tree::{KvOp, NodeId, TokenTree};
 use crate::vocab::Resident;
 
+mod steps;
+use steps::Steps;
+
 /// How the engine drafts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineConfig {
@@ -469,6 +472,85 @@ impl Engine {
             return Ok(g);
         }
         let cached = crate::plain::keep_prefix(ctx, cached);
+        let mut g = self.prefill(ctx, prompt, cached, n_batch)?;
+        let cpu0 = cpu_seconds();
+        let t1 = Instant::now();
+        let first = match grammar.as_deref_mut() {
+            _ if sampled => accept::pick(
+                &trunc.apply(ctx.logits(-1)?).entries,
+                accept::position_uniform(sampling.seed, prompt.len()),
+            ),
+            Some(gr) => match gr.choose_greedy(ctx.logits(-1)?, &mut Vec::new()) {
+                Some(t) => {
+                    gr.accept(t);
+                    t
+                }
+                None => {
+                    log::warn!("the grammar allows no token here: the output ends");
+                    g.decode_seconds = t1.elapsed().as_secs_f64();
+                    return Ok(g);
+                }
+            },
+            None => argmax(ctx.logits(-1)?),
+        };
+        g.tokens.push(first);
+        // The first token goes out before the drafters take the prompt (a draft model
+        // prefills it): nothing of drafting's set-up delays it.
+        let done = ctx.model().is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
+        let mut s = Steps::new(
+            self,
+            ctx,
+            sampling,
+            grammar,
+            prompt.len(),
+            max_tokens,
+            g,
+            first,
+            done,
+        );
+        for d in self.drafters(&mut s.local) {
+            d.begin(prompt);
+        }
+        for d in self.drafters(&mut s.local) {
+            d.accepted(first);
+        }
+        while !s.done {
+            s.step(self, on_token)?;
+        }
+        let mut g = std::mem::take(&mut s.g);
+        g.decode_seconds = t1.elapsed().as_secs_f64();
+        log::debug!(
+            "acceptance by match length 1,2,3-4,5-8,9-16,17+: {:?}; cost of 2..9 rows: {:?}",
+            [1, 2, 3, 5, 9, 17].map(|m| (self
+                .control
+                .acceptance(crate::control::Evidence::new(Default::default(), m))
+                * 100.0)
+                .round()
+                / 100.0),
+            (2..10)
+                .map(|r| (self.control.cost(r) * 100.0).round() / 100.0)
+                .collect::<Vec<_>>()
+        );
+        g.decode_cpu_seconds = cpu_seconds() - cpu0;
+        for d in self.drafters(&mut s.local) {
+            d.end(prompt, &g.tokens);
+        }
+        Ok(g)
+    }
+
+    /// Prefill `prompt[cached..]`: with in-context calibration from the prompt's rows when the
+    /// engine projects on demand (checking the projection against llama.cpp's logits the
+    /// first time), else llama.cpp's prefill. The generation's prefill times.
+    ///
+    /// # Errors
+    /// Decode failures.
+    fn prefill(
+        &mut self,
+        ctx: &mut Context,
+        prompt: &[Token],
+        cached: usize,
+        n_batch: usize,
+    ) -> Result<Generation> {
         let t0 = Instant::now();
         let mut calib_seconds = 0.0;
         match &mut self.on_demand {
@@ -491,405 +573,11 @@ impl Engine {
                 self.calibrated.set(&Calibration::default());
             }
         }
-        let mut g = Generation {
+        Ok(Generation {
             prefill_seconds: t0.elapsed().as_secs_f64(),
             calib_seconds,
             ..Default::default()
-        };
-        let model = ctx.model().clone();
-        let n_seq = ctx.n_seq_max() as usize;
-        let cpu0 = cpu_seconds();
-        let t1 = Instant::now();
-        let mut pos0 = prompt.len() as i32;
-        // A vocabulary-sized buffer for a row's logits masked by the grammar.
-        let mut masked = Vec::new();
-        let first = match grammar.as_deref_mut() {
-            _ if sampled => accept::pick(
-                &trunc.apply(ctx.logits(-1)?).entries,
-                accept::position_uniform(sampling.seed, prompt.len()),
-            ),
-            Some(gr) => match gr.choose_greedy(ctx.logits(-1)?, &mut masked) {
-                Some(t) => {
-                    gr.accept(t);
-                    t
-                }
-                None => {
-                    log::warn!("the grammar allows no token here: the output ends");
-                    g.decode_seconds = t1.elapsed().as_secs_f64();
-                    return Ok(g);
-                }
-            },
-            None => argmax(ctx.logits(-1)?),
-        };
-        g.tokens.push(first);
-        // The first token goes out before the drafters take the prompt (a draft model
-        // prefills it): nothing of drafting's set-up delays it.
-        let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
-        let mut local = ContextDrafter::new(self.cfg.min_match);
-        for d in self.drafters(&mut local) {
-            d.begin(prompt);
-        }
-        for d in self.drafters(&mut local) {
-            d.accepted(first);
-        }
-        let mut id_last = first;
-        // Accepted off the trunk in the last step, verified again in this one.
-        let mut carry: Vec<Token> = Vec::new();
-        let mut batch = Batch::new(
-            (self.cfg.max_draft * self.cfg.max_branches.max(1) + 1).max(self.cfg.max_rows),
-            n_seq.max(1),
-        );
-
-        let branches = self.cfg.max_branches.min(n_seq).max(1);
-        let mut proposals = Vec::new();
-        // Vocabulary-sized buffers for projected logits, reused by every step.
-        let mut row = Vec::new();
-        let mut projected: Vec<Vec<f32>> = Vec::new();
-        // Every row's logits, when the output weights are streamed.
-        let mut every: Vec<Vec<f32>> = Vec::new();
-        while !done {
-            let td = Instant::now();
-            let budget = (max_tokens - g.tokens.len())
-                .saturating_sub(1)
-                .min(self.cfg.max_draft);
-            proposals.clear();
-            if budget > 0 {
-                for d in self.drafters(&mut local) {
-                    d.propose(budget, branches, &mut proposals);
-                }
-                if let Some(gr) = grammar.as_deref() {
-                    allowed_drafts(gr, &mut proposals)?;
-                }
-            }
-            let (tree, evidence, expected) =
-                self.build_tree(&mut proposals, id_last, &carry, budget, branches);
-            g.draft_seconds += td.elapsed().as_secs_f64();
-
-            apply(ctx, &tree.prepare(pos0, 0))?;
-            let rows = tree.rows(pos0, 0);
-            batch.clear();
-            for r in &rows {
-                batch.add(r.token, r.pos, &r.seq_ids, true)?;
-            }
-            let tc = Instant::now();
-            // Hidden states of every row when the output projection is done on demand.
-            let mut hidden: Option<Vec<f32>> = None;
-            // The rows an early exit kept past its layer (`None`: every row).
-            let mut kept: Option<Vec<bool>> = None;
-            let mut pruning = false;
-            match &mut self.on_demand {
-                // A lone row too, once the projection is checked: Leap's pass is faster than
-                // llama.cpp's (Gemma 3: 4.5 against ~6 ms, `tests/examples/projtime.rs`), and
-                // a streamed one (flash) is read from storage by every pass anyway.
-                Some((od, checked))
-                    if self.cfg.on_demand
-                        && (tree.len() > 1 || od.streamed() || *checked == Some(true))
-                        && *checked != Some(false) =>
-                {
-                    if checked.is_none() {
-                        let ok = od.check(ctx, &batch, 0)?;
-                        if !ok {
-                            log::warn!(
-                                "on-demand output projection does not reproduce llama.cpp's \
-                                 logits for this model; verifying with llama.cpp's logits"
-                            );
-                        }
-                        *checked = Some(ok);
-                    } else {
-                        let exit = self
-                            .exit
-                            .as_ref()
-                            .filter(|_| self.cfg.exit && tree.len() > 2 && !od.streamed());
-                        if let Some((ex, pruner)) = exit {
-                            let cfg = &self.cfg.prune;
-                            ex.arm(pruner.decide(&tree, od, cfg), !cfg.measure_only);
-                            pruning = true;
-                        }
-                        od.arm(true);
-                        let r = ctx.decode(&batch);
-                        od.disarm();
-                        if let Some((ex, _)) = exit {
-                            let (k, seconds) = ex.disarm();
-                            kept = k;
-                            g.exit_seconds += seconds;
-                        }
-                        r?;
-                        hidden = Some(od.take_hidden()?);
-                    }
-                }
-                _ => ctx.decode(&batch)?,
-            }
-            let t_dec = tc.elapsed().as_secs_f64();
-            // What acceptance walks: the tree, or what an early exit kept of it (`map`: each
-            // node's id in `tree`, which is also its row). Measuring only, the whole tree.
-            let measure_only = self.cfg.prune.measure_only;
-            let pruned = match &kept {
-                Some(k) if !measure_only => Some(tree.retain(k)),
-                _ => None,
-            };
-            let (vt, map) = match &pruned {
-                Some((t, m)) => (t, Some(m.as_slice())),
-                None => (&tree, None),
-            };
-            let old = |n: NodeId| map.map_or(n, |m| m[n]);
-            // The target's logits after a node of `vt`: projected on demand (into `row`), or
-            // llama.cpp's. A node without logits leaves `f` uncalled.
-            let mut predicted: Vec<Option<Token>> = vec![None; vt.len()];
-            let od = self.on_demand.as_ref().map(|o| &o.0);
-            // Streamed output weights: every row in one pass (a second pass would read them
-            // from storage again).
-            let mut all_projected = false;
-            if let (Some(h), Some(od)) = (&hidden, od) {
-                if od.streamed() {
-                    let n = od.n_embd();
-                    let hs: Vec<&[f32]> = (0..vt.len())
-                        .map(|c| &h[old(c) * n..(old(c) + 1) * n])
-                        .collect();
-                    every.resize_with(vt.len().max(every.len()), Vec::new);
-                    let tp = Instant::now();
-                    od.try_logits_rows(&hs, &mut every[..vt.len()])?;
-                    g.output_rows += vt.len() as u64;
-                    g.project_seconds += tp.elapsed().as_secs_f64();
-                    for (p, l) in predicted.iter_mut().zip(&every) {
-                        *p = Some(argmax(l));
-                    }
-                    all_projected = true;
-                }
-            }
-            let projected_all = &every;
-            // Rows projected one at a time (sampled acceptance).
-            let singles = std::cell::Cell::new(0u64);
-            let mut logits_of = |node: NodeId, f: &mut dyn FnMut(&[f32])| match (&hidden, od) {
-                (Some(_), Some(_)) if all_projected => f(&projected_all[node]),
-                (Some(h), Some(od)) => {
-                    let n = od.n_embd();
-                    singles.set(singles.get() + 1);
-                    let r = old(node);
-                    od.logits(&h[r * n..(r + 1) * n], &mut row);
-                    f(&row);
-                }
-                _ => {
-                    if let Ok(l) = ctx.logits(old(node) as i32) {
-                        f(l);
-                    }
-                }
-            };
-            // Under a grammar, a copy walks the accepted path: each row's token is the best the
-            // grammar allows after the tokens before it. `stuck`: it allowed none.
-            let mut walker = grammar.as_deref().map(Grammar::try_clone).transpose()?;
-            let mut stuck = false;
-            let acc = if sampled {
-                // The k-th token emitted here is at sequence position `base + k`.
-                let base = prompt.len() + g.tokens.len();
-                accept::stochastic(
-                    vt,
-                    |node| {
-                        let mut d = Vec::new();
-                        logits_of(node, &mut |l| d = trunc.apply(l).entries);
-                        d
-                    },
-                    |k| accept::position_uniform(sampling.seed, base + k),
-                )
-            } else {
-                accept::greedy(vt, |node| {
-                    if predicted[node].is_none() {
-                        match (&hidden, od) {
-                            // Project the node and the most likely path below it in one pass
-                            // over the output weights (a row more costs a fraction of a pass):
-                            // as deep as acceptance is expected to go, plus one.
-                            (Some(h), Some(od)) => {
-                                let n = od.n_embd();
-                                let depth = vt.nodes()[node].depth as f64;
-                                // Without an estimate (fixed drafting), two rows: a second
-                                // costs a fraction of a pass and drafts that were proposed
-                                // are usually taken at least once.
-                                let ahead = if expected > 0.0 {
-                                    (expected - depth).max(0.0).ceil() as usize + 1
-                                } else {
-                                    2
-                                };
-                                let chain = trunk_chain(vt, node, ahead.min(MAX_PROJECTED));
-                                let hs: Vec<&[f32]> = chain
-                                    .iter()
-                                    .map(|&c| &h[old(c) * n..(old(c) + 1) * n])
-                                    .collect();
-                                projected.resize_with(chain.len(), Vec::new);
-                                let tp = Instant::now();
-                                od.logits_rows(&hs, &mut projected[..chain.len()]);
-                                g.output_rows += chain.len() as u64;
-                                g.project_seconds += tp.elapsed().as_secs_f64();
-                                for (&c, l) in chain.iter().zip(&projected) {
-                                    predicted[c] = Some(argmax(l));
-                                }
-                            }
-                            _ => logits_of(node, &mut |l| predicted[node] = Some(argmax(l))),
-                        }
-                    }
-                    let best = predicted[node].unwrap_or(-1);
-                    let Some(w) = walker.as_mut().filter(|_| best >= 0) else {
-                        return best;
-                    };
-                    // The best overall when the grammar allows it, else the best allowed
-                    // from the row's logits (projected again: rare).
-                    let t = if w.allows(best) {
-                        Some(best)
-                    } else {
-                        let mut t = None;
-                        logits_of(node, &mut |l| t = w.choose_greedy(l, &mut masked));
-                        t
-                    };
-                    let Some(t) = t else {
-                        stuck = true;
-                        return -1;
-                    };
-                    w.accept(t);
-                    predicted[node] = Some(t);
-                    t
-                })
-            };
-            g.output_rows += singles.get();
-            let verify = tc.elapsed().as_secs_f64();
-            log::trace!(
-                "call rows {} decode {:.2} ms verify {:.2} ms accepted {}",
-                tree.len(),
-                t_dec * 1e3,
-                verify * 1e3,
-                tree.nodes()[acc.node].depth
-            );
-            g.verify_seconds += verify;
-            // The profile holds calls of full rows: a pruned call counts as fewer.
-            let full = self.control.full_rows(tree.len(), vt.len());
-            self.control.record_cost(full.round() as usize, verify);
-            if pruning {
-                self.control.record_kept(tree.len(), vt.len());
-            }
-            g.target_calls += 1;
-            if g.target_calls.is_multiple_of(32) {
-                log::debug!("controller: {}", self.control.summary());
-            }
-            g.verify_rows += tree.len() as u64;
-            let would_keep = match (&kept, measure_only) {
-                (Some(k), true) => k.iter().filter(|&&x| x).count(),
-                _ => vt.len(),
-            };
-            g.rows_after_exit += would_keep as u64;
-            // Back to `tree`'s ids: the accepted node, and the target's token after each node
-            // (none for a pruned one).
-            let acc = accept::Accepted {
-                node: old(acc.node),
-                tokens: acc.tokens,
-            };
-            if pruning {
-                // Accepted drafts, and those on a kept prefix of the accepted path.
-                let path = path_nodes(&tree, acc.node);
-                let kept_prefix = match (&kept, measure_only) {
-                    (Some(k), true) => path[1..].iter().take_while(|&&n| k[n]).count(),
-                    _ => path.len() - 1,
-                };
-                g.exit_accepted += (path.len() - 1) as u64;
-                g.exit_accepted_kept += kept_prefix as u64;
-            }
-            let mut predicted_at: Vec<Option<Token>> = vec![None; tree.len()];
-            for (i, &p) in predicted.iter().enumerate() {
-                predicted_at[old(i)] = p;
-            }
-            let predicted = predicted_at;
-            if hidden.is_none() {
-                // llama.cpp computed the logits of every row.
-                g.output_rows += tree.len() as u64;
-            }
-            let drafted = tree.len() - 1;
-            g.drafted_tokens += drafted as u64;
-            if drafted > 0 && self.cfg.adaptive {
-                // Every drafted node whose parent verification reached was checked: taken if
-                // it is on the accepted path.
-                let on_path = path_nodes(&tree, acc.node);
-                // A node an early exit pruned was never checked: its outcome is unknown.
-                let checked = |n: usize| measure_only || kept.as_ref().is_none_or(|k| k[n]);
-                for (n, node) in tree.nodes().iter().enumerate().skip(1) {
-                    if let Some(p) = node.parent {
-                        if on_path.contains(&p) && checked(n) {
-                            self.control.record_token(evidence[n], on_path.contains(&n));
-                        }
-                    }
-                }
-                self.control
-                    .record_reliability(expected, tree.nodes()[acc.node].depth);
-            } else if self.cfg.adaptive {
-                self.control.record_plain_step();
-            }
-            // Keep the trunk part of the accepted path and the target's token after it; the
-            // rest of the path is drafted again first thing next step (see `trunk_end`).
-            // Sampling keeps the whole path: rounding does not change whose distribution a
-            // token follows, and accepting a token twice would.
-            let trunk = if sampled || stuck {
-                acc.node
-            } else {
-                tree.trunk_end(acc.node)
-            };
-            if drafted > 0 && !sampled {
-                // Rows acceptance did not read have no logits under on-demand projection;
-                // they count as disagreeing.
-                let (draft, predicted) = checked_path(&tree, acc.node, |n| {
-                    predicted[n].unwrap_or_else(|| match hidden {
-                        Some(_) => -1,
-                        None => ctx.logits(n as i32).map(argmax).unwrap_or(-1),
-                    })
-                });
-                let accepted = tree.nodes()[acc.node].depth;
-                for d in self.drafters(&mut local) {
-                    d.verified(&draft, &predicted, accepted);
-                }
-            }
-            let keep = tree.nodes()[trunk].depth + 1;
-            carry = acc.tokens[keep..].to_vec();
-            let acc_tokens = &acc.tokens[..keep];
-            apply(ctx, &tree.rollback(&rows, trunk, 0))?;
-            pos0 += acc_tokens.len() as i32;
-
-            for &t in acc_tokens {
-                if t < 0 && stuck {
-                    log::warn!("the grammar allows no token here: the output ends");
-                    done = true;
-                    break;
-                }
-                if t < 0 {
-                    return Err(Error::NoLogits { row: -1 });
-                }
-                if let Some(gr) = grammar.as_deref_mut() {
-                    gr.accept(t);
-                }
-                g.tokens.push(t);
-                for d in self.drafters(&mut local) {
-                    d.accepted(t);
-                }
-                if model.is_eog(t) || !on_token(t) || g.tokens.len() >= max_tokens {
-                    done = true;
-                    break;
-                }
-            }
-            id_last = *acc_tokens
-                .last()
-                .expect("acceptance yields at least one token");
-        }
-        g.decode_seconds = t1.elapsed().as_secs_f64();
-        log::debug!(
-            "acceptance by match length 1,2,3-4,5-8,9-16,17+: {:?}; cost of 2..9 rows: {:?}",
-            [1, 2, 3, 5, 9, 17].map(|m| (self
-                .control
-                .acceptance(crate::control::Evidence::new(Default::default(), m))
-                * 100.0)
-                .round()
-                / 100.0),
-            (2..10)
-                .map(|r| (self.control.cost(r) * 100.0).round() / 100.0)
-                .collect::<Vec<_>>()
-        );
-        g.decode_cpu_seconds = cpu_seconds() - cpu0;
-        for d in self.drafters(&mut local) {
-            d.end(prompt, &g.tokens);
-        }
-        Ok(g)
+        })
     }
 }
 
