@@ -63,9 +63,6 @@ fn one(v: &Value) -> bool {
 fn not_positive(v: &Value) -> bool {
     v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0)
 }
-fn minus_one(v: &Value) -> bool {
-    v.is_null() || v.as_f64() == Some(-1.0)
-}
 fn falsy(v: &Value) -> bool {
     v.is_null() || v == &Value::Bool(false)
 }
@@ -225,7 +222,7 @@ pub const FIELDS: &[(&str, On, Rule)] = &[
     ),
     ("n_indent", Both, Neutral(zero, "0")),
     ("t_max_predict_ms", Both, Neutral(zero, "0")),
-    ("id_slot", Both, Neutral(minus_one, "-1 (any slot)")),
+    ("id_slot", Both, Honoured),
     ("timings_per_token", Both, Neutral(falsy, "false")),
     ("return_tokens", Both, Neutral(falsy, "false")),
     ("return_progress", Both, Neutral(falsy, "false")),

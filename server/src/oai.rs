@@ -55,6 +55,8 @@ pub struct Common {
     pub logprobs: Option<serde_json::Value>,
     /// Chat: how many most likely tokens to list with each (needs `logprobs: true`).
     pub top_logprobs: Option<i64>,
+    /// llama-server's slot to run on (-1: any).
+    pub id_slot: Option<i64>,
     /// llama-server's GBNF grammar the output must follow.
     pub grammar: Option<String>,
     /// llama-server's JSON schema the output must follow.
@@ -224,6 +226,8 @@ pub struct Params {
     pub constraint: Option<(&'static str, Constraint)>,
     /// A chat request's tools: the answer is a call or text in JSON ([`crate::tools`]).
     pub tools: Option<std::sync::Arc<crate::tools::Tools>>,
+    /// The slot to run on (`id_slot`; checked against the server's slots when queued).
+    pub slot: Option<usize>,
 }
 
 /// llama-server's sampling for what a request leaves out: temperature 0.8, and top-k 40,
@@ -341,6 +345,11 @@ impl Common {
             return_tokens: false,
             constraint,
             tools: None,
+            slot: match self.id_slot {
+                None | Some(-1) => None,
+                Some(s) if s >= 0 => Some(s as usize),
+                Some(s) => return bad("id_slot", format!("id_slot {s}: -1 (any) or a slot")),
+            },
         })
     }
 }

@@ -875,6 +875,17 @@ async fn generate(
         return Err(ApiError::invalid("the prompt is empty", Some("prompt")));
     }
     leap_spec::session::fits(prompt.len(), p.max_tokens.unwrap_or(1), s.n_ctx)?;
+    if let Some(slot) = p.slot.filter(|&k| k >= s.total_slots) {
+        return Err(ApiError::invalid(
+            format!(
+                "id_slot {slot}: this server has {} slot{} (0 to {}), or -1 for any",
+                s.total_slots,
+                if s.total_slots == 1 { "" } else { "s" },
+                s.total_slots - 1
+            ),
+            Some("id_slot"),
+        ));
+    }
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     s.metrics.queued();
     let submitted = ready(&s)?.pool.submit(Job {
@@ -887,6 +898,7 @@ async fn generate(
         cache_prompt: p.cache_prompt,
         logprobs: p.logprobs,
         grammar: std::sync::Mutex::new(grammar),
+        slot: p.slot,
     });
     if let Err(e) = submitted {
         s.metrics.dequeued();
@@ -908,6 +920,7 @@ async fn generate(
         drafting: s.drafting_stats,
         return_tokens: p.return_tokens,
         tools: p.tools.clone(),
+        slot: p.slot,
     };
     if p.stream {
         let stream = sse_stream(head, rx, p.include_usage);
@@ -938,6 +951,8 @@ struct Head {
     return_tokens: bool,
     /// A chat request's tools: the text is an answer to parse ([`Head::answer`]).
     tools: Option<Arc<crate::tools::Tools>>,
+    /// The slot the request named (`id_slot`).
+    slot: Option<usize>,
 }
 
 impl Head {
@@ -976,7 +991,7 @@ impl Head {
             "index": 0,
             "content": content,
             "tokens": if self.return_tokens { o.tokens.clone() } else { Vec::new() },
-            "id_slot": -1,
+            "id_slot": self.id_slot(),
             "stop": true,
             "model": self.model,
             "tokens_predicted": o.completion_tokens,
@@ -990,6 +1005,11 @@ impl Head {
             v["completion_probabilities"] = native_probs(l);
         }
         v
+    }
+
+    /// `/completion`'s `id_slot`: the slot the request named, else -1 (any).
+    fn id_slot(&self) -> i64 {
+        self.slot.map_or(-1, |s| s as i64)
     }
 
     /// A chat answer's message and finish reason: with tools, the calls the text makes
@@ -1013,7 +1033,7 @@ impl Head {
         let choice = match self.kind {
             Kind::Native => {
                 return json!({"index": 0, "content": text, "tokens": [], "stop": false,
-                              "id_slot": -1});
+                              "id_slot": self.id_slot()});
             }
             Kind::Text => {
                 json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})

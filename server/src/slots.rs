@@ -187,6 +187,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// Structured output: the grammar the output follows (taken by the slot that runs it).
     pub grammar: Mutex<Option<leap_host::grammar::Grammar>>,
+    /// The slot that must run it (llama-server's `id_slot`); `None`: the best idle one.
+    pub slot: Option<usize>,
 }
 
 /// What a slot runs jobs with: a [`Session`] in the server ([`SlotWorker`]).
@@ -215,10 +217,13 @@ struct Sched {
 }
 
 impl Sched {
-    /// The idle slot a job goes to: the one whose cache, of the job's tenant, shares the
-    /// longest prefix with its prompt (a conversation's next turn finds its earlier turns
-    /// there), the lowest on ties.
-    fn best_slot(&self, prompt: &[Token], tenant: Tenant) -> Option<usize> {
+    /// The idle slot a job goes to: the one it names (`id_slot`), once idle; else the one
+    /// whose cache, of the job's tenant, shares the longest prefix with its prompt (a
+    /// conversation's next turn finds its earlier turns there), the lowest on ties.
+    fn best_slot(&self, prompt: &[Token], tenant: Tenant, pinned: Option<usize>) -> Option<usize> {
+        if let Some(s) = pinned {
+            return self.idle.get(s).copied().unwrap_or(false).then_some(s);
+        }
         (0..self.idle.len())
             .filter(|&i| self.idle[i])
             .max_by_key(|&i| {
@@ -236,7 +241,7 @@ impl Sched {
         let k = self
             .queue
             .iter()
-            .position(|j| self.best_slot(&j.prompt, j.tenant) == Some(slot))?;
+            .position(|j| self.best_slot(&j.prompt, j.tenant, j.slot) == Some(slot))?;
         self.queue.remove(k)
     }
 }
@@ -635,21 +640,30 @@ mod tests {
         };
         let key = Tenant::Key(0);
         assert_eq!(
-            s.best_slot(&[1, 2, 3, 4, 5, 6], key),
+            s.best_slot(&[1, 2, 3, 4, 5, 6], key, None),
             Some(2),
             "slot 1 is busy"
         );
-        assert_eq!(s.best_slot(&[7], key), Some(0), "the lowest on ties");
+        assert_eq!(s.best_slot(&[7], key, None), Some(0), "the lowest on ties");
+        // A job that names a slot waits for it, whatever the others hold.
+        assert_eq!(s.best_slot(&[1, 2, 3, 4, 5, 6], key, Some(3)), Some(3));
+        assert_eq!(s.best_slot(&[1, 2, 3, 4, 5, 6], key, Some(1)), None);
         // Another tenant's cache counts for nothing, nor anyone's for a lone request.
-        assert_eq!(s.best_slot(&[1, 2, 3, 4, 5, 6], Tenant::Key(1)), Some(0));
-        assert_eq!(s.best_slot(&[1, 2, 3, 4, 5, 6], Tenant::Alone), Some(0));
+        assert_eq!(
+            s.best_slot(&[1, 2, 3, 4, 5, 6], Tenant::Key(1), None),
+            Some(0)
+        );
+        assert_eq!(
+            s.best_slot(&[1, 2, 3, 4, 5, 6], Tenant::Alone, None),
+            Some(0)
+        );
         let none = Sched {
             idle: vec![false],
             held: vec![vec![]],
             owner: vec![None],
             ..Default::default()
         };
-        assert_eq!(none.best_slot(&[1], key), None);
+        assert_eq!(none.best_slot(&[1], key, None), None);
     }
 
     /// A worker that answers each job with its prompt's length as text, panics on a prompt
@@ -728,6 +742,7 @@ mod tests {
             cache_prompt: true,
             logprobs: None,
             grammar: Mutex::new(None),
+            slot: None,
         };
         (j, rx)
     }
