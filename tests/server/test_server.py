@@ -444,11 +444,12 @@ def test_llama_server_s_completion_endpoint(server):
     assert "".join(e["content"] for e in events) == want
     status, j = post(server.port, "/completion", {"prompt": PROMPT, "stream": True, "return_tokens": True})
     assert_error(status, j, 400, param="return_tokens")
-    # `id_slot`: the slot it names runs it (this server has one); another is a 400.
+    # `id_slot`: the slot it names runs it; one the server does not have is a 400.
+    slots = json.loads(request(server.port, "GET", "/props")[2])["total_slots"]
     status, j = post(server.port, "/completion", {"prompt": PROMPT, "n_predict": 12,
-                                                  "temperature": 0, "id_slot": 0})
-    assert status == 200 and j["id_slot"] == 0 and j["content"] == want, j
-    for slot in (1, -2):
+                                                  "temperature": 0, "id_slot": slots - 1})
+    assert status == 200 and j["id_slot"] == slots - 1 and j["content"] == want, j
+    for slot in (slots, -2):
         status, j = post(server.port, "/completion", {"prompt": PROMPT, "id_slot": slot})
         assert_error(status, j, 400, param="id_slot")
 
