@@ -31,6 +31,9 @@ use leap_host::{Batch, Context, Error, Result, Token};
 use crate::draft::{ContextDrafter, Drafter};
 use crate::plain::{argmax, keep_prefix, prefill_from, Generation};
 
+mod rounds;
+use rounds::Rounds;
+
 /// The longest retrieval chain a call takes (a row costs a fraction of a call; the chains
 /// that get this long are rarely right all the way).
 const MAX_CHAIN: usize = 8;
@@ -335,8 +338,7 @@ pub fn generate(
     let cpu0 = cpu_seconds();
     let t1 = Instant::now();
     g.tokens.push(first);
-    let mut done = model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens;
-    if done {
+    if model.is_eog(first) || !on_token(first) || g.tokens.len() >= max_tokens {
         od.prefetch(true);
         return Ok(g);
     }
@@ -361,218 +363,29 @@ pub fn generate(
     state.spelled.of(&model, &[first], &mut variants);
     vocab.add(&variants, cap)?;
     // Retrieval from the prompt and the tokens emitted so far.
-    let mut context = (cfg.min_match > 0).then(|| {
+    let context = (cfg.min_match > 0).then(|| {
         let mut c = ContextDrafter::new(cfg.min_match);
         c.begin(prompt);
         c.accepted(first);
         c
     });
-    let mut proposals = Vec::new();
-    // Rejected drafts in this request.
-    let mut misses = 0usize;
-    let mut batch = Batch::new(cfg.max_draft + 1, 1);
-    // The emitted token not yet in the cache, and its position.
-    let mut next = first;
-    let mut pos = prompt.len() as i32;
-    // The round's final hidden states, `n` values each: after `next`, then after each draft.
-    let n = od.n_embd();
-    let mut hs: Vec<f32> = Vec::new();
-    let mut drafts: Vec<Token> = Vec::new();
-    let mut logits: Vec<Vec<f32>> = Vec::new();
-    let mut emitted: Vec<Token> = Vec::new();
-    while !done {
-        let tv = Instant::now();
-        hs.clear();
-        drafts.clear();
-        // At most one token more than drafted is emitted.
-        let k = state
-            .next_steps(cfg.max_draft)
-            .min(max_tokens - g.tokens.len() - 1);
-        // A retrieval chain after `next`, through the blocks in the same call.
-        let td = Instant::now();
-        let mut chain: Vec<Token> = Vec::new();
-        // The next draft when the chain's check already found it.
-        let mut ahead: Option<Token> = None;
-        // Proposed whatever `k` is: a chain rides in the call the next token needs anyway,
-        // and its rows past the first the resident vocabulary disowns are dropped unprojected.
-        if let (Some(c), true) = (context.as_mut(), g.tokens.len() + 1 < max_tokens) {
-            proposals.clear();
-            let budget = MAX_CHAIN
-                .min(cfg.max_draft)
-                .min(max_tokens - g.tokens.len() - 1);
-            c.propose(budget, 1, &mut proposals);
-            if let Some(p) = proposals.first() {
-                chain.clone_from(&p.tokens);
-            }
-            // Under a grammar, up to the first token it refuses.
-            if let Some(gr) = grammar.as_deref() {
-                chain.truncate(gr.allowed_prefix(&chain)?);
-            }
-        }
-        g.draft_seconds += td.elapsed().as_secs_f64();
-        // The stream reads the projection's first chunk ahead only in the call before a pass.
-        od.prefetch(k == 0);
-        let ts = Instant::now();
-        g.verify_rows += 1 + chain.len() as u64;
-        if chain.is_empty() {
-            run(ctx, od, &mut batch, next, &[], pos, &mut hs)?;
-            state.record_step(ts.elapsed().as_secs_f64());
-        } else {
-            run(ctx, od, &mut batch, next, &chain, pos, &mut hs)?;
-            // The chain stands while each token is the resident vocabulary's best after the
-            // one before; from the first that is not, its rows are dropped (that token is
-            // not the target's: its best is the resident best or a token outside).
-            let td = Instant::now();
-            let mut kept = 0;
-            for (j, h) in hs.chunks_exact(n).enumerate() {
-                match (chain.get(j), vocab.argmax(h).map(|(r, _)| r)) {
-                    (Some(&c), Some(r)) if r == c => kept += 1,
-                    // The resident best after the last state kept is the next draft.
-                    (_, r) => {
-                        ahead = r;
-                        break;
-                    }
-                }
-            }
-            hs.truncate((kept + 1) * n);
-            drafts.extend_from_slice(&chain[..kept]);
-            g.draft_seconds += td.elapsed().as_secs_f64();
-            ctx.seq_rm(0, pos + 1 + kept as i32, -1);
-        }
-        g.target_calls += 1;
-        let k = k.max(drafts.len());
-        // Under a grammar, a copy of it after the drafts so far (made at the first step).
-        let mut walk: Option<Grammar> = None;
-        while drafts.len() < k
-            && !drafts.last().is_some_and(|&d| model.is_eog(d))
-            && g.tokens.len() + drafts.len() + 1 < max_tokens
-        {
-            let td = Instant::now();
-            let h = &hs[hs.len() - n..];
-            let Some(d) = ahead.take().or_else(|| vocab.argmax(h).map(|(d, _)| d)) else {
-                break;
-            };
-            if let Some(gr) = grammar.as_deref() {
-                let w = match &mut walk {
-                    Some(w) => w,
-                    None => {
-                        let mut w = gr.try_clone()?;
-                        drafts.iter().for_each(|&t| w.accept(t));
-                        walk.insert(w)
-                    }
-                };
-                // The target would refuse it: no step for it.
-                if !w.allows(d) {
-                    break;
-                }
-                w.accept(d);
-            }
-            g.draft_seconds += td.elapsed().as_secs_f64();
-            drafts.push(d);
-            if model.is_eog(d) {
-                // Nothing follows an end of generation: no step for it.
-                break;
-            }
-            od.prefetch(drafts.len() == k);
-            let ts = Instant::now();
-            run(
-                ctx,
-                od,
-                &mut batch,
-                d,
-                &[],
-                pos + drafts.len() as i32,
-                &mut hs,
-            )?;
-            state.record_step(ts.elapsed().as_secs_f64());
-            g.target_calls += 1;
-            g.verify_rows += 1;
-        }
-        g.drafted_tokens += drafts.len() as u64;
-        // One pass over the output weights for every state.
-        let tp = Instant::now();
-        let views: Vec<&[f32]> = hs.chunks_exact(n).collect();
-        let rows = views.len();
-        logits.resize_with(rows.max(logits.len()), Vec::new);
-        od.try_logits_rows(&views, &mut logits[..rows])?;
-        let pass = tp.elapsed().as_secs_f64();
-        state.record_pass(rows, pass);
-        g.project_seconds += pass;
-        g.output_rows += rows as u64;
-        g.rows_after_exit += rows as u64;
-        // Walk: the target's token after each state; a draft stands while it is that token.
-        // Under a grammar, the best it allows (it accepts the token: every token emitted here
-        // is output, or the generation ends). `stuck`: it allowed none.
-        emitted.clear();
-        let mut stuck = false;
-        for (i, l) in logits[..rows].iter().enumerate() {
-            let t = match grammar.as_deref_mut() {
-                Some(gr) => match gr.choose_greedy(l, &mut masked) {
-                    Some(t) => {
-                        gr.accept(t);
-                        t
-                    }
-                    None => {
-                        stuck = true;
-                        break;
-                    }
-                },
-                None => argmax(l),
-            };
-            emitted.push(t);
-            if drafts.get(i) != Some(&t) {
-                break;
-            }
-        }
-        // Accepted drafts: the emitted tokens that were drafted (the last one emitted is the
-        // target's correction or its token after the last draft, unless it was a drafted
-        // end of generation without a state).
-        let m = emitted
-            .iter()
-            .zip(&drafts)
-            .take_while(|(e, d)| e == d)
-            .count();
-        state.accepted += m as f64;
-        state.trials += (m + usize::from(m < drafts.len())) as f64;
-        if m < drafts.len() {
-            misses += 1;
-            // Drafts keep missing in this request (more than 1 in 30, twice or more): more
-            // of the vocabulary's first ids, while the set has room for them.
-            let n_vocab = model.n_vocab() as usize;
-            if misses >= 2
-                && misses * 30 > g.drafted_tokens as usize
-                && state.prefix < prefix_max.min(n_vocab)
-            {
-                let next = (state.prefix + GROW).min(prefix_max).min(n_vocab);
-                let ids: Vec<Token> = (state.prefix as Token..next as Token).collect();
-                vocab.add(&ids, cap)?;
-                state.prefix = next;
-            }
-        }
-        // Cells past the accepted drafts belong to rejected ones.
-        ctx.seq_rm(0, pos + 1 + m as i32, -1);
-        vocab.add(&emitted, cap)?;
-        variants.clear();
-        state.spelled.of(&model, &emitted, &mut variants);
-        vocab.add(&variants, cap)?;
-        g.verify_seconds += tv.elapsed().as_secs_f64();
-        for &t in &emitted {
-            if let Some(c) = context.as_mut() {
-                c.accepted(t);
-            }
-            g.tokens.push(t);
-            if model.is_eog(t) || !on_token(t) || g.tokens.len() >= max_tokens {
-                done = true;
-                break;
-            }
-        }
-        if stuck {
-            log::warn!("the grammar allows no token here: the output ends");
-            break;
-        }
-        next = *emitted.last().expect("one token per pass at least");
-        pos += 1 + m as i32;
+    let mut r = Rounds::new(
+        ctx,
+        od,
+        cfg,
+        state,
+        grammar,
+        max_tokens,
+        g,
+        (vocab, cap, prefix_max),
+        context,
+        first,
+        prompt.len() as i32,
+    );
+    while !r.done {
+        r.round(on_token)?;
     }
+    let (mut g, vocab) = (std::mem::take(&mut r.g), r.vocab);
     od.prefetch(true);
     g.decode_seconds = t1.elapsed().as_secs_f64();
     g.decode_cpu_seconds = cpu_seconds() - cpu0;

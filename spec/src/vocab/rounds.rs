@@ -1,0 +1,343 @@
+//! Self-drafting's rounds after the first token ([`super::generate`]), in named steps. Each
+//! round ([`Rounds::round`]):
+//! 1. [`Rounds::chain`]: a retrieval chain after the next token rides in the call that token
+//!    needs, kept while each token is the resident vocabulary's best after the one before;
+//! 2. [`Rounds::steps`]: one-row steps, each drafting the resident best, as many as the cost
+//!    model chose;
+//! 3. [`Rounds::project`]: one pass over the output weights for every state;
+//! 4. [`Rounds::walk`]: the target's token after each state (under a grammar, the best it
+//!    allows); a draft stands while it is that token;
+//! 5. [`Rounds::learn`]: acceptance, the vocabulary grown after misses and by what was
+//!    emitted, the rejected drafts' cells dropped;
+//! 6. [`Rounds::emit`]: the tokens out.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use leap_host::grammar::Grammar;
+use leap_host::project::{DraftVocab, OnDemand};
+use leap_host::{Batch, Context, Model, Result, Token};
+
+use super::{run, VocabConfig, VocabState, GROW, MAX_CHAIN};
+use crate::draft::{ContextDrafter, Drafter, Proposal};
+use crate::plain::{argmax, Generation};
+
+/// One generation's rounds: what carries from a round to the next, and the buffers each
+/// reuses.
+pub(super) struct Rounds<'a> {
+    pub ctx: &'a mut Context,
+    pub od: &'a OnDemand,
+    pub cfg: &'a VocabConfig,
+    pub state: &'a mut VocabState,
+    pub grammar: Option<&'a mut Grammar>,
+    pub model: Arc<Model>,
+    pub max_tokens: usize,
+    /// The output so far and the generation's counts.
+    pub g: Generation,
+    /// The resident vocabulary and the most ids it may hold; the prefix's limit.
+    pub vocab: DraftVocab,
+    pub cap: usize,
+    pub prefix_max: usize,
+    /// Retrieval from the prompt and the tokens emitted so far.
+    pub context: Option<ContextDrafter>,
+    /// The emitted token not yet in the cache, and its position.
+    pub next: Token,
+    pub pos: i32,
+    pub done: bool,
+    /// Rejected drafts in this request.
+    misses: usize,
+    batch: Batch,
+    proposals: Vec<Proposal>,
+    /// The round's final hidden states, `n` values each: after `next`, then after each draft.
+    hs: Vec<f32>,
+    n: usize,
+    drafts: Vec<Token>,
+    logits: Vec<Vec<f32>>,
+    emitted: Vec<Token>,
+    variants: Vec<Token>,
+    /// A row's logits masked by the grammar.
+    masked: Vec<f32>,
+}
+
+impl<'a> Rounds<'a> {
+    /// The rounds of a generation whose first token `first` is emitted at `pos`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: &'a mut Context,
+        od: &'a OnDemand,
+        cfg: &'a VocabConfig,
+        state: &'a mut VocabState,
+        grammar: Option<&'a mut Grammar>,
+        max_tokens: usize,
+        g: Generation,
+        (vocab, cap, prefix_max): (DraftVocab, usize, usize),
+        context: Option<ContextDrafter>,
+        first: Token,
+        pos: i32,
+    ) -> Self {
+        Self {
+            model: ctx.model().clone(),
+            ctx,
+            od,
+            cfg,
+            state,
+            grammar,
+            max_tokens,
+            g,
+            vocab,
+            cap,
+            prefix_max,
+            context,
+            next: first,
+            pos,
+            done: false,
+            misses: 0,
+            batch: Batch::new(cfg.max_draft + 1, 1),
+            proposals: Vec::new(),
+            hs: Vec::new(),
+            n: od.n_embd(),
+            drafts: Vec::new(),
+            logits: Vec::new(),
+            emitted: Vec::new(),
+            variants: Vec::new(),
+            masked: Vec::new(),
+        }
+    }
+
+    /// One round: draft (a chain, then steps), project, walk, learn, emit.
+    ///
+    /// # Errors
+    /// Decode failures; the model file cannot be read.
+    pub fn round(&mut self, on_token: &mut dyn FnMut(Token) -> bool) -> Result<()> {
+        let tv = Instant::now();
+        self.hs.clear();
+        self.drafts.clear();
+        // At most one token more than drafted is emitted.
+        let k = self
+            .state
+            .next_steps(self.cfg.max_draft)
+            .min(self.max_tokens - self.g.tokens.len() - 1);
+        let ahead = self.chain(k)?;
+        self.steps(k.max(self.drafts.len()), ahead)?;
+        self.g.drafted_tokens += self.drafts.len() as u64;
+        let rows = self.project()?;
+        let stuck = self.walk(rows);
+        let m = self.learn()?;
+        self.g.verify_seconds += tv.elapsed().as_secs_f64();
+        self.emit(m, stuck, on_token);
+        Ok(())
+    }
+
+    /// The call after `next`, with a retrieval chain through the blocks in it (proposed
+    /// whatever `k` is: it rides in the call the next token needs anyway, and its rows past
+    /// the first the resident vocabulary disowns are dropped unprojected). The drafts it
+    /// keeps go to `drafts`; the next draft, when checking the chain already found it.
+    fn chain(&mut self, k: usize) -> Result<Option<Token>> {
+        let (n, left) = (self.n, self.max_tokens - self.g.tokens.len() - 1);
+        let td = Instant::now();
+        let mut chain: Vec<Token> = Vec::new();
+        let mut ahead = None;
+        if let (Some(c), true) = (self.context.as_mut(), left > 0) {
+            self.proposals.clear();
+            c.propose(
+                MAX_CHAIN.min(self.cfg.max_draft).min(left),
+                1,
+                &mut self.proposals,
+            );
+            if let Some(p) = self.proposals.first() {
+                chain.clone_from(&p.tokens);
+            }
+            // Under a grammar, up to the first token it refuses.
+            if let Some(gr) = self.grammar.as_deref() {
+                chain.truncate(gr.allowed_prefix(&chain)?);
+            }
+        }
+        self.g.draft_seconds += td.elapsed().as_secs_f64();
+        // The stream reads the projection's first chunk ahead only in the call before a pass.
+        self.od.prefetch(k == 0);
+        let ts = Instant::now();
+        self.g.verify_rows += 1 + chain.len() as u64;
+        let (ctx, od, batch, hs) = (&mut *self.ctx, self.od, &mut self.batch, &mut self.hs);
+        run(ctx, od, batch, self.next, &chain, self.pos, hs)?;
+        if chain.is_empty() {
+            self.state.record_step(ts.elapsed().as_secs_f64());
+        } else {
+            // The chain stands while each token is the resident vocabulary's best after the
+            // one before; from the first that is not, its rows are dropped (that token is not
+            // the target's: its best is the resident best or a token outside).
+            let td = Instant::now();
+            let mut kept = 0;
+            for (j, h) in hs.chunks_exact(n).enumerate() {
+                match (chain.get(j), self.vocab.argmax(h).map(|(r, _)| r)) {
+                    (Some(&c), Some(r)) if r == c => kept += 1,
+                    // The resident best after the last state kept is the next draft.
+                    (_, r) => {
+                        ahead = r;
+                        break;
+                    }
+                }
+            }
+            hs.truncate((kept + 1) * n);
+            self.drafts.extend_from_slice(&chain[..kept]);
+            self.g.draft_seconds += td.elapsed().as_secs_f64();
+            ctx.seq_rm(0, self.pos + 1 + kept as i32, -1);
+        }
+        self.g.target_calls += 1;
+        Ok(ahead)
+    }
+
+    /// One-row steps until `k` drafts (or an end of generation, or the output's limit): each
+    /// drafts the resident best after the last state (`ahead` first, when the chain found
+    /// it) and runs it through the blocks. Under a grammar, a draft it refuses ends them.
+    fn steps(&mut self, k: usize, mut ahead: Option<Token>) -> Result<()> {
+        let n = self.n;
+        // Under a grammar, a copy of it after the drafts so far (made at the first step).
+        let mut walk: Option<Grammar> = None;
+        while self.drafts.len() < k
+            && !self.drafts.last().is_some_and(|&d| self.model.is_eog(d))
+            && self.g.tokens.len() + self.drafts.len() + 1 < self.max_tokens
+        {
+            let td = Instant::now();
+            let h = &self.hs[self.hs.len() - n..];
+            let Some(d) = ahead
+                .take()
+                .or_else(|| self.vocab.argmax(h).map(|(d, _)| d))
+            else {
+                break;
+            };
+            if let Some(gr) = self.grammar.as_deref() {
+                let w = match &mut walk {
+                    Some(w) => w,
+                    None => {
+                        let mut w = gr.try_clone()?;
+                        self.drafts.iter().for_each(|&t| w.accept(t));
+                        walk.insert(w)
+                    }
+                };
+                // The target would refuse it: no step for it.
+                if !w.allows(d) {
+                    break;
+                }
+                w.accept(d);
+            }
+            self.g.draft_seconds += td.elapsed().as_secs_f64();
+            self.drafts.push(d);
+            if self.model.is_eog(d) {
+                // Nothing follows an end of generation: no step for it.
+                break;
+            }
+            self.od.prefetch(self.drafts.len() == k);
+            let ts = Instant::now();
+            let at = self.pos + self.drafts.len() as i32;
+            run(self.ctx, self.od, &mut self.batch, d, &[], at, &mut self.hs)?;
+            self.state.record_step(ts.elapsed().as_secs_f64());
+            self.g.target_calls += 1;
+            self.g.verify_rows += 1;
+        }
+        Ok(())
+    }
+
+    /// One pass over the output weights for every state; how many rows.
+    fn project(&mut self) -> Result<usize> {
+        let tp = Instant::now();
+        let views: Vec<&[f32]> = self.hs.chunks_exact(self.n).collect();
+        let rows = views.len();
+        self.logits
+            .resize_with(rows.max(self.logits.len()), Vec::new);
+        self.od.try_logits_rows(&views, &mut self.logits[..rows])?;
+        let pass = tp.elapsed().as_secs_f64();
+        self.state.record_pass(rows, pass);
+        let g = &mut self.g;
+        g.project_seconds += pass;
+        g.output_rows += rows as u64;
+        g.rows_after_exit += rows as u64;
+        Ok(rows)
+    }
+
+    /// The target's token after each state into `emitted`; a draft stands while it is that
+    /// token. Under a grammar, the best it allows (it accepts the token: every token emitted
+    /// here is output, or the generation ends). Whether the grammar allowed none somewhere.
+    fn walk(&mut self, rows: usize) -> bool {
+        self.emitted.clear();
+        for (i, l) in self.logits[..rows].iter().enumerate() {
+            let t = match self.grammar.as_deref_mut() {
+                Some(gr) => match gr.choose_greedy(l, &mut self.masked) {
+                    Some(t) => {
+                        gr.accept(t);
+                        t
+                    }
+                    None => return true,
+                },
+                None => argmax(l),
+            };
+            self.emitted.push(t);
+            if self.drafts.get(i) != Some(&t) {
+                break;
+            }
+        }
+        false
+    }
+
+    /// What the round teaches: acceptance (the emitted tokens that were drafted: the last one
+    /// emitted is the target's correction or its token after the last draft, unless it was a
+    /// drafted end of generation without a state), more of the vocabulary's first ids after
+    /// repeated misses, the emitted tokens and their spellings into the vocabulary. The cells
+    /// past the accepted drafts (rejected ones) leave the cache. How many drafts stood.
+    fn learn(&mut self) -> Result<usize> {
+        let drafts = &self.drafts;
+        let m = self
+            .emitted
+            .iter()
+            .zip(drafts)
+            .take_while(|(e, d)| e == d)
+            .count();
+        let state = &mut *self.state;
+        state.accepted += m as f64;
+        state.trials += (m + usize::from(m < drafts.len())) as f64;
+        if m < drafts.len() {
+            self.misses += 1;
+            // Drafts keep missing in this request (more than 1 in 30, twice or more): more
+            // of the vocabulary's first ids, while the set has room for them.
+            let n_vocab = self.model.n_vocab() as usize;
+            if self.misses >= 2
+                && self.misses * 30 > self.g.drafted_tokens as usize
+                && state.prefix < self.prefix_max.min(n_vocab)
+            {
+                let next = (state.prefix + GROW).min(self.prefix_max).min(n_vocab);
+                let ids: Vec<Token> = (state.prefix as Token..next as Token).collect();
+                self.vocab.add(&ids, self.cap)?;
+                state.prefix = next;
+            }
+        }
+        self.ctx.seq_rm(0, self.pos + 1 + m as i32, -1);
+        self.vocab.add(&self.emitted, self.cap)?;
+        self.variants.clear();
+        state
+            .spelled
+            .of(&self.model, &self.emitted, &mut self.variants);
+        self.vocab.add(&self.variants, self.cap)?;
+        Ok(m)
+    }
+
+    /// The emitted tokens out (and to retrieval), up to an end of generation, the output's
+    /// limit or `on_token` declining; the next round starts after them (`m` drafts stood).
+    fn emit(&mut self, m: usize, stuck: bool, on_token: &mut dyn FnMut(Token) -> bool) {
+        for &t in &self.emitted {
+            if let Some(c) = self.context.as_mut() {
+                c.accepted(t);
+            }
+            self.g.tokens.push(t);
+            if self.model.is_eog(t) || !on_token(t) || self.g.tokens.len() >= self.max_tokens {
+                self.done = true;
+                return;
+            }
+        }
+        if stuck {
+            log::warn!("the grammar allows no token here: the output ends");
+            self.done = true;
+            return;
+        }
+        self.next = *self.emitted.last().expect("one token per pass at least");
+        self.pos += 1 + m as i32;
+    }
+}
