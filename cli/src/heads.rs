@@ -153,106 +153,8 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
     let fingerprint = leap_host::project::fingerprint(&model)?
         .context("the model has no output weights a head can score with")?;
 
-    // Windows of the corpus, and its most frequent tokens (the shadow tokens).
-    let mut windows: Vec<Vec<i32>> = Vec::new();
-    let mut counts = std::collections::HashMap::<i32, usize>::new();
-    let mut total = 0;
-    for doc in documents(&a.corpus)?.into_iter().skip(a.skip) {
-        if total >= a.positions {
-            break;
-        }
-        let toks = model.tokenize(&doc, true, false)?;
-        for w in toks.chunks(a.window).filter(|w| w.len() >= 16) {
-            for &t in &w[1..] {
-                *counts.entry(t).or_default() += 1;
-            }
-            total += w.len() - 1;
-            windows.push(w.to_vec());
-            if total >= a.positions {
-                break;
-            }
-        }
-    }
-    ensure!(
-        total >= 100,
-        "{} gives only {total} positions",
-        a.corpus.display()
-    );
-    let mut freq: Vec<(i32, usize)> = counts.into_iter().collect();
-    freq.sort_by(|x, y| y.1.cmp(&x.1).then(x.0.cmp(&y.0)));
-    let shadow: Vec<i32> = freq.iter().take(SHADOW).map(|&(t, _)| t).collect();
-
-    // Capture: hidden states at the exit layer and the teacher's logits, per position.
-    let rows = Arc::new(Mutex::new(Vec::new()));
-    let capture = Box::new(Capture {
-        name: format!("l_out-{}", a.layer),
-        rows: rows.clone(),
-    });
-    let params = ContextParams {
-        n_ctx: a.window as u32,
-        n_batch: a.window as u32,
-        n_ubatch: a.window as u32,
-        n_threads: a.threads,
-        n_threads_batch: a.threads,
-        ..Default::default()
-    };
-    let (mut ctx, od) = OnDemand::context_with(&model, &params, Some(capture))?;
-    let od = od.context("the model's output projection is not one Leap can score with")?;
-    let bar = progress::bar(
-        a.progress,
-        total as u64,
-        "train-heads: reading the model's answers [{bar:30}] {pos}/{len} positions",
-    );
-    let mut samples: Vec<(usize, Sample)> = Vec::with_capacity(total);
-    let mut idx: Vec<u32> = Vec::new();
-    for (wi, w) in windows.iter().enumerate() {
-        ctx.clear(true);
-        let mut b = Batch::new(w.len(), 1);
-        for (i, &t) in w.iter().enumerate() {
-            b.add(t, i as i32, &[0], i + 1 < w.len())?;
-        }
-        ctx.decode(&b)?;
-        let hidden = std::mem::take(&mut *rows.lock().unwrap_or_else(|e| e.into_inner()));
-        ensure!(
-            hidden.len() == w.len() * d,
-            "the model's graph has no l_out-{} of every row (got {} values for {} rows)",
-            a.layer,
-            hidden.len(),
-            w.len()
-        );
-        for i in 0..w.len() - 1 {
-            let logits = ctx.logits(i as i32)?;
-            idx.clear();
-            idx.extend(0..logits.len() as u32);
-            let by = |x: &u32, y: &u32| logits[*y as usize].total_cmp(&logits[*x as usize]);
-            idx.select_nth_unstable_by(TOP_K, by);
-            idx.truncate(TOP_K);
-            idx.sort_by(by);
-            let top: Vec<(i32, f32)> = idx
-                .iter()
-                .map(|&t| (t as i32, logits[t as usize]))
-                .collect();
-            let mut cand: Vec<i32> = vec![w[i + 1]];
-            let teacher = top.iter().take(CAND_TOP).map(|&(t, _)| t);
-            for t in teacher.chain(shadow.iter().copied()) {
-                if !cand.contains(&t) {
-                    cand.push(t);
-                }
-            }
-            let cand = cand.iter().map(|&t| (t, logits[t as usize])).collect();
-            samples.push((
-                wi,
-                Sample {
-                    hidden: hidden[i * d..(i + 1) * d].to_vec(),
-                    top,
-                    cand,
-                },
-            ));
-        }
-        bar.inc(w.len() as u64 - 1);
-    }
-    bar.finish_and_clear();
-    drop(ctx);
+    let (windows, total, shadow) = corpus_windows(a, &model)?;
+    let (samples, od) = capture_samples(a, &model, &windows, total, &shadow)?;
 
     // Hold out the last tenth of the windows.
     let cut = windows.len() - (windows.len() / 10).max(1);
@@ -329,3 +231,129 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
 }
 
 pub use leap_spec::session::{head_for, load_head};
+
+/// Windows of `a.window` tokens of the corpus (after `a.skip` documents) up to `a.positions`
+/// positions, how many positions they hold, and the corpus's most frequent tokens (the
+/// shadow tokens a head always scores).
+///
+/// # Errors
+/// The corpus cannot be read or tokenized, or gives fewer than 100 positions.
+fn corpus_windows(a: &TrainHeads, model: &Model) -> Result<(Vec<Vec<i32>>, usize, Vec<i32>)> {
+    let mut windows: Vec<Vec<i32>> = Vec::new();
+    let mut counts = std::collections::HashMap::<i32, usize>::new();
+    let mut total = 0;
+    for doc in documents(&a.corpus)?.into_iter().skip(a.skip) {
+        if total >= a.positions {
+            break;
+        }
+        let toks = model.tokenize(&doc, true, false)?;
+        for w in toks.chunks(a.window).filter(|w| w.len() >= 16) {
+            for &t in &w[1..] {
+                *counts.entry(t).or_default() += 1;
+            }
+            total += w.len() - 1;
+            windows.push(w.to_vec());
+            if total >= a.positions {
+                break;
+            }
+        }
+    }
+    ensure!(
+        total >= 100,
+        "{} gives only {total} positions",
+        a.corpus.display()
+    );
+    let mut freq: Vec<(i32, usize)> = counts.into_iter().collect();
+    freq.sort_by(|x, y| y.1.cmp(&x.1).then(x.0.cmp(&y.0)));
+    let shadow: Vec<i32> = freq.iter().take(SHADOW).map(|&(t, _)| t).collect();
+
+    Ok((windows, total, shadow))
+}
+
+/// What the model answers at each position of `windows`: its hidden state at the exit layer
+/// (`l_out-{a.layer}`), the teacher's top tokens and the candidates a head is trained to rank
+/// (the next token, the teacher's best, the `shadow` tokens), each with the window it came
+/// from; and the output projection that scores them.
+///
+/// # Errors
+/// A context cannot be made or a window decoded; the graph has no such layer output; the
+/// model's output projection is not one Leap can score with.
+fn capture_samples(
+    a: &TrainHeads,
+    model: &Arc<Model>,
+    windows: &[Vec<i32>],
+    total: usize,
+    shadow: &[i32],
+) -> Result<(Vec<(usize, Sample)>, OnDemand)> {
+    let d = model.n_embd() as usize;
+    let rows = Arc::new(Mutex::new(Vec::new()));
+    let capture = Box::new(Capture {
+        name: format!("l_out-{}", a.layer),
+        rows: rows.clone(),
+    });
+    let params = ContextParams {
+        n_ctx: a.window as u32,
+        n_batch: a.window as u32,
+        n_ubatch: a.window as u32,
+        n_threads: a.threads,
+        n_threads_batch: a.threads,
+        ..Default::default()
+    };
+    let (mut ctx, od) = OnDemand::context_with(model, &params, Some(capture))?;
+    let od = od.context("the model's output projection is not one Leap can score with")?;
+    let bar = progress::bar(
+        a.progress,
+        total as u64,
+        "train-heads: reading the model's answers [{bar:30}] {pos}/{len} positions",
+    );
+    let mut samples: Vec<(usize, Sample)> = Vec::with_capacity(total);
+    let mut idx: Vec<u32> = Vec::new();
+    for (wi, w) in windows.iter().enumerate() {
+        ctx.clear(true);
+        let mut b = Batch::new(w.len(), 1);
+        for (i, &t) in w.iter().enumerate() {
+            b.add(t, i as i32, &[0], i + 1 < w.len())?;
+        }
+        ctx.decode(&b)?;
+        let hidden = std::mem::take(&mut *rows.lock().unwrap_or_else(|e| e.into_inner()));
+        ensure!(
+            hidden.len() == w.len() * d,
+            "the model's graph has no l_out-{} of every row (got {} values for {} rows)",
+            a.layer,
+            hidden.len(),
+            w.len()
+        );
+        for i in 0..w.len() - 1 {
+            let logits = ctx.logits(i as i32)?;
+            idx.clear();
+            idx.extend(0..logits.len() as u32);
+            let by = |x: &u32, y: &u32| logits[*y as usize].total_cmp(&logits[*x as usize]);
+            idx.select_nth_unstable_by(TOP_K, by);
+            idx.truncate(TOP_K);
+            idx.sort_by(by);
+            let top: Vec<(i32, f32)> = idx
+                .iter()
+                .map(|&t| (t as i32, logits[t as usize]))
+                .collect();
+            let mut cand: Vec<i32> = vec![w[i + 1]];
+            let teacher = top.iter().take(CAND_TOP).map(|&(t, _)| t);
+            for t in teacher.chain(shadow.iter().copied()) {
+                if !cand.contains(&t) {
+                    cand.push(t);
+                }
+            }
+            let cand = cand.iter().map(|&t| (t, logits[t as usize])).collect();
+            samples.push((
+                wi,
+                Sample {
+                    hidden: hidden[i * d..(i + 1) * d].to_vec(),
+                    top,
+                    cand,
+                },
+            ));
+        }
+        bar.inc(w.len() as u64 - 1);
+    }
+    bar.finish_and_clear();
+    Ok((samples, od))
+}
