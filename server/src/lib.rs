@@ -153,9 +153,10 @@ pub struct ServeArgs {
     #[arg(long)]
     pub embeddings: bool,
     /// How /v1/embeddings pools a text's rows. llama-server takes the model's own, which for
-    /// a generative model is none, and refuses OpenAI's endpoint then; mean here.
-    #[arg(long, default_value = "mean", value_parser = ["mean", "last", "cls"])]
-    pub pooling: String,
+    /// a generative model is none, and refuses OpenAI's endpoint then; mean here
+    /// [default: mean]
+    #[arg(long, requires = "embeddings", value_parser = ["mean", "last", "cls"])]
+    pub pooling: Option<String>,
 }
 
 fn default_threads() -> i32 {
@@ -393,11 +394,13 @@ async fn serve(model: &Path, args: &ServeArgs, opts: Options, state: Arc<AppStat
         let model = model.to_path_buf();
         let (parallel, max_queue) = (args.parallel, args.max_queue);
         let chat_template = args.chat_template.clone();
-        let pooling = args.embeddings.then_some(match args.pooling.as_str() {
-            "last" => leap_host::Pooling::Last,
-            "cls" => leap_host::Pooling::Cls,
-            _ => leap_host::Pooling::Mean,
-        });
+        let pooling = args
+            .embeddings
+            .then_some(match args.pooling.as_deref().unwrap_or("mean") {
+                "last" => leap_host::Pooling::Last,
+                "cls" => leap_host::Pooling::Cls,
+                _ => leap_host::Pooling::Mean,
+            });
         std::thread::Builder::new()
             .name("leap-load".into())
             .spawn(move || {
