@@ -484,6 +484,19 @@ impl Message {
                 s
             }
         };
+        // Read only on the turns they belong to: elsewhere they would be dropped.
+        if self.tool_calls.as_ref().is_some_and(|c| !c.is_empty()) && self.role != "assistant" {
+            return Err(ApiError::invalid(
+                format!("{param}.tool_calls: only an assistant turn calls tools"),
+                Some(&format!("{param}.tool_calls")),
+            ));
+        }
+        if self.tool_call_id.is_some() && self.role != "tool" {
+            return Err(ApiError::invalid(
+                format!("{param}.tool_call_id: only a tool message answers a call"),
+                Some(&format!("{param}.tool_call_id")),
+            ));
+        }
         let content = match (self.role.as_str(), self.tool_calls.as_deref()) {
             ("tool", _) => crate::tools::tool_result(&content, self.tool_call_id.as_deref()),
             ("assistant", Some(calls)) if !calls.is_empty() => {
@@ -671,5 +684,17 @@ mod tests {
             r.messages[0].to_chat(0).unwrap_err().param.as_deref(),
             Some("messages[0]")
         );
+        // Tool fields on a turn they do not belong to are refused, not dropped.
+        let r: ChatRequest = parse(
+            br#"{"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"},
+                {"role": "tool", "content": "x",
+                 "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+                {"role": "tool", "content": "21", "tool_call_id": "c1"}]}"#,
+        )
+        .unwrap();
+        let param = |i: usize| r.messages[i].to_chat(i).unwrap_err().param;
+        assert_eq!(param(0).as_deref(), Some("messages[0].tool_call_id"));
+        assert_eq!(param(1).as_deref(), Some("messages[1].tool_calls"));
+        assert_eq!(r.messages[2].to_chat(2).unwrap().role, "user");
     }
 }
