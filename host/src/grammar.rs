@@ -203,6 +203,17 @@ impl Grammar {
         self.mask(scratch).then(|| argmax(scratch))
     }
 
+    /// [`Grammar::choose_greedy`], then [`Grammar::accept`] of the token chosen. `None`, with
+    /// a warning that the output ends there, when the grammar allows no token.
+    pub fn take_greedy(&mut self, logits: &[f32], scratch: &mut Vec<f32>) -> Option<Token> {
+        let Some(t) = self.choose_greedy(logits, scratch) else {
+            log::warn!("the grammar allows no token here: the output ends");
+            return None;
+        };
+        self.accept(t);
+        Some(t)
+    }
+
     /// An independent copy in the same state (to walk drafts without moving this one).
     ///
     /// # Errors

@@ -480,13 +480,9 @@ impl Engine {
                 &trunc.apply(ctx.logits(-1)?).entries,
                 accept::position_uniform(sampling.seed, prompt.len()),
             ),
-            Some(gr) => match gr.choose_greedy(ctx.logits(-1)?, &mut Vec::new()) {
-                Some(t) => {
-                    gr.accept(t);
-                    t
-                }
+            Some(gr) => match gr.take_greedy(ctx.logits(-1)?, &mut Vec::new()) {
+                Some(t) => t,
                 None => {
-                    log::warn!("the grammar allows no token here: the output ends");
                     g.decode_seconds = t1.elapsed().as_secs_f64();
                     return Ok(g);
                 }

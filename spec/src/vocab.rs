@@ -319,16 +319,10 @@ pub fn generate(
         self_drafted: true,
         ..Default::default()
     };
-    // A vocabulary-sized buffer for a row's logits masked by the grammar.
-    let mut masked = Vec::new();
     let first = match grammar.as_deref_mut() {
-        Some(gr) => match gr.choose_greedy(ctx.logits(-1)?, &mut masked) {
-            Some(t) => {
-                gr.accept(t);
-                t
-            }
+        Some(gr) => match gr.take_greedy(ctx.logits(-1)?, &mut Vec::new()) {
+            Some(t) => t,
             None => {
-                log::warn!("the grammar allows no token here: the output ends");
                 od.prefetch(true);
                 return Ok(g);
             }

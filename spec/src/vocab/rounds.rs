@@ -261,11 +261,8 @@ impl<'a> Rounds<'a> {
         self.emitted.clear();
         for (i, l) in self.logits[..rows].iter().enumerate() {
             let t = match self.grammar.as_deref_mut() {
-                Some(gr) => match gr.choose_greedy(l, &mut self.masked) {
-                    Some(t) => {
-                        gr.accept(t);
-                        t
-                    }
+                Some(gr) => match gr.take_greedy(l, &mut self.masked) {
+                    Some(t) => t,
                     None => return true,
                 },
                 None => argmax(l),
@@ -333,7 +330,6 @@ impl<'a> Rounds<'a> {
             }
         }
         if stuck {
-            log::warn!("the grammar allows no token here: the output ends");
             self.done = true;
             return;
         }
