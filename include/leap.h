@@ -145,8 +145,9 @@ typedef struct {
     uint32_t n_ctx;
     /* LEAP_MODE_LEAP or LEAP_MODE_PLAIN. */
     int32_t mode;
-    /* Leap's ggml device computes the quantized matrix products (default true). Process-wide:
-     * every leap_model_open sets it, so the model opened last decides for all. */
+    /* Leap's ggml device computes the quantized matrix products (default true). This model's
+     * sessions only: each session's context has a device of its own, so models opened with
+     * different settings in one process each keep theirs (leap_stats.device_nodes). */
     bool leap_kernels;
     /* The model's sidecar file (its early-exit head speeds up Leap's verification), or NULL
      * for MODEL.leap.gguf next to the model, if there is one. */
@@ -266,6 +267,9 @@ typedef struct {
     double decode_seconds;
     /* LEAP_FINISH_*: why the generation ended (in totals: the last generation's). */
     int32_t finish;
+    /* Graph nodes Leap's ggml device computed for the session's context (0 when its model
+     * was opened with leap_kernels false). */
+    uint64_t device_nodes;
 } leap_stats;
 
 /* Generate from `prompt` on `session` with `params` (NULL: the defaults), calling `callback`

@@ -17,7 +17,7 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | `attn.rs` | the settings ([`Sparse`], [`set_sparse`]), the totals ([`stats`]), profiling's ablation ([`set_ablation`]) |
+//! | `attn.rs` | the settings ([`Sparse`], given per context in [`crate::DeviceConfig`]), the process's totals ([`stats`]), profiling's [`Ablation`] |
 //! | `attn/op.rs` | the ggml side: which `FLASH_ATTN_EXT` and `SET_ROWS` nodes the device takes, their [`Operands`], computing a node |
 //! | `attn/shadow.rs` | the int8 copies of the K caches ([`Keys8`]), kept up to date or filled from the cache |
 //! | `attn/kernel.rs` | [`compute`]: per (row, head) the keys kept and exact attention over them, split across threads |
@@ -30,15 +30,15 @@ mod kernel;
 mod op;
 mod shadow;
 
-pub use capture::{start_capture, take_capture, Captured};
+pub use capture::Captured;
 pub use estimate::{opencl_calls, qnn_calls};
 pub use kernel::{compute, Chosen};
 pub use op::Operands;
 pub(crate) use op::{flash_attn, set_rows, supports_fa, supports_set_rows};
+pub(crate) use shadow::invalidate;
 pub use shadow::{q8_row_bytes, quantize_f16_rows, Keys8};
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
 /// Sparse-attention settings (see the module docs).
 #[derive(Debug, Clone)]
@@ -135,35 +135,6 @@ impl Sparse {
     }
 }
 
-static CONFIG: RwLock<Option<Sparse>> = RwLock::new(None);
-/// Bumped whenever the configuration changes: shadows written before may be stale (while the
-/// device was off, ggml wrote the cache).
-static EPOCH: AtomicU64 = AtomicU64::new(1);
-
-/// Turn sparse attention on (with these settings) or off. Off, the device leaves attention
-/// and the cache writes to ggml. Contexts must use flash attention for the device to see
-/// attention at all.
-pub fn set_sparse(config: Option<Sparse>) {
-    if let Some(c) = &config {
-        if c.estimate_on == EstimateOn::Cpu {
-            // Load QNN now if it is wanted, so that a missing library is reported at once.
-            crate::qnn::use_for(c.qnn);
-        }
-    }
-    *CONFIG.write().unwrap_or_else(|e| e.into_inner()) = config;
-    EPOCH.fetch_add(1, Ordering::Relaxed);
-}
-
-/// The current settings, if sparse attention is on.
-pub fn sparse() -> Option<Sparse> {
-    CONFIG.read().unwrap_or_else(|e| e.into_inner()).clone()
-}
-
-/// Invalidate every K shadow (call after the device was off while contexts decoded).
-pub(crate) fn invalidate() {
-    EPOCH.fetch_add(1, Ordering::Relaxed);
-}
-
 /// What sparse attention did, summed over nodes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -179,17 +150,32 @@ pub struct Stats {
     pub keys_kept: u64,
 }
 
-static STATS: Mutex<Stats> = Mutex::new(Stats {
-    nodes: 0,
-    sparse_rows: 0,
-    dense_rows: 0,
-    keys_visible: 0,
-    keys_kept: 0,
-});
+impl Stats {
+    /// Nothing done yet.
+    pub(crate) const ZERO: Stats = Stats {
+        nodes: 0,
+        sparse_rows: 0,
+        dense_rows: 0,
+        keys_visible: 0,
+        keys_kept: 0,
+    };
 
-/// Totals since the process started.
+    pub(crate) fn add(&mut self, o: &Stats) {
+        self.nodes += o.nodes;
+        self.sparse_rows += o.sparse_rows;
+        self.dense_rows += o.dense_rows;
+        self.keys_visible += o.keys_visible;
+        self.keys_kept += o.keys_kept;
+    }
+}
+
+/// Totals since the process started, over every context ([`crate::Device::attn_stats`]: one
+/// context's).
 pub fn stats() -> Stats {
-    *STATS.lock().unwrap_or_else(|e| e.into_inner())
+    *crate::device::TOTALS
+        .attn
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 /// A head (or a whole layer's attention) whose output is zeroed, to measure how much the
@@ -199,24 +185,4 @@ pub struct Ablation {
     pub layer: usize,
     /// `None`: every head of the layer.
     pub head: Option<usize>,
-}
-
-static TAKE_ALL: AtomicBool = AtomicBool::new(false);
-static ABLATE: Mutex<Option<Ablation>> = Mutex::new(None);
-
-/// Profiling mode: the device takes every flash-attention node (dense unless sparse
-/// attention is on), so that [`set_ablation`] reaches every layer. Affects graphs built
-/// afterwards (contexts created afterwards).
-pub fn set_take_all(on: bool) {
-    TAKE_ALL.store(on, Ordering::Relaxed);
-}
-
-/// Zero a head's or a layer's attention output in the nodes computed from now on (the
-/// device must take them: [`set_take_all`]).
-pub fn set_ablation(a: Option<Ablation>) {
-    *ABLATE.lock().unwrap_or_else(|e| e.into_inner()) = a;
-}
-
-fn ablation() -> Option<Ablation> {
-    *ABLATE.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -63,14 +63,23 @@ fn checked() -> bool {
 /// # Safety
 /// `node` is a valid, allocated MUL_MAT node whose sources hold their data.
 pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
-    QUERIES.with_borrow_mut(|q| compute_with(node, threads, q));
+    SCRATCH.with(|s| compute_with(node, threads, &mut s.queries.borrow_mut()));
+}
+
+/// Buffers reused from node to node: the rounded query rows (on the calling thread) and a
+/// block's sums (on each worker, the calling thread among them: two cells).
+struct Scratch {
+    queries: std::cell::RefCell<Vec<f32>>,
+    sums: std::cell::RefCell<Vec<f32>>,
 }
 
 thread_local! {
-    /// Buffers reused from node to node: the rounded query rows (on the calling thread) and a
-    /// block's sums (on each worker).
-    static QUERIES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    static SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SCRATCH: Scratch = const {
+        Scratch {
+            queries: std::cell::RefCell::new(Vec::new()),
+            sums: std::cell::RefCell::new(Vec::new()),
+        }
+    };
 }
 
 /// [`compute`] with `q` for the query rows.
@@ -123,7 +132,8 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
         }
     };
     parallel(threads.min(tasks), &|tid, nth| {
-        SUMS.with_borrow_mut(|sums| {
+        SCRATCH.with(|s| {
+            let sums = &mut s.sums.borrow_mut();
             // A contiguous run of blocks per thread: each streams through its part of the
             // cache in address order, which the hardware prefetchers follow.
             for t in tid * tasks / nth..(tid + 1) * tasks / nth {

@@ -19,7 +19,7 @@
 //! buffer type *is* the CPU's, so model loading is unchanged. Threads: the same OpenMP team
 //! ggml's CPU backend uses (`GOMP_parallel`, found at run time), else scoped threads.
 //!
-//! With sparse attention on ([`attn::set_sparse`], contexts with flash attention), the device
+//! With sparse attention on ([`DeviceConfig::sparse`], contexts with flash attention), the device
 //! also takes `FLASH_ATTN_EXT` (decode, verification and prefill batches alike, unless
 //! [`attn::Sparse::max_rows`] sets a limit; none by default) and the K cache writes that feed
 //! its int8 copy of the cache: shadowAttn's estimated top-k attention ([`attn`]). A second
@@ -33,6 +33,7 @@
 
 pub mod attn;
 pub mod attn_bench;
+mod device;
 mod est;
 pub mod f16;
 pub mod ffi;
@@ -47,9 +48,11 @@ mod par;
 pub mod qnn;
 
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 
+use device::Instance;
+pub use device::{defaults, use_by_default, Device, DeviceConfig};
 use ffi as g;
 
 // The interface this code fills in (struct layouts of `ggml-backend-impl.h`): bindgen reads
@@ -70,33 +73,25 @@ pub const MIN_ROWS: i64 = 1;
 /// See [`MIN_ROWS`].
 pub const MAX_ROWS: i64 = 4096;
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-static THREADS: AtomicUsize = AtomicUsize::new(0);
-thread_local! {
-    /// Matrix products computed for decodes this thread ran (ggml's scheduler calls the
-    /// device on the thread that called `llama_decode`).
-    static CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    /// Batch rows of matrix products skipped for an early exit (`leap_host::exit`), this
-    /// thread's decodes.
-    pub(crate) static SKIPPED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+/// The plugin's registry and devices (addresses), made once: ggml's loader requires the same
+/// registry from every `ggml_backend_init` call, and ggml's registry owns them for the rest of
+/// the process once they are in it.
+struct Plugin {
+    reg: usize,
+    devices: Vec<usize>,
+    /// Done once the registry is in ggml's ([`register`]).
+    registered: std::sync::Once,
 }
 
-/// Nodes computed by the device in this process (all threads).
-static TOTAL_CALLS: AtomicU64 = AtomicU64::new(0);
-
-/// Set once the device is in ggml's registry (which owns it for the rest of the process).
-static REGISTERED: OnceLock<()> = OnceLock::new();
-/// The registry object (address), made once: ggml's loader requires the same pointer from
-/// every `ggml_backend_init` call.
-static REGISTRY: OnceLock<usize> = OnceLock::new();
+static PLUGIN: OnceLock<Plugin> = OnceLock::new();
 
 /// Add the `leap-cpu` device to ggml's backend registry (once per process; later calls do
 /// nothing). Contexts created afterwards use it; contexts created before do not.
 pub fn register() {
-    REGISTERED.get_or_init(|| {
-        // SAFETY: `registry()` is a complete, leaked registry whose device outlives the
-        // process.
-        unsafe { g::ggml_backend_register(registry()) };
+    let reg = registry();
+    plugin().registered.call_once(|| {
+        // SAFETY: `reg` is a complete, leaked registry whose devices outlive the process.
+        unsafe { g::ggml_backend_register(reg) };
         log::info!("registered ggml device leap-cpu (small-batch quantized matrix products, sparse attention)");
     });
 }
@@ -104,7 +99,11 @@ pub fn register() {
 /// The plugin's registry, for ggml's loader (`ggml_backend_init` of the cdylib) or
 /// [`register`]. Created on first use; the same pointer every time.
 pub fn registry() -> g::ggml_backend_reg_t {
-    *REGISTRY.get_or_init(|| {
+    plugin().reg as g::ggml_backend_reg_t
+}
+
+fn plugin() -> &'static Plugin {
+    PLUGIN.get_or_init(|| {
         // SAFETY: ggml_cpu_init is idempotent (the kernels' type traits need it).
         unsafe { g::ggml_cpu_init() };
         let reg = Box::into_raw(Box::new(g::ggml_backend_reg {
@@ -117,7 +116,7 @@ pub fn registry() -> g::ggml_backend_reg_t {
             },
             context: std::ptr::null_mut(),
         }));
-        let device = |kind: &'static Kind| {
+        let device = |kind: &'static DevCtx| {
             Box::into_raw(Box::new(g::ggml_backend_device {
                 iface: g::ggml_backend_device_i {
                     get_name: Some(dev_name),
@@ -137,12 +136,20 @@ pub fn registry() -> g::ggml_backend_reg_t {
                     event_synchronize: None,
                 },
                 reg,
-                context: kind as *const Kind as *mut c_void,
+                context: kind as *const DevCtx as *mut c_void,
             }))
         };
-        let mut devices = vec![device(&Kind::Cpu)];
-        if OPENCL_WANTED.load(Ordering::Relaxed) && opencl_available() {
-            devices.push(device(&Kind::OpenCl));
+        static CPU: DevCtx = DevCtx {
+            kind: Kind::Cpu,
+            inst: None,
+        };
+        static OPENCL: DevCtx = DevCtx {
+            kind: Kind::OpenCl,
+            inst: None,
+        };
+        let mut devices = vec![device(&CPU)];
+        if device::opencl_wanted() && opencl_available() {
+            devices.push(device(&OPENCL));
         }
         let devices: &'static [g::ggml_backend_dev_t] = Box::leak(devices.into_boxed_slice());
         // SAFETY: leaked above, not shared yet; the registry's context is its device list.
@@ -150,9 +157,12 @@ pub fn registry() -> g::ggml_backend_reg_t {
             (*reg).context =
                 (devices as *const [g::ggml_backend_dev_t]).cast::<Devices>() as *mut c_void
         };
-        DEVICES.get_or_init(|| devices.iter().map(|&d| d as usize).collect());
-        reg as usize
-    }) as g::ggml_backend_reg_t
+        Plugin {
+            reg: reg as usize,
+            devices: devices.iter().map(|&d| d as usize).collect(),
+            registered: std::sync::Once::new(),
+        }
+    })
 }
 
 /// With `LEAP_STATS=1` (not `0`, `off` or empty), print at exit how many graph nodes
@@ -183,21 +193,23 @@ pub fn stats_at_exit_from_env(who: &'static str) {
     }
 }
 
-/// Configure the device from the environment, for a host that knows nothing of Leap (ggml's
-/// plugin loader, or llama.cpp built with `LLAMA_LEAP=ON`); `who` prefixes what it prints.
-/// Call before the device is first used. The variables: `LEAP_KERNELS` (`on`, `off`),
-/// `LEAP_SPARSE` (`off` or the fraction of keys a query attends), `LEAP_ESTIMATE` (`cpu`,
-/// `opencl`), `LEAP_OUTPUT` (`device` or `ggml`: who computes the output projection, see
-/// [`set_take_output`]; unset, as the caller set it), and `LEAP_STATS`
+/// The device's settings from the environment, for a host that knows nothing of Leap (ggml's
+/// plugin loader, or llama.cpp built with `LLAMA_LEAP=ON`), starting from `base`; `who`
+/// prefixes what it prints. The caller gives them to contexts created afterwards
+/// ([`use_by_default`]). The variables: `LEAP_KERNELS` (`on`, `off`), `LEAP_SPARSE` (`off` or
+/// the fraction of keys a query attends), `LEAP_ESTIMATE` (`cpu`, `opencl`: asks for the
+/// `leap-opencl` device, [`want_opencl`]), `LEAP_OUTPUT` (`device` or `ggml`: who computes the
+/// output projection, [`DeviceConfig::take_output`]; unset, as `base` says), and `LEAP_STATS`
 /// ([`stats_at_exit_from_env`]). `LEAP_QNN` is read where the estimate starts.
-pub fn configure_from_env(who: &'static str) {
+pub fn configure_from_env(who: &'static str, base: DeviceConfig) -> DeviceConfig {
     stats_at_exit_from_env(who);
+    let mut cfg = base;
     if let Ok(v) = std::env::var("LEAP_KERNELS") {
-        set_enabled(!matches!(v.trim(), "off" | "0" | "false"));
+        cfg.kernels = !matches!(v.trim(), "off" | "0" | "false");
     }
     match std::env::var("LEAP_OUTPUT").as_deref().map(str::trim) {
-        Ok("device") => set_take_output(true),
-        Ok("ggml") => set_take_output(false),
+        Ok("device") => cfg.take_output = true,
+        Ok("ggml") => cfg.take_output = false,
         Ok("") | Err(_) => {}
         Ok(v) => eprintln!("{who}: LEAP_OUTPUT must be device or ggml, not {v:?}; ignored"),
     }
@@ -215,68 +227,29 @@ pub fn configure_from_env(who: &'static str) {
     match std::env::var("LEAP_SPARSE").as_deref().map(str::trim) {
         Ok("") | Ok("off") | Ok("0") | Err(_) => {}
         Ok(v) => match v.parse::<f32>() {
-            Ok(keep) if keep > 0.0 && keep <= 1.0 => attn::set_sparse(Some(attn::Sparse {
-                keep,
-                estimate_on,
-                ..attn::Sparse::default()
-            })),
+            Ok(keep) if keep > 0.0 && keep <= 1.0 => {
+                cfg.sparse = Some(attn::Sparse {
+                    keep,
+                    estimate_on,
+                    ..attn::Sparse::default()
+                })
+            }
             _ => eprintln!(
                 "{who}: LEAP_SPARSE must be off or a fraction in (0, 1], not {v:?}; sparse attention stays off"
             ),
         },
     }
+    cfg
 }
 
 /// Whether [`register`] has run.
 pub fn registered() -> bool {
-    REGISTERED.get().is_some()
-}
-
-/// Let the device claim work (default) or not: with `false`, every context computes as
-/// llama.cpp alone would (the baselines in `leap bench`). Takes effect at the next decode.
-pub fn set_enabled(on: bool) {
-    if ENABLED.swap(on, Ordering::Relaxed) != on {
-        // While off, ggml writes the K caches: int8 shadows of them may go stale.
-        attn::invalidate();
-    }
-}
-
-/// See [`set_enabled`].
-pub fn enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
-}
-
-static TAKE_OUTPUT: AtomicBool = AtomicBool::new(false);
-
-/// Let the device take the output projection (`result_output`) too. Off by default: Leap's own
-/// engine projects on demand and stops the graph at the hidden states, which only works while
-/// the projection sits in ggml's split. A host that computes every row's logits itself
-/// (llama.cpp with `--spec-type leap`) gains from it: a verified draft row then costs the
-/// device's small-batch product instead of a ggml dot product per vocabulary row, and the
-/// row's logits are still exactly what ggml computes for the row alone.
-pub fn set_take_output(on: bool) {
-    TAKE_OUTPUT.store(on, Ordering::Relaxed);
-}
-
-/// See [`set_take_output`].
-pub fn takes_output() -> bool {
-    TAKE_OUTPUT.load(Ordering::Relaxed)
-}
-
-/// Nodes the device has computed for decodes run on the calling thread.
-pub fn calls() -> usize {
-    CALLS.with(std::cell::Cell::get)
-}
-
-/// Rows of matrix products the device skipped for early exits in decodes run on the
-/// calling thread (a row of one product each).
-pub fn skipped_rows() -> u64 {
-    SKIPPED.with(std::cell::Cell::get)
+    PLUGIN.get().is_some_and(|p| p.registered.is_completed())
 }
 
 /// Nodes the device has computed in this process.
 pub fn total_calls() -> u64 {
-    TOTAL_CALLS.load(Ordering::Relaxed)
+    device::TOTALS.nodes.load(Ordering::Relaxed)
 }
 
 /// The device's name in ggml's registry (`--list-devices`, `GGML_SCHED_DEBUG`).
@@ -307,24 +280,30 @@ unsafe extern "C" fn reg_name(_: g::ggml_backend_reg_t) -> *const c_char {
     NAME.as_ptr()
 }
 
-/// The devices of the registry (set while the registry is made, before ggml asks).
-static DEVICES: OnceLock<Vec<usize>> = OnceLock::new();
-/// Marker type of the registry context (the device list, see [`DEVICES`]).
+/// Marker type of the registry context (the device list, see [`Plugin`]).
 enum Devices {}
 
 unsafe extern "C" fn reg_device_count(_: g::ggml_backend_reg_t) -> usize {
-    DEVICES.get().map_or(0, Vec::len)
+    PLUGIN.get().map_or(0, |p| p.devices.len())
 }
 
 unsafe extern "C" fn reg_device(_: g::ggml_backend_reg_t, i: usize) -> g::ggml_backend_dev_t {
-    DEVICES
+    PLUGIN
         .get()
-        .and_then(|d| d.get(i))
+        .and_then(|p| p.devices.get(i))
         .map_or(std::ptr::null_mut(), |&p| p as g::ggml_backend_dev_t)
 }
 
-/// Which of the plugin's devices a `ggml_backend_device` is (its context).
-#[derive(Debug, PartialEq, Eq)]
+/// Which of the plugin's devices a `ggml_backend_device` is, and for a backend instance's own
+/// device object ([`device`]), its context's state.
+struct DevCtx {
+    kind: Kind,
+    /// `None`: a device of the registry itself (its settings: [`defaults`]).
+    inst: Option<Arc<Instance>>,
+}
+
+/// See [`DevCtx`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     /// `leap-cpu`: small-batch matrix products, K cache writes, attention estimated on the
     /// CPU.
@@ -333,21 +312,25 @@ enum Kind {
     OpenCl,
 }
 
-unsafe fn kind(dev: g::ggml_backend_dev_t) -> &'static Kind {
-    &*((*dev).context as *const Kind)
+/// # Safety
+/// `dev` is one of the plugin's devices (the registry's, or a backend instance's own).
+unsafe fn dev_ctx<'a>(dev: g::ggml_backend_dev_t) -> &'a DevCtx {
+    &*((*dev).context as *const DevCtx)
 }
 
-static OPENCL_WANTED: AtomicBool = AtomicBool::new(false);
+unsafe fn kind<'a>(dev: g::ggml_backend_dev_t) -> &'a Kind {
+    &dev_ctx(dev).kind
+}
 
 /// Ask for the `leap-opencl` device; call before [`register`] / [`registry`] (setting OpenCL
 /// up compiles its kernels, which takes a moment, so a run that does not use it skips it).
 pub fn want_opencl() {
-    OPENCL_WANTED.store(true, Ordering::Relaxed);
+    device::want_opencl();
 }
 
 /// Whether the `leap-opencl` device is in the registry.
 pub fn opencl_registered() -> bool {
-    DEVICES.get().is_some_and(|d| d.len() > 1)
+    PLUGIN.get().is_some_and(|p| p.devices.len() > 1)
 }
 
 /// Why `leap-opencl` is not available (empty if it is).
@@ -375,8 +358,13 @@ pub fn opencl_available() -> bool {
     }
 }
 
-unsafe extern "C" fn set_n_threads(_: g::ggml_backend_t, n: i32) {
-    THREADS.store(n.max(1) as usize, Ordering::Relaxed);
+unsafe extern "C" fn set_n_threads(b: g::ggml_backend_t, n: i32) {
+    // ggml finds this through the registry and may call it for another registry's backend.
+    if !b.is_null() && !(*b).guid.is_null() && *(*b).guid.cast::<[u8; 16]>() == GUID {
+        backend_inst(b)
+            .threads
+            .store(n.max(1) as usize, Ordering::Relaxed);
+    }
 }
 
 unsafe extern "C" fn reg_proc_address(
@@ -456,27 +444,52 @@ unsafe extern "C" fn dev_supports_op(
     dev: g::ggml_backend_dev_t,
     op: *const g::ggml_tensor,
 ) -> bool {
-    if !enabled() || op.is_null() {
+    if op.is_null() {
         return false;
     }
     // SAFETY: ggml passes a valid node.
     let op = &*op;
-    // Read only for attention nodes (the settings are cloned under a lock).
-    let on_opencl = || attn::sparse().is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl);
-    guard("supports_op", false, || match (kind(dev), op.op) {
+    let ctx = dev_ctx(dev);
+    let claims = |cfg: &DeviceConfig| supports(&ctx.kind, op, cfg, ctx.inst.as_ref());
+    guard("supports_op", false, || match &ctx.inst {
+        Some(inst) => inst.with_config(claims),
+        None => claims(&defaults()),
+    })
+}
+
+/// Whether a device of `kind` takes `op` under `cfg`, for the context of `inst` (`None`: a
+/// device of the registry).
+fn supports(
+    kind: &Kind,
+    op: &g::ggml_tensor,
+    cfg: &DeviceConfig,
+    inst: Option<&Arc<Instance>>,
+) -> bool {
+    if !cfg.kernels {
+        return false;
+    }
+    let on_opencl = || {
+        cfg.sparse
+            .as_ref()
+            .is_some_and(|s| s.estimate_on == attn::EstimateOn::OpenCl)
+    };
+    let fa = || attn::supports_fa(op, cfg, inst.is_some_and(|i| i.capturing()));
+    match (kind, op.op) {
         // Attention's f16 products and Gemma's GELU unit have x86-64 and AArch64 kernels only.
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op) || kqmm::supports(op),
+        (Kind::Cpu, g::GGML_OP_MUL_MAT) => {
+            matmul::supports(op, cfg.take_output) || kqmm::supports(op)
+        }
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op),
-        (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op),
+        (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op, cfg.take_output),
+        (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op, cfg),
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         (Kind::Cpu, g::GGML_OP_GLU) => glu::supports(op),
         // Attention goes to the device its estimate runs on.
-        (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && attn::supports_fa(op),
-        (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl() && attn::supports_fa(op),
+        (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && fa(),
+        (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl() && fa(),
         _ => false,
-    })
+    }
 }
 
 /// Pseudo-random values for the kernels' checks against ggml (xorshift from `seed`): each
@@ -491,22 +504,44 @@ pub(crate) fn check_values(mut seed: u64) -> impl FnMut(f32) -> f32 {
     }
 }
 
-static GUID: [u8; 16] = *b"leap-small-batch";
+/// The backends' identity (ggml compares its bytes).
+const GUID: [u8; 16] = *b"leap-small-batch";
+
+/// A backend instance's own: the device object ggml's scheduler asks about nodes (a copy of
+/// the registry's whose context is `ctx`), and its context's state.
+struct Owned {
+    device: g::ggml_backend_device,
+    ctx: DevCtx,
+}
+
+/// # Safety
+/// `b` is a backend [`dev_init_backend`] made and not yet freed.
+unsafe fn backend_inst<'a>(b: g::ggml_backend_t) -> &'a Instance {
+    let owned = &*((*b).context as *const Owned);
+    owned
+        .ctx
+        .inst
+        .as_deref()
+        .expect("a backend instance has its state")
+}
 
 unsafe extern "C" fn backend_name(b: g::ggml_backend_t) -> *const c_char {
     dev_name((*b).device)
 }
 
 unsafe extern "C" fn backend_free(b: g::ggml_backend_t) {
-    drop(Box::from_raw(b.cast::<g::ggml_backend>()));
+    let b = Box::from_raw(b.cast::<g::ggml_backend>());
+    drop(Box::from_raw(b.context.cast::<Owned>()));
 }
 
 unsafe extern "C" fn backend_graph_compute(
-    _: g::ggml_backend_t,
+    b: g::ggml_backend_t,
     cgraph: *mut g::ggml_cgraph,
 ) -> g::ggml_status {
-    let threads = THREADS.load(Ordering::Relaxed).max(1);
+    let inst = backend_inst(b);
+    let threads = inst.threads.load(Ordering::Relaxed).max(1);
     guard("graph_compute", g::GGML_STATUS_FAILED, || {
+        let mut skipped = 0;
         for i in 0..g::ggml_graph_n_nodes(cgraph) {
             let node = &mut *g::ggml_graph_node(cgraph, i);
             match node.op {
@@ -515,33 +550,45 @@ unsafe extern "C" fn backend_graph_compute(
                 | g::GGML_OP_RESHAPE
                 | g::GGML_OP_PERMUTE
                 | g::GGML_OP_TRANSPOSE => continue,
-                g::GGML_OP_MUL_MAT if matmul::supports(node) => matmul::compute(node, threads),
+                g::GGML_OP_MUL_MAT if matmul::supports(node, true) => {
+                    skipped = matmul::compute(node, threads, inst)
+                }
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_MUL_MAT if kqmm::supports(node) => kqmm::compute(node, threads),
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_GLU => glu::compute(node, threads),
                 // Taken when the schedule was made (a reused graph keeps its schedule even if
                 // sparse attention was turned off since: computed with the defaults then).
-                g::GGML_OP_FLASH_ATTN_EXT => attn::flash_attn(node, threads),
+                g::GGML_OP_FLASH_ATTN_EXT => attn::flash_attn(node, threads, inst),
                 g::GGML_OP_SET_ROWS => attn::set_rows(node),
                 _ => {
                     log::error!("leap-cpu: asked to compute a node it does not support");
                     return g::GGML_STATUS_FAILED;
                 }
             }
-            CALLS.with(|c| c.set(c.get() + 1));
-            TOTAL_CALLS.fetch_add(1, Ordering::Relaxed);
+            inst.counted(std::mem::take(&mut skipped));
         }
         g::GGML_STATUS_SUCCESS
     })
 }
 
+/// A backend for a new llama.cpp context: with its own device object, and the state of the
+/// device bound on this thread ([`Device::bind`]) or a fresh one with the default settings.
 unsafe extern "C" fn dev_init_backend(
     dev: g::ggml_backend_dev_t,
     _: *const c_char,
 ) -> g::ggml_backend_t {
+    let owned = Box::into_raw(Box::new(Owned {
+        device: std::ptr::read(dev),
+        ctx: DevCtx {
+            kind: *kind(dev),
+            inst: Some(device::for_new_backend()),
+        },
+    }));
+    // The copy's context is the instance's (its address is fixed inside the box).
+    (*owned).device.context = std::ptr::addr_of_mut!((*owned).ctx).cast();
     Box::into_raw(Box::new(g::ggml_backend {
-        guid: std::ptr::addr_of!(GUID).cast_mut().cast(),
+        guid: (&GUID as *const [u8; 16]).cast_mut().cast(),
         iface: g::ggml_backend_i {
             get_name: Some(backend_name),
             free: Some(backend_free),
@@ -560,7 +607,7 @@ unsafe extern "C" fn dev_init_backend(
             event_wait: None,
             graph_optimize: None,
         },
-        device: dev,
-        context: std::ptr::null_mut(),
+        device: std::ptr::addr_of_mut!((*owned).device),
+        context: owned.cast(),
     }))
 }

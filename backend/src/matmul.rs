@@ -6,6 +6,7 @@
 
 use leap_host::qdot::{self, Kind};
 
+use crate::device::Instance;
 use crate::ffi as g;
 use crate::par::{parallel, Ptr};
 use crate::{MAX_ROWS, MIN_ROWS};
@@ -32,16 +33,23 @@ fn tensor_name(t: &g::ggml_tensor) -> &str {
         .unwrap_or("")
 }
 
-/// Whether the device computes `op` (see the crate docs for the conditions).
-pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
+/// The layer of a weight tensor named `blk.N.…` (llama.cpp's naming).
+fn layer_of(weight_name: &str) -> Option<u32> {
+    let rest = weight_name.strip_prefix("blk.")?;
+    rest[..rest.find('.')?].parse().ok()
+}
+
+/// Whether the device computes `op` (see the crate docs for the conditions), the output
+/// projection only if `take_output` ([`crate::DeviceConfig::take_output`]).
+pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
     if op.op != g::GGML_OP_MUL_MAT || op.type_ != g::GGML_TYPE_F32 {
         return false;
     }
     // The output projection stays in ggml's split with `result_norm` (unless a host without
-    // on-demand projection asks for it, `set_take_output`): Leap's on-demand projection stops
+    // on-demand projection asks for it, `take_output`): Leap's on-demand projection stops
     // the graph there through the eval callback, and ggml's scheduler only stops the split it
     // is in (a split of this device's would still run after it).
-    if tensor_name(op).as_bytes() == OUTPUT && !crate::takes_output() {
+    if !take_output && tensor_name(op).as_bytes() == OUTPUT {
         return false;
     }
     let (s0, s1) = (op.src[0], op.src[1]);
@@ -68,11 +76,12 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
         && qdot::checked(kind).is_some()
 }
 
-/// Compute `node` (which [`supports`] accepted) with `threads` threads.
+/// Compute `node` (which [`supports`] accepted) with `threads` threads, for the context of
+/// `inst`; returns the batch rows its early exit skipped.
 ///
 /// # Safety
 /// `node` is a valid, allocated MUL_MAT node whose sources hold their data.
-pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
+pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &Instance) -> u64 {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
     let kind = kind_of(s0.type_).expect("checked in supports");
     let k = qdot::checked(kind).expect("checked in supports");
@@ -83,16 +92,14 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         .from_float
         .expect("the activation type has a quantizer");
     // The batch rows to compute: all, or those an early exit kept past this layer
-    // (`leap_host::exit`); the others get zeros.
-    let sel: Vec<usize> = match leap_host::exit::rows_kept(tensor_name(s0), m) {
+    // (`Device::exit_mask`); the others get zeros.
+    let sel: Vec<usize> = match inst.rows_kept(layer_of(tensor_name(s0)), m) {
         Some(keep) => {
             for r in (0..m).filter(|&r| !keep[r]) {
                 let out = (node.data as *mut u8).add(r * node.nb[1]).cast::<f32>();
                 std::ptr::write_bytes(out, 0, n_w);
             }
-            let sel: Vec<usize> = (0..m).filter(|&r| keep[r]).collect();
-            crate::SKIPPED.with(|c| c.set(c.get() + (m - sel.len()) as u64));
-            sel
+            (0..m).filter(|&r| keep[r]).collect()
         }
         None => (0..m).collect(),
     };
@@ -139,4 +146,17 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
             work(t, &mut tmp);
         }
     });
+    (m - sel.len()) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn weight_names_give_their_layer() {
+        use super::layer_of;
+        assert_eq!(layer_of("blk.12.ffn_up.weight"), Some(12));
+        assert_eq!(layer_of("blk.0.attn_q.weight"), Some(0));
+        assert_eq!(layer_of("token_embd.weight"), None);
+        assert_eq!(layer_of("blk.x.attn_q.weight"), None);
+    }
 }

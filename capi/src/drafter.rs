@@ -263,7 +263,7 @@ pub unsafe extern "C" fn leap_drafter_get_stats(
 /// `leap_status leap_backend_register(void)`: Leap's `leap-cpu` device into ggml's registry,
 /// configured from the environment (as the plugin: `LEAP_KERNELS`, `LEAP_SPARSE`,
 /// `LEAP_ESTIMATE`, `LEAP_STATS`, `LEAP_OUTPUT`), taking the output projection too unless
-/// `LEAP_OUTPUT=ggml` ([`leap_backend::set_take_output`]). Once per process; later calls do nothing.
+/// `LEAP_OUTPUT=ggml` ([`leap_backend::DeviceConfig::take_output`]). Once per process; later calls do nothing.
 #[no_mangle]
 pub extern "C" fn leap_backend_register() -> leap_status {
     guard(|| {
@@ -272,8 +272,13 @@ pub extern "C" fn leap_backend_register() -> leap_status {
             crate::logging::init();
             // Such a host computes every row's logits itself (no on-demand projection here);
             // the environment may say otherwise (LEAP_OUTPUT=ggml).
-            leap_backend::set_take_output(true);
-            leap_backend::configure_from_env("leap");
+            leap_backend::use_by_default(leap_backend::configure_from_env(
+                "leap",
+                leap_backend::DeviceConfig {
+                    take_output: true,
+                    ..Default::default()
+                },
+            ));
             leap_backend::register();
         });
         Ok(())

@@ -135,6 +135,7 @@ pub struct leap_stats {
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     pub finish: i32,
+    pub device_nodes: u64,
 }
 
 /// `leap_token_callback`.
@@ -295,6 +296,7 @@ impl From<&Totals> for leap_stats {
             prefill_seconds: t.prefill_seconds,
             decode_seconds: t.decode_seconds,
             finish: LEAP_FINISH_LENGTH,
+            device_nodes: 0,
         }
     }
 }
@@ -642,6 +644,7 @@ unsafe fn generation(
         go_on && !stop
     };
     s.cancel.store(false, Ordering::Relaxed);
+    let nodes_before = state.session.device().calls();
     let g = match state.session.generate(&tokens, &req, &mut on_token) {
         Err(e) if e.is_cancelled() => None,
         g => Some(g?),
@@ -680,6 +683,7 @@ unsafe fn generation(
         unsafe {
             stats.write(leap_stats {
                 finish,
+                device_nodes: state.session.device().calls() - nodes_before,
                 ..leap_stats::from(&one)
             })
         };
@@ -817,6 +821,7 @@ pub unsafe extern "C" fn leap_session_totals(
         let state = try_lock(&s.inner)?;
         let totals = leap_stats {
             finish: state.last_finish,
+            device_nodes: state.session.device().calls(),
             ..leap_stats::from(&state.session.totals())
         };
         // SAFETY: NULL or writable (contract).

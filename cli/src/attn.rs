@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Context as _, Result};
 use leap_backend::attn::{self, Sparse};
 use leap_backend::attn_bench::{self, NodeResult};
+use leap_backend::{Device, DeviceConfig};
 use leap_host::{Batch, Context, ContextParams, FlashAttn, Model, ModelParams};
 use serde::Serialize;
 
@@ -64,19 +65,28 @@ fn tokens_of(model: &Model, file: &Path, need: usize) -> Result<Vec<i32>> {
     Ok(toks)
 }
 
-fn fa_context(model: &Arc<Model>, n_ctx: u32, n_batch: u32, threads: i32) -> Result<Context> {
-    Ok(Context::new(
-        model,
-        &ContextParams {
-            n_ctx,
-            n_batch,
-            n_ubatch: 512,
-            n_threads: threads,
-            n_threads_batch: threads,
-            flash_attn: FlashAttn::On,
-            ..Default::default()
-        },
-    )?)
+/// A context with flash attention whose Leap device is `device`.
+fn fa_context(
+    model: &Arc<Model>,
+    device: &Device,
+    n_ctx: u32,
+    n_batch: u32,
+    threads: i32,
+) -> Result<Context> {
+    Ok(device.bind(|| {
+        Context::new(
+            model,
+            &ContextParams {
+                n_ctx,
+                n_batch,
+                n_ubatch: 512,
+                n_threads: threads,
+                n_threads_batch: threads,
+                flash_attn: FlashAttn::On,
+                ..Default::default()
+            },
+        )
+    })?)
 }
 
 /// `-log p(next)` under the softmax of `logits` (f64 sums, max-shifted).
@@ -201,8 +211,8 @@ pub fn attn_bench(a: &AttnBench) -> Result<()> {
         );
     }
     leap_backend::register();
-    leap_backend::set_enabled(true);
-    attn::set_sparse(None);
+    // Dense on the device: the capture takes every node.
+    let device = Device::new(DeviceConfig::default());
     let model = Model::load(&path, &ModelParams::default())?;
     let max_ctx = *a.ctx.iter().max().unwrap();
     let toks = tokens_of(&model, &a.text, max_ctx)?;
@@ -216,11 +226,11 @@ pub fn attn_bench(a: &AttnBench) -> Result<()> {
     for &n in &a.ctx {
         ensure!(n >= 2, "context lengths must be at least 2");
         bar.set_message(format!("ctx {n}"));
-        let mut ctx = fa_context(&model, (n + 16) as u32, 512, a.threads)?;
+        let mut ctx = fa_context(&model, &device, (n + 16) as u32, 512, a.threads)?;
         decode_run(&mut ctx, &toks[..n - 1], 0, 512, |_| false, |_, _| Ok(()))?;
         // The next token's graph is built now (a one-row graph differs from prefill's), so
         // the capture sees every layer's attention at this context length.
-        attn::start_capture();
+        device.start_capture();
         let r = decode_run(
             &mut ctx,
             &toks[n - 1..n],
@@ -229,7 +239,7 @@ pub fn attn_bench(a: &AttnBench) -> Result<()> {
             |_| false,
             |_, _| Ok(()),
         );
-        let nodes = attn::take_capture();
+        let nodes = device.take_capture();
         r?;
         ensure!(
             !nodes.is_empty(),
@@ -378,9 +388,8 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
     ensure!(a.ctx >= 16, "--ctx must be at least 16");
     let path = models::resolve(&a.model)?;
     leap_backend::register();
-    leap_backend::set_enabled(true);
     // Every row as decoding computes it, also in the batches this runs in.
-    attn::set_sparse(if a.sparse {
+    let sparse = if a.sparse {
         Some(with_sidecar(
             Sparse {
                 max_rows: usize::MAX,
@@ -390,6 +399,11 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
         )?)
     } else {
         None
+    };
+    let sidecar = sparse.as_ref().is_some_and(|s| s.heads.is_some());
+    let device = Device::new(DeviceConfig {
+        sparse,
+        ..DeviceConfig::default()
     });
     let model = Model::load(&path, &ModelParams::default())?;
     let text = std::fs::read_to_string(&a.file)
@@ -405,10 +419,9 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
     );
     let chunks = a.chunks.map_or(available, |c| c.min(available)).max(1);
     let start = Instant::now();
-    let before = attn::stats();
     let half = a.ctx / 2;
     let n_batch = 128usize;
-    let mut ctx = fa_context(&model, a.ctx as u32, 512, a.threads)?;
+    let mut ctx = fa_context(&model, &device, a.ctx as u32, 512, a.threads)?;
     let (mut nll, mut count) = (0f64, 0usize);
     let bar = progress::bar(
         true,
@@ -431,13 +444,8 @@ pub fn perplexity(a: &Perplexity) -> Result<f64> {
     }
     bar.finish_and_clear();
     let ppl = (nll / count as f64).exp();
-    let st = attn::stats();
-    let (vis, kept) = (
-        st.keys_visible - before.keys_visible,
-        st.keys_kept - before.keys_kept,
-    );
-    let sidecar = attn::sparse().is_some_and(|s| s.heads.is_some());
-    attn::set_sparse(None);
+    let st = device.attn_stats();
+    let (vis, kept) = (st.keys_visible, st.keys_kept);
     let report = PplReport {
         ppl,
         tokens: count,
@@ -619,15 +627,16 @@ pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
         .clone()
         .unwrap_or_else(|| leap_host::sidecar::path_for(&path));
     leap_backend::register();
-    leap_backend::set_enabled(true);
-    attn::set_sparse(None);
-    attn::set_ablation(None);
-    attn::set_take_all(true);
-    let r = (|| -> Result<PathBuf> {
+    // Dense, every attention node on the device (the ablation reaches every layer).
+    let device = Device::new(DeviceConfig {
+        take_all: true,
+        ..DeviceConfig::default()
+    });
+    (|| -> Result<PathBuf> {
         let model = Model::load(&path, &ModelParams::default())?;
         let (nl, nh) = (model.n_layer() as usize, model.n_head() as usize);
         let toks = tokens_of(&model, &a.corpus, a.ctx * a.windows)?;
-        let mut ctx = fa_context(&model, a.ctx as u32, 512, a.threads)?;
+        let mut ctx = fa_context(&model, &device, a.ctx as u32, 512, a.threads)?;
         let prefix = a.ctx - a.tail;
         let passes = (1 + nl + nl * nh) * a.windows;
         let bar = progress::bar(
@@ -642,7 +651,7 @@ pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
             decode_run(&mut ctx, &win[..prefix], 0, 512, |_| false, |_, _| Ok(()))?;
             // Loss over the tail (each row predicts the next token), with `ab` zeroed.
             let mut loss = |ab: Option<attn::Ablation>| -> Result<f64> {
-                attn::set_ablation(ab);
+                device.ablate(ab);
                 ctx.seq_rm(0, prefix as i32, -1);
                 let (mut nll, mut n) = (0f64, 0usize);
                 let tail = &win[prefix..];
@@ -658,7 +667,7 @@ pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
                         Ok(())
                     },
                 )?;
-                attn::set_ablation(None);
+                device.ablate(None);
                 bar.inc(1);
                 Ok(nll / n as f64)
             };
@@ -716,10 +725,7 @@ pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
             budgets.iter().sum::<f32>() / budgets.len() as f32
         );
         Ok(out)
-    })();
-    attn::set_ablation(None);
-    attn::set_take_all(false);
-    r
+    })()
 }
 
 #[cfg(test)]

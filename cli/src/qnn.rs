@@ -40,13 +40,12 @@ fn capture(
     n: usize,
 ) -> Result<leap_ggml_qnn::selftest::QkData> {
     use anyhow::{ensure, Context as _};
-    use leap_backend::attn;
     use leap_host::{Batch, Context, ContextParams, FlashAttn, Model, ModelParams};
     ensure!(n >= 16, "--ctx must be at least 16");
     let path = crate::models::resolve(model)?;
     leap_backend::register();
-    leap_backend::set_enabled(true);
-    attn::set_sparse(None);
+    // Dense on the device: the capture takes every attention node.
+    let device = leap_backend::Device::new(leap_backend::DeviceConfig::default());
     let model = Model::load(&path, &ModelParams::default())?;
     let body =
         std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
@@ -57,16 +56,18 @@ fn capture(
         toks.extend_from_slice(&more);
     }
     toks.truncate(n);
-    let mut ctx = Context::new(
-        &model,
-        &ContextParams {
-            n_ctx: (n + 16) as u32,
-            n_batch: 512,
-            n_ubatch: 512,
-            flash_attn: FlashAttn::On,
-            ..Default::default()
-        },
-    )?;
+    let mut ctx = device.bind(|| {
+        Context::new(
+            &model,
+            &ContextParams {
+                n_ctx: (n + 16) as u32,
+                n_batch: 512,
+                n_ubatch: 512,
+                flash_attn: FlashAttn::On,
+                ..Default::default()
+            },
+        )
+    })?;
     for (c, chunk) in toks[..n - 1].chunks(512).enumerate() {
         let mut b = Batch::new(chunk.len(), 1);
         for (k, &t) in chunk.iter().enumerate() {
@@ -74,11 +75,11 @@ fn capture(
         }
         ctx.decode(&b)?;
     }
-    attn::start_capture();
+    device.start_capture();
     let mut b = Batch::new(1, 1);
     b.add(toks[n - 1], (n - 1) as i32, &[0], true)?;
     let r = ctx.decode(&b);
-    let nodes = attn::take_capture();
+    let nodes = device.take_capture();
     r?;
     // Full attention: the decode row sees every key (sliding-window layers mask all but
     // their window, so a top-k over all keys would rank keys attention never reads).
@@ -98,7 +99,7 @@ fn capture(
     let (d, n_kv) = (full[0].d, full[0].n_kv);
     // Only the candidates are estimated: sparse attention always keeps the first keys (sinks)
     // and the recent window (leap_backend::attn::Sparse), as its CPU estimate does.
-    let cfg = attn::Sparse::default();
+    let cfg = leap_backend::attn::Sparse::default();
     ensure!(
         n_kv > cfg.sink + cfg.recent + 16,
         "--ctx is too short for sparse attention"

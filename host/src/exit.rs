@@ -2,57 +2,26 @@
 //!
 //! llama.cpp cannot run a graph from layer L on, so Leap prunes rows where the work is: an
 //! eval-callback observer ([`Exit`]) reads every row's hidden state `l_out-L` while the graph
-//! computes, asks the engine which rows go on, and publishes the answer as a row mask
-//! ([`rows_kept`]) on the decoding thread. Leap's ggml device, which computes the layers'
-//! matrix products for small batches, then skips the pruned rows in every product of a
-//! layer after L (their outputs are zeros). Nothing else changes:
+//! computes, asks the engine which rows go on, and publishes the answer as a row mask (to the
+//! context's Leap device, `leap_backend::Device::exit_mask`, through the [`Publish`] the
+//! engine gives). The device, which computes the layers' matrix products for small batches,
+//! then skips the pruned rows in every product of a layer after L (their outputs are zeros).
+//! Nothing else changes:
 //!
 //! - a kept row attends only to its ancestors in the token tree, and the engine keeps every
 //!   ancestor of a kept row, so kept rows never read what a pruned row wrote to the KV cache;
 //! - pruned rows get no logits (the engine never projects them) and their cells are removed
 //!   with the rest of the rejected tree.
 //!
-//! The mask is thread-local: ggml's scheduler calls the eval callback and the device's
-//! compute on the thread that called `llama_decode`, so contexts decoding on other threads
-//! never see it.
+//! The mask is the context's: other contexts never see it.
 
-use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
 use crate::eval::{EvalObserver, TensorView};
 
-/// Which rows of the current call continue past layer `layer`.
-#[derive(Debug, Clone)]
-struct Mask {
-    layer: u32,
-    keep: Vec<bool>,
-}
-
-thread_local! {
-    static MASK: RefCell<Option<Mask>> = const { RefCell::new(None) };
-}
-
-/// For a matrix product with the weight named `weight` (`blk.N.…`) over `n_rows` rows computed
-/// on this thread: which rows to compute (`None`: all). Only products of layers after the
-/// exit layer, over exactly the rows of the masked call, are masked; without a mask the name
-/// is not even parsed.
-pub fn rows_kept(weight: &str, n_rows: usize) -> Option<Vec<bool>> {
-    MASK.with(|m| {
-        let m = m.borrow();
-        let m = m.as_ref().filter(|m| m.keep.len() == n_rows)?;
-        (layer_of(weight)? > m.layer).then(|| m.keep.clone())
-    })
-}
-
-/// The layer of a weight tensor named `blk.N.…` (llama.cpp's naming).
-pub fn layer_of(weight_name: &str) -> Option<u32> {
-    let rest = weight_name.strip_prefix("blk.")?;
-    rest[..rest.find('.')?].parse().ok()
-}
-
-fn set_mask(mask: Option<Mask>) {
-    MASK.with(|m| *m.borrow_mut() = mask);
-}
+/// Where an exit's row mask goes: `Some((layer, keep))` for the current call (rows past
+/// `layer` are computed only where `keep` says so), `None` to clear it.
+pub type Publish = Arc<dyn Fn(Option<(u32, Vec<bool>)>) + Send + Sync>;
 
 /// The engine's decision at the exit layer: given every row's hidden state (`rows x n_embd`,
 /// row-major) and the row count, which rows continue (`None`: all of them).
@@ -67,6 +36,8 @@ struct Shared {
     apply: bool,
     /// What the last armed decode decided.
     kept: Option<Vec<bool>>,
+    /// Where the mask goes.
+    publish: Option<Publish>,
     /// Seconds the decision took.
     seconds: f64,
 }
@@ -105,11 +76,8 @@ impl EvalObserver for Observer {
         let keep = t.read_f32().and_then(|h| decide(&h, rows));
         let mut s = self.lock();
         s.seconds = t0.elapsed().as_secs_f64();
-        if let Some(k) = keep.as_ref().filter(|_| s.apply) {
-            set_mask(Some(Mask {
-                layer: self.layer,
-                keep: k.clone(),
-            }));
+        if let (Some(k), Some(publish)) = (keep.as_ref().filter(|_| s.apply), &s.publish) {
+            publish(Some((self.layer, k.clone())));
         }
         s.kept = keep;
         true
@@ -123,11 +91,14 @@ impl Observer {
 }
 
 impl Exit {
-    /// An exit at layer `layer` (after its output `l_out-{layer}`), and the observer to put
-    /// on the context (with [`crate::Context::with_observer`], in a [`crate::Chain`] with
-    /// others).
-    pub fn new(layer: u32) -> (Self, Box<dyn EvalObserver>) {
-        let shared = Arc::new(Mutex::new(Shared::default()));
+    /// An exit at layer `layer` (after its output `l_out-{layer}`) whose row masks go to
+    /// `publish`, and the observer to put on the context (with
+    /// [`crate::Context::with_observer`], in a [`crate::Chain`] with others).
+    pub fn new(layer: u32, publish: Publish) -> (Self, Box<dyn EvalObserver>) {
+        let shared = Arc::new(Mutex::new(Shared {
+            publish: Some(publish),
+            ..Shared::default()
+        }));
         let obs = Observer {
             name: format!("l_out-{layer}"),
             layer,
@@ -145,7 +116,7 @@ impl Exit {
         self.shared.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Decide with `decide` in the next decode on this thread; prune if `apply`, else only
+    /// Decide with `decide` in the next decode; prune if `apply`, else only
     /// record the decision (every row is computed).
     pub fn arm(&self, decide: Decide, apply: bool) {
         let mut s = self.lock();
@@ -159,46 +130,11 @@ impl Exit {
     /// exit layer, and return which rows went on (`None`: all of them) and the seconds the
     /// decision took.
     pub fn disarm(&self) -> (Option<Vec<bool>>, f64) {
-        set_mask(None);
         let mut s = self.lock();
+        if let Some(publish) = &s.publish {
+            publish(None);
+        }
         s.decide = None;
         (s.kept.take(), s.seconds)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn weight_names_give_their_layer() {
-        assert_eq!(layer_of("blk.12.ffn_up.weight"), Some(12));
-        assert_eq!(layer_of("blk.0.attn_q.weight"), Some(0));
-        assert_eq!(layer_of("token_embd.weight"), None);
-        assert_eq!(layer_of("blk.x.attn_q.weight"), None);
-    }
-
-    #[test]
-    fn the_mask_covers_later_layers_of_the_same_call_on_this_thread_only() {
-        const L4: &str = "blk.4.ffn_up.weight";
-        const L5: &str = "blk.5.attn_q.weight";
-        set_mask(Some(Mask {
-            layer: 4,
-            keep: vec![true, false, true],
-        }));
-        assert_eq!(rows_kept(L5, 3), Some(vec![true, false, true]));
-        assert_eq!(
-            rows_kept(L4, 3),
-            None,
-            "the exit layer itself runs every row"
-        );
-        assert_eq!(rows_kept(L5, 4), None, "another call's shape");
-        assert_eq!(rows_kept("output.weight", 3), None, "not a layer's weight");
-        std::thread::spawn(|| assert_eq!(rows_kept(L5, 3), None))
-            .join()
-            .unwrap();
-        let (exit, _obs) = Exit::new(4);
-        assert_eq!(exit.disarm().0, None);
-        assert_eq!(rows_kept(L5, 3), None, "disarm clears the mask");
     }
 }

@@ -202,18 +202,21 @@ fn embedding_context(
     n_ctx: u32,
     threads: i32,
 ) -> leap_host::Result<leap_host::Context> {
-    leap_host::Context::new(
-        rt.model(),
-        &leap_host::ContextParams {
-            n_ctx,
-            n_batch: n_ctx,
-            n_ubatch: n_ctx,
-            n_threads: threads,
-            n_threads_batch: threads,
-            pooling: Some(pooling),
-            ..Default::default()
-        },
-    )
+    // On the device as the runtime's sessions are.
+    rt.new_device().bind(|| {
+        leap_host::Context::new(
+            rt.model(),
+            &leap_host::ContextParams {
+                n_ctx,
+                n_batch: n_ctx,
+                n_ubatch: n_ctx,
+                n_threads: threads,
+                n_threads_batch: threads,
+                pooling: Some(pooling),
+                ..Default::default()
+            },
+        )
+    })
 }
 
 /// The `--max-body` default for a context of `n_ctx` tokens: 64 KiB of JSON around 64 bytes

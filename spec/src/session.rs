@@ -65,9 +65,13 @@ pub struct Options {
     /// Leap's engine or plain decoding.
     pub mode: Mode,
     /// Leap's ggml device computes the quantized matrix products (else ggml's CPU backend
-    /// alone). Process-wide: every [`Runtime::open`] sets it, so the runtime opened last
-    /// decides for all (from their next decode).
+    /// alone). This runtime's sessions only: another runtime in the process keeps its own
+    /// ([`Session::device`]).
     pub leap_kernels: bool,
+    /// Leap's sparse attention (shadowAttn) on the device, with these settings; needs
+    /// `leap_kernels` and flash attention. Approximate: output may differ from dense
+    /// attention.
+    pub sparse: Option<leap_backend::attn::Sparse>,
     /// The model's sidecar (default: `MODEL.leap.gguf` next to the model): its early-exit
     /// head lets the engine prune verification rows. A head it cannot use is ignored with a
     /// warning.
@@ -75,6 +79,8 @@ pub struct Options {
     /// Flash streaming: bytes of the model's weights kept in DRAM, the rest read from storage
     /// by every target call (`None`: all resident).
     pub flash_budget: Option<u64>,
+    /// What stays resident under the flash budget.
+    pub flash_strategy: leap_flash::Strategy,
     /// llama.cpp's flash attention (off keeps speculative output identical to plain).
     pub flash_attn: FlashAttn,
     /// The engine's drafting and tree limits.
@@ -103,6 +109,11 @@ impl Options {
         if self.n_batch == 0 {
             return Err(Error::InvalidArgument("n_batch: at least 1".into()));
         }
+        if self.sparse.is_some() && !self.leap_kernels {
+            return Err(Error::InvalidArgument(
+                "sparse attention runs on Leap's device: it needs leap_kernels".into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -115,8 +126,10 @@ impl Default for Options {
             n_batch: 512,
             mode: Mode::Leap,
             leap_kernels: true,
+            sparse: None,
             sidecar: None,
             flash_budget: None,
+            flash_strategy: leap_flash::Strategy::default(),
             flash_attn: FlashAttn::Off,
             engine: EngineConfig::default(),
         }
@@ -205,6 +218,8 @@ pub struct Runtime {
 struct Flash {
     map: leap_flash::LayerMap,
     plan: leap_flash::Plan,
+    /// Bytes of draft vocabulary kept resident besides the plan ([`vocab_reserve`]).
+    reserve: u64,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -219,7 +234,8 @@ impl std::fmt::Debug for Runtime {
 
 impl Runtime {
     /// Load the model at `path` with `opts`: registers Leap's ggml device first when
-    /// `opts.leap_kernels`, and reads the sidecar's early-exit head in [`Mode::Leap`].
+    /// `opts.leap_kernels` (its settings are this runtime's sessions' own,
+    /// [`Runtime::device_config`]), and reads the sidecar's early-exit head in [`Mode::Leap`].
     ///
     /// # Errors
     /// Options out of range, a model file that is missing or that llama.cpp cannot load.
@@ -238,15 +254,25 @@ impl Runtime {
         progress: Option<&mut dyn FnMut(f32) -> bool>,
     ) -> Result<Self> {
         opts.validate()?;
+        let model = Model::load_reporting(path, &ModelParams::default(), progress)?;
+        Self::with_model(model, opts)
+    }
+
+    /// [`Runtime::open`] over a model already loaded (several runtimes, each with its own
+    /// options, may share one: `leap bench`'s modes).
+    ///
+    /// # Errors
+    /// Options out of range, a context the model cannot hold, a model file flash streaming
+    /// cannot map.
+    pub fn with_model(model: Arc<Model>, opts: &Options) -> Result<Self> {
+        opts.validate()?;
         if opts.leap_kernels {
             leap_backend::register();
         }
-        leap_backend::set_enabled(opts.leap_kernels);
-        let model = Model::load_reporting(path, &ModelParams::default(), progress)?;
         check_ctx(&model, opts.n_ctx)?;
         let flash = match opts.flash_budget {
             Some(budget) => {
-                let map = leap_flash::LayerMap::open(path)?;
+                let map = leap_flash::LayerMap::open(model.path())?;
                 let reserve = vocab_reserve(
                     &map,
                     budget,
@@ -259,7 +285,7 @@ impl Runtime {
                     budget.saturating_sub(reserve),
                     map.largest_block().max(1),
                     1,
-                    leap_flash::Strategy::default(),
+                    opts.flash_strategy,
                 );
                 log::info!(
                     "flash budget {:.1} MB: {:.1} MB pinned, {:.1} MB of draft vocabulary, \
@@ -269,7 +295,7 @@ impl Runtime {
                     reserve as f64 / 1e6,
                     plan.streamed_bytes as f64 / 1e6
                 );
-                Some(Flash { map, plan })
+                Some(Flash { map, plan, reserve })
             }
             None => None,
         };
@@ -289,6 +315,28 @@ impl Runtime {
     /// The model.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    /// Under a flash budget, the bytes of draft vocabulary each session keeps resident besides
+    /// the plan's ([`vocab_reserve`]); 0 otherwise.
+    pub fn flash_reserve(&self) -> u64 {
+        self.flash.as_ref().map_or(0, |f| f.reserve)
+    }
+
+    /// What Leap's device does for this runtime's contexts (each session's context gets a
+    /// [`leap_backend::Device`] of its own with these settings).
+    pub fn device_config(&self) -> leap_backend::DeviceConfig {
+        leap_backend::DeviceConfig {
+            kernels: self.opts.leap_kernels,
+            sparse: self.opts.sparse.clone(),
+            ..leap_backend::DeviceConfig::default()
+        }
+    }
+
+    /// A device with [`Runtime::device_config`], for a context of this model made elsewhere
+    /// ([`leap_backend::Device::bind`]).
+    pub fn new_device(&self) -> leap_backend::Device {
+        leap_backend::Device::new(self.device_config())
     }
 
     /// `text` as the prompt `leap generate` and the C API decode: with `chat`, one user
@@ -356,8 +404,13 @@ impl Runtime {
             None => None,
         };
         params.n_seq_max = config.max_branches.max(1) as u32;
+        let device = self.new_device();
         let exit = self.head.as_ref().map(|h| {
-            let (exit, obs) = Exit::new(h.layer);
+            let publish = {
+                let device = device.clone();
+                Arc::new(move |mask| device.exit_mask(mask)) as leap_host::exit::Publish
+            };
+            let (exit, obs) = Exit::new(h.layer, publish);
             let pruner = Pruner {
                 head: Arc::clone(h),
                 n_layer: self.model.n_layer() as u32,
@@ -380,9 +433,9 @@ impl Runtime {
                 1 => observers.into_iter().next(),
                 _ => Some(Box::new(leap_host::Chain::new(observers))),
             };
-            OnDemand::context_with(&self.model, &params, first)?
+            device.bind(|| OnDemand::context_with(&self.model, &params, first))?
         } else {
-            (Context::new(&self.model, &params)?, None)
+            (device.bind(|| Context::new(&self.model, &params))?, None)
         };
         // Leap's projection reads streamed output weights a chunk at a time, within the budget.
         let od = od.map(|o| match &streamer {
@@ -398,6 +451,7 @@ impl Runtime {
         };
         Ok(Session {
             ctx,
+            device,
             engine,
             plain_od,
             streamer,
@@ -442,6 +496,8 @@ impl Totals {
 /// request that extends them (a conversation's next turn) prefills only what is new.
 pub struct Session {
     ctx: Context,
+    /// Leap's device for `ctx`: its settings and counters.
+    device: leap_backend::Device,
     engine: Option<Engine>,
     /// Plain decoding's streamed projection (flash).
     plain_od: Option<OnDemand>,
@@ -458,6 +514,17 @@ impl Session {
     /// Context length in tokens.
     pub fn n_ctx(&self) -> u32 {
         self.ctx.n_ctx()
+    }
+
+    /// Leap's device for this session's context: its settings and what it computed.
+    pub fn device(&self) -> &leap_backend::Device {
+        &self.device
+    }
+
+    /// Draft with `drafter` too (Leap's mode; plain decoding has no drafts), besides the
+    /// engine's own sources ([`Engine::with_drafter`]).
+    pub fn add_drafter(&mut self, drafter: Box<dyn crate::draft::Drafter + Send>) {
+        self.engine = self.engine.take().map(|e| e.with_drafter(drafter));
     }
 
     /// Prompt tokens of the last generation whose KV cache was kept from the one before (a

@@ -20,16 +20,13 @@ fn main() {
     let reps: usize = a[2].parse().expect("REPS: a number");
     assert!(cycle.iter().all(|r| (1..=8).contains(r)), "ROWS: 1 to 8");
     let model = a.get(4).map_or(leap_tests::GEMMA, String::as_str);
-    match a.get(3).map_or("leap", String::as_str) {
-        "leap" => {
-            leap_backend::register();
-            leap_backend::set_enabled(true);
-        }
-        "ggml" => {}
+    let device = leap_backend::Device::new(match a.get(3).map_or("leap", String::as_str) {
+        "leap" => leap_backend::DeviceConfig::default(),
+        "ggml" => leap_backend::DeviceConfig::off(),
         other => panic!("kernels: leap or ggml, not {other}"),
-    }
+    });
     let toks = leap_tests::longtext_tokens(&leap_tests::model(model));
-    let (mut c, od) = leap_tests::leap_context(model, 2048, 4);
+    let (mut c, od) = device.bind(|| leap_tests::leap_context(model, 2048, 4));
     let od = od.expect("on-demand projection");
     leap_spec::plain::prefill(&mut c, &toks[..1000], 256).unwrap();
     let mut bt = Batch::new(8, 1);

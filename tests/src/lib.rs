@@ -66,11 +66,11 @@ pub fn model(name: &str) -> Arc<Model> {
 }
 
 /// Register Leap's ggml device for small-batch matrix products (as `leap` does by default),
-/// so every test context verifies through it. Returns whether it is on.
+/// so every test context verifies through it (contexts made outside `Device::bind` take the
+/// device's default settings: on). Returns whether it is on.
 pub fn kernels() -> bool {
     leap_backend::register();
-    leap_backend::set_enabled(true);
-    true
+    leap_backend::defaults().kernels
 }
 
 /// Threads for tests: the machine's cores (2 in CI).

@@ -2,9 +2,10 @@
 //! flash-attention nodes and K cache writes, its dense path agrees with ggml's flash
 //! attention, and its sparse path keeps the budget and the model's predictions.
 //!
-//! Its own test binary: sparse attention is a process-wide setting.
+//! Each context's device has its own settings and counts (`leap_backend::Device`).
 
-use leap_backend::attn::{self, Sparse};
+use leap_backend::attn::Sparse;
+use leap_backend::{Device, DeviceConfig};
 use leap_host::{Context, ContextParams, FlashAttn};
 use leap_spec::plain::argmax;
 use leap_tests::{greedy_logits, max_abs_diff, model, threads, SMOLLM};
@@ -15,8 +16,17 @@ fn text() -> String {
     include_str!("../data/attention-notes.txt").repeat(3)
 }
 
-fn run(prompt: &[i32], steps: usize) -> Vec<Vec<f32>> {
-    greedy_logits(SMOLLM, prompt, steps, FlashAttn::On)
+/// A device with sparse attention `sparse` (or none).
+fn device(sparse: Option<Sparse>) -> Device {
+    Device::new(DeviceConfig {
+        sparse,
+        ..DeviceConfig::default()
+    })
+}
+
+/// [`greedy_logits`] with flash attention, in a context on `device`.
+fn run(device: &Device, prompt: &[i32], steps: usize) -> Vec<Vec<f32>> {
+    device.bind(|| greedy_logits(SMOLLM, prompt, steps, FlashAttn::On))
 }
 
 #[test]
@@ -26,8 +36,8 @@ fn sparse_attention_on_smollm2() {
     let prompt: Vec<i32> = m.tokenize(&text(), true, false).unwrap()[..1500].to_vec();
     let steps = 8;
 
-    attn::set_sparse(None);
-    let dense = run(&prompt, steps);
+    let off = device(None);
+    let dense = run(&off, &prompt, steps);
     // ggml's two attention paths (flash attention converts queries to f16 and accumulates
     // values in f16) differ this much from each other: the yardstick for the device's.
     let nofa = greedy_logits(SMOLLM, &prompt, steps, FlashAttn::Off);
@@ -36,24 +46,20 @@ fn sparse_attention_on_smollm2() {
         .zip(&nofa)
         .map(|(a, b)| max_abs_diff(a, b))
         .fold(0.0, f32::max);
-    assert_eq!(attn::stats().nodes, 0, "off: ggml computes attention");
+    assert_eq!(off.attn_stats().nodes, 0, "off: ggml computes attention");
 
     // keep = 1: every visible key, through the device's own path (f32 queries, f32 sums):
     // within twice the distance between ggml's two attention paths (which round queries and
     // sums to f16 in different places); a wrong head or key moves logits by several units and
     // changes the predictions.
-    attn::set_sparse(Some(Sparse {
+    let keep_all = device(Some(Sparse {
         keep: 1.0,
         ..Sparse::default()
     }));
-    let before = attn::stats();
-    let all = run(&prompt, steps);
-    let st = attn::stats();
-    assert!(
-        st.nodes > before.nodes,
-        "the device took the attention nodes"
-    );
-    assert_eq!(st.sparse_rows, before.sparse_rows, "keep = 1 is dense");
+    let all = run(&keep_all, &prompt, steps);
+    let st = keep_all.attn_stats();
+    assert!(st.nodes > 0, "the device took the attention nodes");
+    assert_eq!(st.sparse_rows, 0, "keep = 1 is dense");
     for (s, (a, b)) in dense.iter().zip(&all).enumerate() {
         let d = max_abs_diff(a, b);
         eprintln!("step {s}: device dense vs ggml: {d} (ggml's paths: {ggml_spread})");
@@ -66,18 +72,13 @@ fn sparse_attention_on_smollm2() {
 
     // keep = 0.2: a fifth of the keys (plus sinks and the recent window) per query that
     // sees 512 keys or more.
-    attn::set_sparse(Some(Sparse {
+    let fifth = device(Some(Sparse {
         min_keys: 512,
         ..Sparse::default()
     }));
-    let before = attn::stats();
-    let sparse = run(&prompt, steps);
-    let st = attn::stats();
-    let (rows, visible, kept) = (
-        st.sparse_rows - before.sparse_rows,
-        st.keys_visible - before.keys_visible,
-        st.keys_kept - before.keys_kept,
-    );
+    let sparse = run(&fifth, &prompt, steps);
+    let st = fifth.attn_stats();
+    let (rows, visible, kept) = (st.sparse_rows, st.keys_visible, st.keys_kept);
     assert!(rows > 0, "long queries attend sparsely");
     let ratio = kept as f64 / visible as f64;
     eprintln!("sparse: {rows} query-heads, kept {kept} of {visible} keys ({ratio:.3})");
@@ -116,9 +117,11 @@ fn sparse_attention_on_smollm2() {
         n_seq_max: 1,
         ..p.clone()
     };
-    let mut pc = Context::new(&m, &single).unwrap();
+    let mut pc = fifth.bind(|| Context::new(&m, &single)).unwrap();
     let want = leap_tests::plain_greedy(&mut pc, &prompt, 40);
-    let (mut ec, od) = leap_host::project::OnDemand::context(&m, &p).unwrap();
+    let (mut ec, od) = fifth
+        .bind(|| leap_host::project::OnDemand::context(&m, &p))
+        .unwrap();
     let mut engine = leap_spec::engine::Engine::new(leap_spec::engine::EngineConfig {
         adaptive: false,
         max_draft: 8,
@@ -141,5 +144,4 @@ fn sparse_attention_on_smollm2() {
         got.target_calls < got.tokens.len() as u64,
         "speculation verified batches"
     );
-    attn::set_sparse(None);
 }

@@ -551,3 +551,100 @@ fn misuse_is_an_error_not_undefined_behaviour() {
         leap_session_free(session);
     }
 }
+
+/// Two models opened in one process with different device settings each keep theirs: the one
+/// opened last (kernels off) does not turn Leap's device off for the first, and the first's
+/// does not reach the second. Both give the same greedy text (the device's rows are ggml's).
+#[test]
+fn two_models_with_different_device_settings_keep_their_own() {
+    use leap::*;
+
+    let path = std::ffi::CString::new(model_path(SMOLLM).to_str().unwrap()).unwrap();
+    let open = |kernels: bool| {
+        let params = leap_model_params {
+            n_ctx: 512,
+            threads: leap_tests::threads(),
+            leap_kernels: kernels,
+            ..leap_model_default_params()
+        };
+        let (mut model, mut session) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: valid pointers.
+        unsafe {
+            assert_eq!(leap_model_open(path.as_ptr(), &params, &mut model), LEAP_OK);
+            assert_eq!(leap_session_new(model, &mut session), LEAP_OK);
+        }
+        (model, session)
+    };
+    unsafe extern "C" fn collect(
+        piece: *const std::ffi::c_char,
+        len: usize,
+        _: i32,
+        user_data: *mut std::ffi::c_void,
+    ) -> bool {
+        // SAFETY: `piece` holds `len` bytes; `user_data` is the caller's String.
+        unsafe {
+            let bytes = std::slice::from_raw_parts(piece.cast::<u8>(), len);
+            (*user_data.cast::<String>()).push_str(&String::from_utf8_lossy(bytes));
+        }
+        true
+    }
+    let generate = |session: *mut leap_session| {
+        let mut text = String::new();
+        let mut stats = leap_stats::default();
+        let gp = leap_generate_params {
+            max_tokens: 24,
+            ..leap_generate_default_params()
+        };
+        // SAFETY: a live session; `text` outlives the call.
+        let st = unsafe {
+            leap_generate(
+                session,
+                c"The three primary colours are".as_ptr(),
+                &gp,
+                Some(collect),
+                (&raw mut text).cast(),
+                &mut stats,
+            )
+        };
+        assert_eq!(st, LEAP_OK, "{}", last_error());
+        (text, stats)
+    };
+    let (on_model, on) = open(true);
+    let (off_model, off) = open(false);
+    let (text_on, stats_on) = generate(on);
+    let (text_off, stats_off) = generate(off);
+    assert_eq!(text_on, text_off, "the same greedy text either way");
+    assert_eq!(
+        stats_off.device_nodes, 0,
+        "kernels off: llama.cpp's kernels alone"
+    );
+    let mut totals = leap_stats::default();
+    // SAFETY: live sessions, writable out-pointer.
+    unsafe {
+        assert_eq!(leap_session_totals(off, &mut totals), LEAP_OK);
+        assert_eq!(totals.device_nodes, 0);
+        assert_eq!(leap_session_totals(on, &mut totals), LEAP_OK);
+    }
+    // Leap's kernels run where the CPU has their instructions (x86-64 with AVX2, AArch64).
+    let has_kernels = cfg!(target_arch = "aarch64") || {
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = std::arch::is_x86_feature_detected!("avx2");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx2 = false;
+        avx2
+    };
+    if has_kernels {
+        assert!(
+            stats_on.device_nodes > 0,
+            "the first model's sessions kept Leap's device after a model with it off was opened"
+        );
+        assert_eq!(totals.device_nodes, stats_on.device_nodes);
+    }
+    // SAFETY: each freed once.
+    unsafe {
+        leap_session_free(on);
+        leap_session_free(off);
+        leap_model_free(on_model);
+        leap_model_free(off_model);
+    }
+}

@@ -66,20 +66,29 @@ fn head(name: &str) -> Head {
         .expect("the sidecar has a head")
 }
 
-/// A context for the engine with on-demand projection and the exit observer, and the engine.
+/// A context for the engine with on-demand projection and the exit observer, its device (the
+/// exit's row masks go to it), and the engine.
 fn pruning_engine(
     m: &Arc<Model>,
     h: Head,
     cfg: EngineConfig,
     prune: PruneConfig,
-) -> (Context, Engine) {
-    let (exit, obs) = Exit::new(h.layer);
-    let (ctx, od) = leap_host::project::OnDemand::context_with(
-        m,
-        &params(2048, cfg.max_branches as u32),
-        Some(obs),
-    )
-    .expect("context");
+) -> (Context, leap_backend::Device, Engine) {
+    let device = leap_backend::Device::new(leap_backend::DeviceConfig::default());
+    let publish = {
+        let device = device.clone();
+        Arc::new(move |mask| device.exit_mask(mask)) as leap_host::exit::Publish
+    };
+    let (exit, obs) = Exit::new(h.layer, publish);
+    let (ctx, od) = device
+        .bind(|| {
+            leap_host::project::OnDemand::context_with(
+                m,
+                &params(2048, cfg.max_branches as u32),
+                Some(obs),
+            )
+        })
+        .expect("context");
     assert!(od.is_some());
     let pruner = Pruner {
         head: Arc::new(h),
@@ -88,7 +97,7 @@ fn pruning_engine(
     let engine = Engine::new(EngineConfig { prune, ..cfg })
         .with_on_demand(od)
         .with_exit(Some((exit, pruner)));
-    (ctx, engine)
+    (ctx, device, engine)
 }
 
 /// Trees of up to 4 leaves and 8 drafted tokens whatever the timings, pruned hard.
@@ -115,8 +124,7 @@ fn pruned_output_is_plain_greedy(name: &str) {
     assert!(kernels());
     let m = model(name);
     let mut pc = context(name, 2048, 1);
-    let (mut ec, mut engine) = pruning_engine(&m, head(name), trees(), aggressive());
-    let skipped = leap_backend::skipped_rows();
+    let (mut ec, device, mut engine) = pruning_engine(&m, head(name), trees(), aggressive());
     let (mut verify, mut after, mut output) = (0, 0, 0);
     for p in PROMPTS {
         let toks = m.tokenize(p, true, false).unwrap();
@@ -133,11 +141,11 @@ fn pruned_output_is_plain_greedy(name: &str) {
         "{name}: nothing pruned ({after} of {verify})"
     );
     assert!(output <= verify, "{name}");
-    // The device skipped rows of the later layers' products (counted on this thread).
+    // The device skipped rows of the later layers' products (counted for this context).
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         assert!(
-            leap_backend::skipped_rows() > skipped,
+            device.skipped_rows() > 0,
             "{name}: the device computed every row"
         );
     }
@@ -167,7 +175,7 @@ fn pruned_sampled_output_follows_the_target_distribution() {
         calibrate: false,
         ..trees()
     };
-    let (mut c, mut engine) = pruning_engine(&m, head(SMOLLM), cfg, aggressive());
+    let (mut c, _device, mut engine) = pruning_engine(&m, head(SMOLLM), cfg, aggressive());
     let runs: Vec<_> = (0..300)
         .map(|seed| {
             engine

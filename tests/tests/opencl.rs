@@ -2,9 +2,10 @@
 //! registered in ggml's registry, it takes llama.cpp's attention nodes when sparse attention's
 //! estimate is asked to run on OpenCL, and decodes what the CPU estimate decodes.
 //!
-//! Its own test binary: the device list and sparse attention are process-wide.
+//! Its own test binary: the device list is process-wide.
 
 use leap_backend::attn::{self, EstimateOn, Sparse};
+use leap_backend::{Device, DeviceConfig};
 use leap_host::FlashAttn;
 use leap_spec::plain::argmax;
 use leap_tests::{greedy_logits, max_abs_diff, model, SMOLLM};
@@ -32,23 +33,27 @@ fn opencl_estimate_decodes_like_the_cpu_estimate() {
         ..Sparse::default()
     };
 
-    attn::set_sparse(Some(cfg.clone()));
-    let cpu = greedy_logits(SMOLLM, &prompt, 4, FlashAttn::On);
+    // Greedy logits in a context whose device has these sparse settings.
+    let logits = |s: Sparse| {
+        let device = Device::new(DeviceConfig {
+            sparse: Some(s),
+            ..DeviceConfig::default()
+        });
+        device.bind(|| greedy_logits(SMOLLM, &prompt, 4, FlashAttn::On))
+    };
+    let cpu = logits(cfg.clone());
     let before = attn::opencl_calls();
-    attn::set_sparse(Some(Sparse {
+    let cl = logits(Sparse {
         estimate_on: EstimateOn::OpenCl,
         ..cfg.clone()
-    }));
-    let cl = greedy_logits(SMOLLM, &prompt, 4, FlashAttn::On);
+    });
     // The head-wise pipeline (the device estimates the next head while the CPU attends this
     // one; on by default only for a GPU) decodes the same.
-    attn::set_sparse(Some(Sparse {
+    let piped = logits(Sparse {
         estimate_on: EstimateOn::OpenCl,
         pipeline: Some(true),
         ..cfg.clone()
-    }));
-    let piped = greedy_logits(SMOLLM, &prompt, 4, FlashAttn::On);
-    attn::set_sparse(None);
+    });
     assert!(
         attn::opencl_calls() > before,
         "the OpenCL device estimated the decode steps' attention"

@@ -374,25 +374,24 @@ fn gemma_prompt() -> Vec<i32> {
 /// attention, sparse attention off) and capture the attention nodes of the first greedy
 /// decode step.
 fn capture_gemma(prompt: &[i32]) -> Vec<leap_backend::attn::Captured> {
-    use leap_backend::attn;
     use leap_host::{Batch, ContextParams, FlashAttn};
     let m = leap_tests::model(leap_tests::GEMMA);
-    attn::set_sparse(None);
+    let device = leap_backend::Device::new(leap_backend::DeviceConfig::default());
     let p = ContextParams {
         n_batch: 2048,
         flash_attn: FlashAttn::On,
         ..leap_tests::params(2048, 1)
     };
-    let mut ctx = leap_host::Context::new(&m, &p).unwrap();
+    let mut ctx = device.bind(|| leap_host::Context::new(&m, &p)).unwrap();
     let mut b = Batch::new(prompt.len(), 1);
     b.add_sequence(prompt, 0, 0, true).unwrap();
     ctx.decode(&b).unwrap();
     let t = leap_spec::plain::argmax(ctx.logits(-1).unwrap());
-    attn::start_capture();
+    device.start_capture();
     let mut b = Batch::new(1, 1);
     b.add(t, prompt.len() as i32, &[0], true).unwrap();
     let r = ctx.decode(&b);
-    let nodes = attn::take_capture();
+    let nodes = device.take_capture();
     r.unwrap();
     nodes
 }
@@ -480,19 +479,22 @@ fn sparse_decode_step_estimates_on_qnn_like_the_cpu() {
     };
     let steps = 2;
     let decode = |qnn: Option<bool>| {
-        attn::set_sparse(qnn.map(|on| Sparse {
-            qnn: Some(on),
-            ..cfg.clone()
-        }));
+        let device = leap_backend::Device::new(leap_backend::DeviceConfig {
+            sparse: qnn.map(|on| Sparse {
+                qnn: Some(on),
+                ..cfg.clone()
+            }),
+            ..Default::default()
+        });
         let (calls, t) = (attn::qnn_calls(), std::time::Instant::now());
-        let logits =
-            leap_tests::greedy_logits(leap_tests::GEMMA, &prompt, steps, leap_host::FlashAttn::On);
+        let logits = device.bind(|| {
+            leap_tests::greedy_logits(leap_tests::GEMMA, &prompt, steps, leap_host::FlashAttn::On)
+        });
         (logits, attn::qnn_calls() - calls, t.elapsed().as_secs_f64())
     };
     let (dense, _, _) = decode(None);
     let (cpu, cpu_calls, cpu_s) = decode(Some(false));
     let (npu, npu_calls, npu_s) = decode(Some(true));
-    attn::set_sparse(None);
     eprintln!(
         "{steps} decode steps after a 1280-token prompt: CPU estimate {cpu_s:.1} s, QNN {npu_s:.1} s \
          ({npu_calls} launches; prefill included in both)"
@@ -574,7 +576,10 @@ fn a_wrong_qnn_library_warns_and_decoding_carries_on() {
         ..Sparse::default()
     };
     // The default for this process is on (LEAP_QNN=on): the library is tried here.
-    attn::set_sparse(Some(cfg.clone()));
+    let with_qnn_default = leap_backend::Device::new(leap_backend::DeviceConfig {
+        sparse: Some(cfg.clone()),
+        ..Default::default()
+    });
     let warned = SEEN.lock().unwrap().clone();
     eprintln!("warnings: {warned:?}");
     assert!(
@@ -583,19 +588,23 @@ fn a_wrong_qnn_library_warns_and_decoding_carries_on() {
             .any(|w| w.contains("QNN unavailable") && w.contains("is not a QNN library")),
         "{warned:?}"
     );
-    let before = attn::stats();
-    let with = leap_tests::greedy_logits(leap_tests::SMOLLM, &prompt, 2, leap_host::FlashAttn::On);
-    let after = attn::stats();
+    let with = with_qnn_default.bind(|| {
+        leap_tests::greedy_logits(leap_tests::SMOLLM, &prompt, 2, leap_host::FlashAttn::On)
+    });
     assert!(
-        after.sparse_rows > before.sparse_rows,
+        with_qnn_default.attn_stats().sparse_rows > 0,
         "decode steps attended sparsely"
     );
     assert_eq!(attn::qnn_calls(), 0);
-    attn::set_sparse(Some(Sparse {
-        qnn: Some(false),
-        ..cfg
-    }));
-    let cpu = leap_tests::greedy_logits(leap_tests::SMOLLM, &prompt, 2, leap_host::FlashAttn::On);
-    attn::set_sparse(None);
+    let cpu_only = leap_backend::Device::new(leap_backend::DeviceConfig {
+        sparse: Some(Sparse {
+            qnn: Some(false),
+            ..cfg
+        }),
+        ..Default::default()
+    });
+    let cpu = cpu_only.bind(|| {
+        leap_tests::greedy_logits(leap_tests::SMOLLM, &prompt, 2, leap_host::FlashAttn::On)
+    });
     assert_eq!(with, cpu, "the same CPU estimate either way");
 }

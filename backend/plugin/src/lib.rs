@@ -44,7 +44,10 @@ fn configure() {
     if log::set_logger(&Stderr).is_ok() {
         log::set_max_level(log::LevelFilter::Warn);
     }
-    leap_backend::configure_from_env("libggml_leap");
+    leap_backend::use_by_default(leap_backend::configure_from_env(
+        "libggml_leap",
+        leap_backend::DeviceConfig::default(),
+    ));
 }
 
 /// ggml's plugin entry point: the registry (the same pointer on every call).

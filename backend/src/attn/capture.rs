@@ -1,8 +1,6 @@
-//! Captured flash-attention nodes: after [`start_capture`] the device takes every
+//! Captured flash-attention nodes: after [`crate::Device::start_capture`] the device takes every
 //! flash-attention node of the decodes that follow, copies its operands ([`Captured`], in
 //! compact layouts) and computes it densely; `leap attn-bench` and the tests replay them.
-
-use std::sync::Mutex;
 
 use super::op::any_k_cache;
 use super::shadow::{q8_row_bytes, quantize_f16_rows};
@@ -87,28 +85,6 @@ impl Captured {
         };
         (buf, k8)
     }
-}
-
-pub(super) static CAPTURE: Mutex<Option<Vec<Captured>>> = Mutex::new(None);
-
-/// Capture the flash-attention nodes of the decodes that follow (on contexts with flash
-/// attention whose graphs are built from now on): the device takes them, copies their
-/// operands and computes them densely.
-pub fn start_capture() {
-    *CAPTURE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
-}
-
-/// Stop capturing; the nodes captured since [`start_capture`].
-pub fn take_capture() -> Vec<Captured> {
-    CAPTURE
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take()
-        .unwrap_or_default()
-}
-
-pub(super) fn capturing() -> bool {
-    CAPTURE.lock().unwrap_or_else(|e| e.into_inner()).is_some()
 }
 
 /// Copy a node's operands (it passed [`supports_fa`](super::supports_fa)).

@@ -4,7 +4,7 @@
 //! and 004's head-wise pipeline, which overlaps the OpenCL estimate of one head with the
 //! exact attention of the previous one.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use super::kernel::Row;
 #[cfg(feature = "opencl")]
@@ -80,7 +80,9 @@ unsafe fn cfg_on_opencl(
             &mut outs,
         ) {
             Ok(()) => {
-                OPENCL_CALLS.fetch_add(1, Ordering::Relaxed);
+                crate::device::TOTALS
+                    .opencl_estimates
+                    .fetch_add(1, Ordering::Relaxed);
                 true
             }
             Err(e) => {
@@ -136,11 +138,11 @@ pub fn qnn_calls() -> u64 {
     crate::qnn::executes()
 }
 
-static OPENCL_CALLS: AtomicU64 = AtomicU64::new(0);
-
 /// Estimates computed by the OpenCL device in this process.
 pub fn opencl_calls() -> u64 {
-    OPENCL_CALLS.load(Ordering::Relaxed)
+    crate::device::TOTALS
+        .opencl_estimates
+        .load(Ordering::Relaxed)
 }
 
 /// The head-wise pipeline of 004 §3.4 (Algorithm 1) for one row whose estimate runs on the
@@ -213,7 +215,9 @@ pub(super) unsafe fn pipelined<'a>(
                     }
                 };
             }
-            OPENCL_CALLS.fetch_add(1, Ordering::Relaxed);
+            crate::device::TOTALS
+                .opencl_estimates
+                .fetch_add(1, Ordering::Relaxed);
             finish(op, cfg, keep[h], i, (h, h), r, &mut head, stats, slot(i, h));
         }
         true

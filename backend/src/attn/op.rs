@@ -5,11 +5,10 @@
 //! took: the shadow brought up to date, the node captured or computed (sparsely where the
 //! settings say so), an ablated head zeroed, the totals counted.
 
-use std::sync::atomic::Ordering;
-
-use super::capture::{capture, capturing, CAPTURE};
+use super::capture::capture;
 use super::shadow::{quantize_f16_rows, quantizer, shadow_for, Keys8, Q8_BYTES, QK, SHADOWS};
-use super::{ablation, compute, sparse, Sparse, STATS, TAKE_ALL};
+use super::{compute, Sparse};
+use crate::device::{DeviceConfig, Instance};
 use crate::ffi as g;
 
 fn name_of(t: &g::ggml_tensor) -> &str {
@@ -47,8 +46,8 @@ fn k_cache_layer(root: &g::ggml_tensor) -> Option<usize> {
 
 /// Whether the device takes this `SET_ROWS` (a write of new keys into a K cache whose
 /// attention it takes).
-pub(crate) fn supports_set_rows(op: &g::ggml_tensor) -> bool {
-    if op.op != g::GGML_OP_SET_ROWS || op.type_ != g::GGML_TYPE_F16 || sparse().is_none() {
+pub(crate) fn supports_set_rows(op: &g::ggml_tensor, cfg: &DeviceConfig) -> bool {
+    if op.op != g::GGML_OP_SET_ROWS || op.type_ != g::GGML_TYPE_F16 || cfg.sparse.is_none() {
         return false;
     }
     let (s0, s1, root) = (op.src[0], op.src[1], op.view_src);
@@ -104,12 +103,13 @@ pub(crate) unsafe fn set_rows(node: &mut g::ggml_tensor) {
     }
 }
 
-/// Whether the device takes this flash-attention node.
-pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
-    let capturing = capturing() || TAKE_ALL.load(Ordering::Relaxed);
-    let cfg = match sparse() {
-        Some(c) => c,
-        None if capturing => Sparse::default(),
+/// Whether the device takes this flash-attention node under `cfg` (`capturing`: every one,
+/// for [`crate::Device::start_capture`]).
+pub(crate) fn supports_fa(op: &g::ggml_tensor, cfg: &DeviceConfig, capturing: bool) -> bool {
+    let capturing = capturing || cfg.take_all;
+    let max_rows = match &cfg.sparse {
+        Some(c) => c.max_rows,
+        None if capturing => Sparse::default().max_rows,
         None => return false,
     };
     if op.op != g::GGML_OP_FLASH_ATTN_EXT || op.type_ != g::GGML_TYPE_F32 {
@@ -138,7 +138,7 @@ pub(crate) fn supports_fa(op: &g::ggml_tensor) -> bool {
         // Every node up to `max_rows` rows, short contexts included (attended densely by the
         // same per-row code): a row's attention then does not depend on its batch, so
         // speculative decoding under sparse attention still gives plain decoding's tokens.
-        k_cache_layer(root).is_some() && q.ne[1] as usize <= cfg.max_rows
+        k_cache_layer(root).is_some() && q.ne[1] as usize <= max_rows
     };
     taken
         && mask_ok
@@ -244,23 +244,19 @@ impl Operands {
     }
 }
 
-/// Compute a flash-attention node the device took.
+/// Compute a flash-attention node the device took for the context of `inst`, under its
+/// settings now.
 ///
 /// # Safety
 /// `node` passed [`supports_fa`]; its sources hold their data.
-pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
-    let configured = sparse();
+pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize, inst: &Instance) {
+    let configured = inst.with_config(|c| c.sparse.clone());
     let cfg = configured.clone().unwrap_or_default();
     let op = Operands::of(node);
     let dense = vec![1.0; op.n_head];
-    {
-        let mut cap = CAPTURE.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(list) = cap.as_mut() {
-            list.push(capture(node, &op));
-            drop(cap);
-            compute(&op, None, &cfg, &dense, threads, None);
-            return;
-        }
+    if inst.capturing() && inst.capture(capture(node, &op)).is_none() {
+        compute(&op, None, &cfg, &dense, threads, None);
+        return;
     }
     let k = &*node.src[1];
     let root = &*k.view_src;
@@ -304,7 +300,7 @@ pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
         // llama.cpp never names): dense.
         _ => compute(&op, None, &cfg, &dense, threads, None),
     };
-    if let (Some(ab), Some((il, _))) = (ablation(), any_k_cache(root)) {
+    if let (Some(ab), Some((il, _))) = (inst.ablation(), any_k_cache(root)) {
         if ab.layer == il {
             for i in 0..op.n_q {
                 for h in 0..op.n_head {
@@ -316,12 +312,9 @@ pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize) {
             }
         }
     }
-    let mut tot = STATS.lock().unwrap_or_else(|e| e.into_inner());
-    tot.nodes += 1;
-    tot.sparse_rows += st.sparse_rows;
-    tot.dense_rows += st.dense_rows;
-    tot.keys_visible += st.keys_visible;
-    tot.keys_kept += st.keys_kept;
+    let st = super::Stats { nodes: 1, ..st };
+    inst.add_stats(&st);
+    crate::device::TOTALS.add_attn(&st);
 }
 
 #[cfg(test)]

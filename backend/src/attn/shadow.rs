@@ -5,10 +5,8 @@
 //! it did not write are quantized from the f16 cache when a node reads them. [`Keys8`] is the
 //! view the estimate reads a node's keys through.
 
-use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
-use super::EPOCH;
 use crate::f16;
 use crate::ffi as g;
 
@@ -38,33 +36,48 @@ pub(super) struct Shadow {
     used: u64,
 }
 
-pub(super) static SHADOWS: Mutex<(u64, Vec<Shadow>)> = Mutex::new((0, Vec::new()));
+/// Every context's shadows (keyed by their cache's address and shape).
+pub(super) struct Shadows {
+    /// Bumped for every lookup (least recently used).
+    tick: u64,
+    /// Bumped whenever a context's settings change ([`invalidate`]): shadows written before
+    /// may be stale (while the device was off, ggml wrote the cache).
+    epoch: u64,
+    list: Vec<Shadow>,
+}
+
+pub(super) static SHADOWS: Mutex<Shadows> = Mutex::new(Shadows {
+    tick: 0,
+    epoch: 1,
+    list: Vec::new(),
+});
+
+/// Invalidate every K shadow (call after the device was off while contexts decoded).
+pub(crate) fn invalidate() {
+    SHADOWS.lock().unwrap_or_else(|e| e.into_inner()).epoch += 1;
+}
 /// Shadows kept (one per layer per context; the least recently used goes first).
 const MAX_SHADOWS: usize = 256;
 
-pub(super) fn shadow_for<'a>(
-    list: &'a mut (u64, Vec<Shadow>),
-    root: &g::ggml_tensor,
-) -> &'a mut Shadow {
-    list.0 += 1;
-    let tick = list.0;
+pub(super) fn shadow_for<'a>(shadows: &'a mut Shadows, root: &g::ggml_tensor) -> &'a mut Shadow {
+    shadows.tick += 1;
+    let (tick, epoch) = (shadows.tick, shadows.epoch);
+    let list = &mut shadows.list;
     let base = root.data as usize;
     let n_embd = root.ne[0] as usize;
     let cells = (root.ne[1] * root.ne[2] * root.ne[3]) as usize;
-    let epoch = EPOCH.load(Ordering::Relaxed);
     let pos = list
-        .1
         .iter()
         .position(|s| s.base == base && s.cells == cells && s.n_embd == n_embd);
     let i = match pos {
         Some(i) => i,
         None => {
-            if list.1.len() >= MAX_SHADOWS {
-                let lru = (0..list.1.len()).min_by_key(|&i| list.1[i].used).unwrap();
-                list.1.swap_remove(lru);
+            if list.len() >= MAX_SHADOWS {
+                let lru = (0..list.len()).min_by_key(|&i| list[i].used).unwrap();
+                list.swap_remove(lru);
             }
             let row_bytes = n_embd / QK * Q8_BYTES;
-            list.1.push(Shadow {
+            list.push(Shadow {
                 base,
                 cells,
                 n_embd,
@@ -74,10 +87,10 @@ pub(super) fn shadow_for<'a>(
                 epoch,
                 used: tick,
             });
-            list.1.len() - 1
+            list.len() - 1
         }
     };
-    let s = &mut list.1[i];
+    let s = &mut list[i];
     if s.epoch != epoch {
         s.valid.fill(false);
         s.epoch = epoch;

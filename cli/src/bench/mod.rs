@@ -6,7 +6,8 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | this one | [`BenchConfig`] and [`run`]: the modes set up, the requests run, the report filled |
+//! | this one | [`BenchConfig`] and [`run`]: the requests run in every mode, the report filled |
+//! | `assemble` | the modes set up: what they share, each mode's runner, context, device and flash streamer |
 //! | `modes` | mode names: [`ModeKind`], Leap's named configurations ([`LEAP_CONFIGS`], [`leap_config`]) |
 //! | `runner` | one request generated in one mode |
 //! | `summary` | the tables for people ([`table`], [`anchor_table`]) and a flash-budget [`sweep`] |
@@ -22,23 +23,18 @@ pub mod report;
 pub mod stock;
 pub mod workload;
 
+mod assemble;
 mod modes;
 mod runner;
 mod summary;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
-use leap_host::anchor::{AnchorConfig, LlamaSpeculative};
-use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
 use leap_host::usage::peak_rss_bytes;
-use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams};
-use leap_spec::engine::Engine;
-use leap_spec::model_draft::{LlamaDraft, ModelDrafter, Vocab};
-use leap_spec::session::vocab_reserve;
+use leap_host::FlashAttn;
 pub use modes::{leap_config, ModeKind, LEAP_CONFIGS};
 pub use report::Report;
 use report::{ModeReport, RequestReport};
@@ -109,44 +105,7 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             "--flash-budget {f}: a fraction of the weights, 0.0 to 1.0"
         );
     }
-    let kinds: Vec<ModeKind> = cfg
-        .modes
-        .iter()
-        .map(|m| ModeKind::parse(m))
-        .map(|k| match (k, cfg.exit_threshold) {
-            (Ok(ModeKind::Leap(mut ec)), Some(t)) => {
-                ec.prune.threshold = t;
-                Ok(ModeKind::Leap(ec))
-            }
-            (k, _) => k,
-        })
-        .collect::<Result<_>>()?;
-    let needs_draft = kinds
-        .iter()
-        .any(|k| *k == ModeKind::Llama("draft-simple".into()))
-        || cfg.modes.iter().any(|m| m == "leap:draft");
-    if let Some(o) = cfg.modes.iter().position(|m| m == "leap:oracle") {
-        anyhow::ensure!(
-            cfg.modes[..o].iter().any(|m| m == "plain"),
-            "leap:oracle drafts plain decoding's answers: put plain before it in --modes"
-        );
-        anyhow::ensure!(
-            cfg.sampling.is_greedy(),
-            "leap:oracle drafts plain's greedy answers: it runs with --temp 0 only"
-        );
-    }
-    if needs_draft && cfg.draft.is_none() {
-        bail!("modes llama:draft-simple and leap:draft need a draft model: pass --draft PATH");
-    }
-    let servers = kinds.iter().any(|k| matches!(k, ModeKind::Server(_)));
-    if servers && cfg.flash_budget.is_some() {
-        bail!("server:* modes cannot stream weights: run them without --flash-budget");
-    }
-    let server_bin = if servers {
-        Some(stock::find_server(cfg.server_bin.as_deref())?)
-    } else {
-        None
-    };
+    let kinds = modes::parse_all(cfg)?;
     let requests = workload::load(&cfg.workload, &cfg.tasks, cfg.skip, cfg.limit)?;
     if requests.is_empty() {
         bail!(
@@ -154,197 +113,8 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             cfg.workload.display()
         );
     }
-    let model = Model::load(&cfg.model, &ModelParams::default())
-        .with_context(|| format!("loading target {}", cfg.model.display()))?;
-    leap_spec::session::check_ctx(&model, cfg.ctx).map_err(|e| anyhow::anyhow!("--ctx: {e}"))?;
-    let draft_model = match &cfg.draft {
-        Some(p) => Some(
-            Model::load(p, &ModelParams::default())
-                .with_context(|| format!("loading draft {}", p.display()))?,
-        ),
-        None => None,
-    };
-    let cparams = ContextParams {
-        n_ctx: cfg.ctx,
-        n_threads: cfg.threads,
-        n_threads_batch: cfg.threads,
-        flash_attn: cfg.flash_attn,
-        ..Default::default()
-    };
-    let mut runners = Vec::new();
-    // Plain's answer to the current request, for `leap:oracle`.
-    let answer = oracle::Answer::default();
-    // Flash streaming: one streamer per mode (each mode's context has its own hooks), all
-    // with the same plan.
-    let flash = match cfg.flash_budget {
-        Some(f) => {
-            let map = leap_flash::LayerMap::open(&cfg.model)?;
-            let per_call = map.per_call_bytes();
-            let chunk = map.largest_block().max(1);
-            let p = leap_flash::plan(
-                &map,
-                (f * per_call as f64) as u64,
-                chunk,
-                1,
-                cfg.flash_strategy,
-            );
-            Some((map, p))
-        }
-        None => None,
-    };
-    // `leap`'s early-exit head, if the sidecar has one for this model (not under flash
-    // streaming, where a call's cost is its reads).
-    let head = kinds
-        .iter()
-        .any(|k| matches!(k, ModeKind::Leap(ec) if ec.exit))
-        .then(|| crate::heads::load_head(&model, cfg.sidecar.as_deref()))
-        .flatten()
-        .filter(|_| flash.is_none())
-        .map(Arc::new);
-    let mut streamers: Vec<Option<leap_flash::Streamer>> = Vec::new();
-    // Bytes each mode keeps resident besides its plan's (budgeted out of the plan).
-    let mut reserved: Vec<u64> = Vec::new();
-    for (name, kind) in cfg.modes.iter().zip(&kinds) {
-        let mut params = cparams.clone();
-        let mut kind = kind.clone();
-        if let (ModeKind::Leap(ec), Some(_)) = (&mut kind, &flash) {
-            *ec = ec.clone().streamed();
-            // `leap` (everything on) verifies trees of up to 4 leaves on a streamed target,
-            // where the extra rows ride on the I/O.
-            if name == "leap" {
-                ec.max_branches = ec.max_branches.max(4);
-            }
-        }
-        let kind = &kind;
-        if let ModeKind::Server(t) = kind {
-            let bin = server_bin.as_deref().expect("found above");
-            eprintln!("bench: starting {} --spec-type {t}", bin.display());
-            runners.push(Runner::Server(Box::new(stock::StockServer::start(
-                &stock::ServerConfig {
-                    bin,
-                    model: &cfg.model,
-                    draft: cfg.draft.as_deref(),
-                    spec_type: t,
-                    threads: cfg.threads,
-                    ctx: cfg.ctx,
-                },
-            )?)));
-            streamers.push(None);
-            reserved.push(0);
-            continue;
-        }
-        if let ModeKind::Leap(ec) = kind {
-            params.n_seq_max = ec.max_branches as u32;
-        }
-        // `leap`'s resident vocabulary ([`leap_spec::vocab`]) comes out of its budget: its
-        // blocks and output rows are planned for what is left.
-        let reserve = match (kind, &flash) {
-            (ModeKind::Leap(ec), Some((map, p))) => vocab_reserve(
-                map,
-                p.budget,
-                model.n_vocab(),
-                ec.vocab,
-                cfg.sampling.is_greedy(),
-            ),
-            _ => 0,
-        };
-        reserved.push(reserve);
-        let streamer = match &flash {
-            Some((map, p)) => {
-                let p = if reserve > 0 {
-                    leap_flash::plan(
-                        map,
-                        p.budget.saturating_sub(reserve),
-                        map.largest_block().max(1),
-                        1,
-                        cfg.flash_strategy,
-                    )
-                } else {
-                    p.clone()
-                };
-                Some(leap_flash::Streamer::new(&cfg.model, map.clone(), p, 1)?)
-            }
-            None => None,
-        };
-        let mut observer = streamer.as_ref().map(|s| s.observer());
-        streamers.push(streamer);
-        // The early exit's observer on `leap`'s context.
-        let mut exit = None;
-        if let (ModeKind::Leap(ec), Some(h)) = (kind, &head) {
-            if ec.exit && ec.on_demand {
-                let (e, obs) = leap_host::exit::Exit::new(h.layer);
-                observer = Some(match observer {
-                    Some(o) => Box::new(leap_host::Chain::new(vec![o, obs])),
-                    None => obs,
-                });
-                let pruner = leap_spec::exit::Pruner {
-                    head: h.clone(),
-                    n_layer: model.n_layer() as u32,
-                };
-                exit = Some((e, pruner));
-            }
-        }
-        // Leap's output projection reads streamed output weights a chunk at a time.
-        let chunked = |od: OnDemand, st: &Option<leap_flash::Streamer>| match st {
-            Some(s) => s.stream_projection(od),
-            None => od,
-        };
-        if let ModeKind::Leap(ec) = kind {
-            let (target, od) = OnDemand::context_with(&model, &params, observer)
-                .with_context(|| format!("creating the context for mode {name}"))?;
-            // `leap:eager` keeps the projection for calibration's prefill; its engine verifies
-            // with llama.cpp's logits (`EngineConfig::on_demand`).
-            let od = od
-                .filter(|_| ec.on_demand || ec.calibrate)
-                .map(|od| chunked(od, streamers.last().expect("pushed above")));
-            let mut engine = Engine::new(ec.clone()).with_on_demand(od).with_exit(exit);
-            if name == "leap:draft" {
-                let dm = draft_model.as_ref().expect("checked above");
-                let dctx = Context::new(dm, &cparams)
-                    .with_context(|| format!("creating the draft context for mode {name}"))?;
-                let target: Arc<dyn Vocab + Send + Sync> = model.clone();
-                engine = engine.with_drafter(Box::new(ModelDrafter::new(
-                    LlamaDraft::new(dm.clone(), dctx),
-                    target,
-                )));
-            }
-            if name == "leap:oracle" {
-                engine = engine.with_drafter(Box::new(oracle::Oracle::new(answer.clone())));
-            }
-            runners.push(Runner::Leap(target, Box::new(engine)));
-            continue;
-        }
-        if *kind == ModeKind::Plain && flash.is_some() {
-            // flash-AR: the same streaming as Leap's modes, without speculation.
-            let (target, od) = OnDemand::context_with(&model, &params, observer)
-                .with_context(|| format!("creating the context for mode {name}"))?;
-            let od = od.map(|od| chunked(od, streamers.last().expect("pushed above")));
-            runners.push(Runner::Plain(target, od));
-            continue;
-        }
-        let target = Context::with_observer(&model, &params, observer)
-            .with_context(|| format!("creating the context for mode {name}"))?;
-        let runner = match kind {
-            ModeKind::Plain => Runner::Plain(target, None),
-            ModeKind::Leap(_) | ModeKind::Server(_) => unreachable!("created above"),
-            ModeKind::Llama(t) => {
-                let dctx = match (&draft_model, t.as_str()) {
-                    (Some(dm), "draft-simple") => Some(Context::new(dm, &cparams)?),
-                    _ => None,
-                };
-                let anchor = AnchorConfig {
-                    sampling: cfg.sampling,
-                    ..Default::default()
-                };
-                Runner::Llama(Box::new(
-                    LlamaSpeculative::new(target, dctx, t, &anchor)
-                        .with_context(|| format!("mode {name}"))?,
-                ))
-            }
-        };
-        runners.push(runner);
-    }
-
+    let shared = assemble::Shared::open(cfg, &kinds)?;
+    let mut modes = assemble::modes(cfg, &kinds, &shared)?;
     let mut report = Report {
         schema: report::SCHEMA.into(),
         model: file_name(&cfg.model),
@@ -360,18 +130,52 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         temp: cfg.sampling.temp,
         modes: BTreeMap::new(),
     };
-    let mut per_mode: Vec<ModeReport> = vec![ModeReport::default(); runners.len()];
-    let mut cpu = vec![0f64; runners.len()];
-    let mut rss = vec![0u64; runners.len()];
-    let mut read = vec![0u64; runners.len()];
-    let mut peak = vec![0u64; runners.len()];
-    let mut blocked = vec![0f64; runners.len()];
-
+    let mut tallies: Vec<Tally> = modes.iter().map(|_| Tally::default()).collect();
     let prompts = requests
         .iter()
-        .map(|r| Ok(model.tokenize(&r.prompt, true, false)?))
+        .map(|r| Ok(shared.model.tokenize(&r.prompt, true, false)?))
         .collect::<Result<Vec<_>>>()?;
-    let fits: Vec<bool> = (requests.iter().zip(&prompts))
+    let fits = fitting(cfg, &requests, &prompts)?;
+    let bar = crate::progress::bar(
+        cfg.progress,
+        (requests.len() * modes.len()) as u64,
+        "bench [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
+    );
+    for ((req, prompt), fits) in requests.iter().zip(&prompts).zip(fits) {
+        if !fits {
+            report.n_skipped += 1;
+            bar.inc(modes.len() as u64);
+            continue;
+        }
+        report.n_requests += 1;
+        for (i, tally) in tallies.iter_mut().enumerate() {
+            bar.set_message(format!("{} {}", req.id, cfg.modes[i]));
+            run_one(cfg, &shared, &mut modes, i, req, prompt, tally)?;
+            bar.inc(1);
+        }
+        // Without a terminal for the bar, a line per request (CI logs).
+        if cfg.progress && bar.is_hidden() {
+            eprintln!(
+                "bench: {} done ({}/{})",
+                req.id,
+                report.n_requests + report.n_skipped,
+                requests.len()
+            );
+        }
+    }
+    bar.finish_and_clear();
+    finish(cfg, &kinds, shared.flash.is_some(), tallies, &mut report);
+    Ok(report)
+}
+
+/// Which requests fit the context (prompt and `max_tokens` together); an error if none does,
+/// a warning for those that do not.
+fn fitting(
+    cfg: &BenchConfig,
+    requests: &[workload::Request],
+    prompts: &[Vec<leap_host::Token>],
+) -> Result<Vec<bool>> {
+    let fits: Vec<bool> = (requests.iter().zip(prompts))
         .map(|(r, p)| p.len() + r.max_tokens <= cfg.ctx as usize)
         .collect();
     let too_long = fits.iter().filter(|f| !**f).count();
@@ -388,120 +192,129 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
             cfg.ctx
         );
     }
-    let bar = crate::progress::bar(
-        cfg.progress,
-        (requests.len() * runners.len()) as u64,
-        "bench [{bar:30}] {pos}/{len} {msg} ({elapsed}, eta {eta})",
-    );
-    for ((req, prompt), fits) in requests.iter().zip(&prompts).zip(fits) {
-        if !fits {
-            report.n_skipped += 1;
-            bar.inc(runners.len() as u64);
-            continue;
-        }
-        report.n_requests += 1;
-        for (i, runner) in runners.iter_mut().enumerate() {
-            bar.set_message(format!("{} {}", req.id, cfg.modes[i]));
-            // llama.cpp's own modes run on llama.cpp's kernels alone; `leap:ggml` too.
-            leap_backend::set_enabled(
-                cfg.kernels && matches!(runner, Runner::Leap(..)) && cfg.modes[i] != "leap:ggml",
-            );
-            // Under flash each mode's plan runs alone: the others' pins are let go, its own
-            // restored (plans differ: `leap` budgets its resident vocabulary out of its own).
-            if let Some(st) = &streamers[i] {
-                for (j, other) in streamers.iter().enumerate() {
-                    if let (true, Some(o)) = (j != i, other) {
-                        o.suspend();
-                    }
-                }
-                st.resume()?;
-            }
-            let g = runner
-                .run(prompt, req.max_tokens, cfg)
-                .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
-            if cfg.modes[i] == "plain" {
-                answer.set(&g.tokens);
-            }
-            cpu[i] += g.decode_cpu_seconds;
-            rss[i] = rss[i].max(match runner {
-                Runner::Server(s) => s.peak_rss_bytes(),
-                _ => peak_rss_bytes(),
-            });
-            if let Some(st) = &streamers[i] {
-                // The decode's calls are the last `target_calls` (prefill came first).
-                st.flush();
-                let calls = st.calls();
-                let n = (g.target_calls as usize).min(calls.len());
-                let decode = &calls[calls.len() - n..];
-                read[i] += decode.iter().map(|c| c.read_bytes).sum::<u64>();
-                blocked[i] += decode.iter().map(|c| c.blocked_seconds).sum::<f64>();
-                // Calls that ran llama.cpp's projection node had the output resident whole:
-                // where Leap's chunked projection ran the others (Leap's modes, flash-AR),
-                // those are its one-off checks against llama.cpp's logits.
-                let chunked = decode.iter().any(|c| !c.llama_output);
-                peak[i] = peak[i].max(
-                    decode
-                        .iter()
-                        .filter(|c| !(chunked && c.llama_output))
-                        .map(|c| c.peak_streamed_resident + st.plan().pinned_bytes + reserved[i])
-                        .max()
-                        .unwrap_or(0),
-                );
-            }
-            per_mode[i].requests.push(RequestReport {
-                id: req.id.clone(),
-                task: req.task.clone(),
-                prompt_tokens: prompt.len(),
-                generated_tokens: g.tokens.len(),
-                decode_seconds: g.decode_seconds,
-                prefill_seconds: g.prefill_seconds,
-                target_calls: g.target_calls,
-                drafted_tokens: g.drafted_tokens,
-                draft_seconds: g.draft_seconds,
-                calib_seconds: g.calib_seconds,
-                verify_seconds: g.verify_seconds,
-                project_seconds: g.project_seconds,
-                verify_rows: g.verify_rows,
-                rows_after_exit: g.rows_after_exit,
-                output_rows: g.output_rows,
-                exit_accepted: g.exit_accepted,
-                exit_accepted_kept: g.exit_accepted_kept,
-                exit_seconds: g.exit_seconds,
-                output_sha256: report::tokens_sha256(&g.tokens),
-            });
-            bar.inc(1);
-        }
-        // Without a terminal for the bar, a line per request (CI logs).
-        if cfg.progress && bar.is_hidden() {
-            eprintln!(
-                "bench: {} done ({}/{})",
-                req.id,
-                report.n_requests + report.n_skipped,
-                requests.len()
-            );
-        }
-    }
-    bar.finish_and_clear();
+    Ok(fits)
+}
 
+/// What one mode measured over the requests.
+#[derive(Default)]
+struct Tally {
+    report: ModeReport,
+    cpu: f64,
+    rss: u64,
+    /// Under flash: bytes read from storage during decoding, the peak resident, seconds
+    /// blocked on reads.
+    read: u64,
+    peak: u64,
+    blocked: f64,
+}
+
+/// Request `req` (tokens `prompt`) in mode `i`, into its tally.
+fn run_one(
+    cfg: &BenchConfig,
+    shared: &assemble::Shared,
+    modes: &mut [assemble::Mode],
+    i: usize,
+    req: &workload::Request,
+    prompt: &[leap_host::Token],
+    t: &mut Tally,
+) -> Result<()> {
+    // Under flash each mode's plan runs alone: the others' pins are let go, its own
+    // restored (plans differ: `leap` budgets its resident vocabulary out of its own).
+    if let Some(st) = modes[i].streamer() {
+        for (j, other) in modes.iter().enumerate() {
+            if let (true, Some(o)) = (j != i, other.streamer()) {
+                o.suspend();
+            }
+        }
+        st.resume()?;
+    }
+    let mode = &mut modes[i];
+    let g = mode
+        .runner
+        .run(prompt, req.max_tokens, cfg)
+        .with_context(|| format!("request {} in mode {}", req.id, cfg.modes[i]))?;
+    if cfg.modes[i] == "plain" {
+        shared.answer.set(&g.tokens);
+    }
+    t.cpu += g.decode_cpu_seconds;
+    t.rss = t.rss.max(match &mode.runner {
+        Runner::Server(s) => s.peak_rss_bytes(),
+        _ => peak_rss_bytes(),
+    });
+    if let Some(st) = mode.streamer() {
+        // The decode's calls are the last `target_calls` (prefill came first).
+        st.flush();
+        let calls = st.calls();
+        let n = (g.target_calls as usize).min(calls.len());
+        let decode = &calls[calls.len() - n..];
+        t.read += decode.iter().map(|c| c.read_bytes).sum::<u64>();
+        t.blocked += decode.iter().map(|c| c.blocked_seconds).sum::<f64>();
+        // Calls that ran llama.cpp's projection node had the output resident whole:
+        // where Leap's chunked projection ran the others (Leap's modes, flash-AR),
+        // those are its one-off checks against llama.cpp's logits.
+        let chunked = decode.iter().any(|c| !c.llama_output);
+        t.peak = t.peak.max(
+            decode
+                .iter()
+                .filter(|c| !(chunked && c.llama_output))
+                .map(|c| c.peak_streamed_resident + st.plan().pinned_bytes + mode.reserved)
+                .max()
+                .unwrap_or(0),
+        );
+    }
+    t.report.requests.push(RequestReport {
+        id: req.id.clone(),
+        task: req.task.clone(),
+        prompt_tokens: prompt.len(),
+        generated_tokens: g.tokens.len(),
+        decode_seconds: g.decode_seconds,
+        prefill_seconds: g.prefill_seconds,
+        target_calls: g.target_calls,
+        drafted_tokens: g.drafted_tokens,
+        draft_seconds: g.draft_seconds,
+        calib_seconds: g.calib_seconds,
+        verify_seconds: g.verify_seconds,
+        project_seconds: g.project_seconds,
+        verify_rows: g.verify_rows,
+        rows_after_exit: g.rows_after_exit,
+        output_rows: g.output_rows,
+        exit_accepted: g.exit_accepted,
+        exit_accepted_kept: g.exit_accepted_kept,
+        exit_seconds: g.exit_seconds,
+        output_sha256: report::tokens_sha256(&g.tokens),
+    });
+    Ok(())
+}
+
+/// Each mode's totals into the report, with its outputs compared to plain's (greedy).
+fn finish(
+    cfg: &BenchConfig,
+    kinds: &[ModeKind],
+    flash: bool,
+    tallies: Vec<Tally>,
+    report: &mut Report,
+) {
     // Outputs are compared through their hashes (the report's own `output_sha256`).
     let plain_outputs: Option<Vec<String>> = kinds
         .iter()
         .position(|k| *k == ModeKind::Plain)
         .filter(|_| cfg.sampling.is_greedy())
         .map(|p| {
-            per_mode[p]
+            tallies[p]
+                .report
                 .requests
                 .iter()
                 .map(|r| r.output_sha256.clone())
                 .collect()
         });
-    for (i, mut m) in per_mode.into_iter().enumerate() {
+    for (i, t) in tallies.into_iter().enumerate() {
+        let mut m = t.report;
         m.total();
-        m.cpu_seconds = cpu[i];
-        m.peak_rss_bytes = rss[i];
-        m.storage_read_bytes = flash.as_ref().map(|_| read[i]);
-        m.flash_peak_resident_bytes = flash.as_ref().map(|_| peak[i]);
-        m.flash_blocked_seconds = flash.as_ref().map(|_| blocked[i]);
+        m.cpu_seconds = t.cpu;
+        m.peak_rss_bytes = t.rss;
+        m.storage_read_bytes = flash.then_some(t.read);
+        m.flash_peak_resident_bytes = flash.then_some(t.peak);
+        m.flash_blocked_seconds = flash.then_some(t.blocked);
         if let Some(plain) = &plain_outputs {
             m.differing_requests = m
                 .requests
@@ -514,5 +327,4 @@ pub fn run(cfg: &BenchConfig) -> Result<Report> {
         }
         report.modes.insert(cfg.modes[i].clone(), m);
     }
-    Ok(report)
 }

@@ -189,6 +189,46 @@ impl ModeKind {
     }
 }
 
+/// The modes `cfg` asks for, checked against each other and the run's settings: an exit
+/// threshold applied to every Leap mode, `leap:oracle` after `plain` and greedy, a draft model
+/// where a mode needs one, no `server:*` mode under flash.
+pub(super) fn parse_all(cfg: &super::BenchConfig) -> Result<Vec<ModeKind>> {
+    let kinds: Vec<ModeKind> = cfg
+        .modes
+        .iter()
+        .map(|m| ModeKind::parse(m))
+        .map(|k| match (k, cfg.exit_threshold) {
+            (Ok(ModeKind::Leap(mut ec)), Some(t)) => {
+                ec.prune.threshold = t;
+                Ok(ModeKind::Leap(ec))
+            }
+            (k, _) => k,
+        })
+        .collect::<Result<_>>()?;
+    let needs_draft = kinds
+        .iter()
+        .any(|k| *k == ModeKind::Llama("draft-simple".into()))
+        || cfg.modes.iter().any(|m| m == "leap:draft");
+    if let Some(o) = cfg.modes.iter().position(|m| m == "leap:oracle") {
+        anyhow::ensure!(
+            cfg.modes[..o].iter().any(|m| m == "plain"),
+            "leap:oracle drafts plain decoding's answers: put plain before it in --modes"
+        );
+        anyhow::ensure!(
+            cfg.sampling.is_greedy(),
+            "leap:oracle drafts plain's greedy answers: it runs with --temp 0 only"
+        );
+    }
+    if needs_draft && cfg.draft.is_none() {
+        bail!("modes llama:draft-simple and leap:draft need a draft model: pass --draft PATH");
+    }
+    let servers = kinds.iter().any(|k| matches!(k, ModeKind::Server(_)));
+    if servers && cfg.flash_budget.is_some() {
+        bail!("server:* modes cannot stream weights: run them without --flash-budget");
+    }
+    Ok(kinds)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

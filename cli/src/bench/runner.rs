@@ -1,5 +1,5 @@
 //! One runner per mode: how a request is generated in it (plain decoding, llama.cpp's
-//! speculative decoding, a stock llama-server, or Leap's engine), as a [`Generation`].
+//! speculative decoding, a stock llama-server, or a Leap session), as a [`Generation`].
 
 use std::time::Instant;
 
@@ -8,8 +8,8 @@ use leap_host::anchor::LlamaSpeculative;
 use leap_host::project::OnDemand;
 use leap_host::usage::cpu_seconds;
 use leap_host::{Context, Token};
-use leap_spec::engine::Engine;
 use leap_spec::plain::{self, Generation};
+use leap_spec::session::{Request, Session};
 
 use super::{stock, BenchConfig};
 
@@ -17,7 +17,10 @@ pub(super) enum Runner {
     /// Plain decoding; under flash streaming with Leap's chunked output projection.
     Plain(Context, Option<OnDemand>),
     Llama(Box<LlamaSpeculative>),
-    Leap(Context, Box<Engine>),
+    /// Leap's modes: a session of a runtime with the mode's options, as `leap serve` and the C
+    /// API make them. Each request starts from an empty cache (the engine's history of
+    /// earlier requests stays, as in a server).
+    Leap(Box<Session>),
     Server(Box<stock::StockServer>),
 }
 
@@ -58,14 +61,14 @@ impl Runner {
                     ..Default::default()
                 })
             }
-            Runner::Leap(ctx, engine) => Ok(engine.generate_with(
-                ctx,
-                prompt,
-                max_tokens,
-                512,
-                &cfg.sampling,
-                &mut |_| true,
-            )?),
+            Runner::Leap(session) => {
+                session.forget_prefix();
+                let req = Request {
+                    max_tokens,
+                    sampling: cfg.sampling,
+                };
+                Ok(session.generate(prompt, &req, &mut |_| true)?)
+            }
         }
     }
 }

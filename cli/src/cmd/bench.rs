@@ -80,7 +80,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
              leap generate --sparse"
         );
     }
-    let kernels = a.runtime.setup();
+    let kernels = a.runtime.setup().kernels;
     let cfg = bench::BenchConfig {
         kernels,
         model: models::resolve(&a.model)?,

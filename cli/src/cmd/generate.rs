@@ -81,7 +81,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             a.runtime.flash_attn.as_str()
         );
     }
-    a.runtime.setup_for(Some(&path))?;
+    let device = a.runtime.setup_for(Some(&path))?;
     let flash_budget = match &a.flash_budget {
         Some(b) => Some(parse_budget(
             b,
@@ -95,7 +95,8 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             threads: a.runtime.threads,
             n_ctx: a.runtime.ctx,
             mode,
-            leap_kernels: a.runtime.kernels == "leap",
+            leap_kernels: device.kernels,
+            sparse: device.sparse,
             sidecar: a.runtime.sidecar.clone(),
             flash_budget,
             flash_attn: a.runtime.flash_attn(),

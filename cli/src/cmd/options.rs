@@ -48,9 +48,9 @@ pub struct RuntimeArgs {
 }
 
 impl RuntimeArgs {
-    /// Register Leap's ggml device (before any context exists) when asked for, and set up
-    /// sparse attention for `model`.
-    pub fn setup_for(&self, model: Option<&std::path::Path>) -> Result<bool> {
+    /// Register Leap's ggml device (before any context exists) when asked for, and what it is
+    /// to do for `model`'s contexts (sparse attention with the sidecar's per-head budgets).
+    pub fn setup_for(&self, model: Option<&std::path::Path>) -> Result<leap_backend::DeviceConfig> {
         let sparse = leap_cli::attn::parse_sparse(&self.sparse)?;
         if sparse.is_some() && self.kernels != "leap" {
             bail!("--sparse runs on Leap's device: drop --kernels ggml");
@@ -63,7 +63,6 @@ impl RuntimeArgs {
         if on {
             leap_backend::register();
         }
-        leap_backend::set_enabled(on);
         if opencl && !leap_backend::opencl_registered() {
             bail!(
                 "--estimate opencl: no usable OpenCL device here ({}); install one (PoCL: scripts/setup) or use --estimate cpu",
@@ -78,12 +77,15 @@ impl RuntimeArgs {
             estimate_on: self.estimate,
             ..s
         });
-        leap_backend::attn::set_sparse(sparse);
-        Ok(on)
+        Ok(leap_backend::DeviceConfig {
+            kernels: on,
+            sparse,
+            ..Default::default()
+        })
     }
 
     /// Register Leap's ggml device when asked for (no model-specific settings).
-    pub fn setup(&self) -> bool {
+    pub fn setup(&self) -> leap_backend::DeviceConfig {
         self.setup_for(None).unwrap_or_else(|e| {
             eprintln!("leap: error: {e:#}");
             std::process::exit(2)

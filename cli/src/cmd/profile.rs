@@ -29,22 +29,24 @@ pub struct ProfileArgs {
 
 pub fn profile(a: ProfileArgs) -> Result<()> {
     let path = models::resolve(&a.model)?;
-    a.runtime.setup_for(Some(&path))?;
+    let device = leap_backend::Device::new(a.runtime.setup_for(Some(&path))?);
     let model = Model::load(&path, &ModelParams::default())?;
     let model = std::sync::Arc::new(model);
-    let (mut ctx, od) = leap_host::project::OnDemand::context(
-        &model,
-        &ContextParams {
-            n_ctx: a
-                .runtime
-                .ctx
-                .max((a.context + a.rows.iter().max().unwrap_or(&1) + 8) as u32),
-            n_threads: a.runtime.threads,
-            n_threads_batch: a.runtime.threads,
-            flash_attn: a.runtime.flash_attn(),
-            ..Default::default()
-        },
-    )?;
+    let (mut ctx, od) = device.bind(|| {
+        leap_host::project::OnDemand::context(
+            &model,
+            &ContextParams {
+                n_ctx: a
+                    .runtime
+                    .ctx
+                    .max((a.context + a.rows.iter().max().unwrap_or(&1) + 8) as u32),
+                n_threads: a.runtime.threads,
+                n_threads_batch: a.runtime.threads,
+                flash_attn: a.runtime.flash_attn(),
+                ..Default::default()
+            },
+        )
+    })?;
     // Real text for the context: the vocabulary's own pieces would do, but a repeated
     // paragraph keeps the attention pattern ordinary.
     let para = "Packages are installed, upgraded and removed with apt, which resolves dependencies                 and calls dpkg to unpack and configure each archive. ";
