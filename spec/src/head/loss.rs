@@ -65,13 +65,26 @@ pub(super) fn loss_and_grad(
         }
         return stats;
     }
-    let temp = p.temperature;
-    let inv_t = 1.0 / temp;
+    let inv_t = 1.0 / p.temperature;
     let threads = p.threads.max(1);
+    let u = project_samples(batch, a, d, threads);
+    let ranges = split(nv, threads);
+    let (z, parts) = forward_ranges(rows, d, &u, bsz, &ranges, inv_t);
+    let soft = Softmax::combine(&parts, bsz, inv_t);
+    let (corr, qw) = loss_terms(batch, rows, d, &u, &soft, p, &mut stats);
+    let Some(grad) = grad else {
+        return stats;
+    };
+    assert_eq!(grad.len(), d * d, "grad is not d x d");
+    let du = backward_ranges(rows, d, bsz, &ranges, &parts, &z, &soft, &qw, &corr, inv_t);
+    grad_of_a(grad, &du, batch, d, threads);
+    stats
+}
 
-    // U: one row of d per sample.
-    let mut u = vec![0.0f32; bsz * d];
-    let per = bsz.div_ceil(threads);
+/// U: one row of `d` per sample, `A` times the sample's normalised hidden state.
+fn project_samples(batch: &[&Prep], a: &[f32], d: usize, threads: usize) -> Vec<f32> {
+    let mut u = vec![0.0f32; batch.len() * d];
+    let per = batch.len().div_ceil(threads);
     run_all(
         u.chunks_mut(per * d)
             .zip(batch.chunks(per))
@@ -86,20 +99,29 @@ pub(super) fn loss_and_grad(
             })
             .collect(),
     );
+    u
+}
 
-    // Forward, per vocabulary range: z = e_c · u_b stored [c][b], the range's max per sample,
-    // then exp((z - max) / T) in place and its sum.
-    let ranges = split(nv, threads);
+/// Forward, per vocabulary range: z = e_c · u_b stored [c][b], the range's max per sample,
+/// then exp((z - max) / T) in place and its sum.
+fn forward_ranges(
+    rows: &[f32],
+    d: usize,
+    u: &[f32],
+    bsz: usize,
+    ranges: &[std::ops::Range<usize>],
+    inv_t: f32,
+) -> (Vec<f32>, Vec<Part>) {
+    let nv = rows.len() / d;
     let mut z = vec![0.0f32; nv * bsz];
     let parts: Vec<Part> = {
         let mut rest = z.as_mut_slice();
         let mut chunks = Vec::with_capacity(ranges.len());
-        for r in &ranges {
+        for r in ranges {
             let (head, tail) = rest.split_at_mut(r.len() * bsz);
             chunks.push(head);
             rest = tail;
         }
-        let u = &u;
         run_all(
             ranges
                 .iter()
@@ -111,36 +133,66 @@ pub(super) fn loss_and_grad(
                 .collect(),
         )
     };
+    (z, parts)
+}
 
-    // Combine the ranges: the global max, argmax and sum of exp((z - max) / T) per sample.
-    let mut max = vec![f32::NEG_INFINITY; bsz];
-    let mut arg = vec![0usize; bsz];
-    for part in &parts {
-        for b in 0..bsz {
-            if part.max[b] > max[b] {
-                max[b] = part.max[b];
-                arg[b] = part.arg[b];
+/// The ranges combined, per sample: the global max of z, its row, and the sum of
+/// exp((z - max) / T).
+struct Softmax {
+    max: Vec<f32>,
+    arg: Vec<usize>,
+    sum: Vec<f64>,
+}
+
+impl Softmax {
+    fn combine(parts: &[Part], bsz: usize, inv_t: f32) -> Self {
+        let mut max = vec![f32::NEG_INFINITY; bsz];
+        let mut arg = vec![0usize; bsz];
+        for part in parts {
+            for b in 0..bsz {
+                if part.max[b] > max[b] {
+                    max[b] = part.max[b];
+                    arg[b] = part.arg[b];
+                }
             }
         }
-    }
-    let mut sum = vec![0.0f64; bsz];
-    for part in &parts {
-        for b in 0..bsz {
-            sum[b] += part.sum[b] * (f64::from(part.max[b] - max[b]) * f64::from(inv_t)).exp();
+        let mut sum = vec![0.0f64; bsz];
+        for part in parts {
+            for b in 0..bsz {
+                sum[b] += part.sum[b] * (f64::from(part.max[b] - max[b]) * f64::from(inv_t)).exp();
+            }
         }
+        Self { max, arg, sum }
     }
+}
 
-    // Per sample: the loss terms and the sparse part of dZ (on top and cand rows).
+/// A sparse correction to dZ: (vocabulary row, sample, value).
+type Correction = (usize, usize, f32);
+
+/// Per sample: the loss terms into `stats`, and the sparse part of dZ (on top and cand rows,
+/// sorted by row then sample) with each sample's weight of the dense softmax part.
+fn loss_terms(
+    batch: &[&Prep],
+    rows: &[f32],
+    d: usize,
+    u: &[f32],
+    soft: &Softmax,
+    p: &Params,
+    stats: &mut Stats,
+) -> (Vec<Correction>, Vec<f32>) {
+    let bsz = batch.len();
+    let temp = p.temperature;
+    let inv_t = 1.0 / temp;
     let w = 1.0 / bsz as f32;
     let t2 = f64::from(temp) * f64::from(temp);
-    let mut corr: Vec<(usize, usize, f32)> = Vec::new();
+    let mut corr: Vec<Correction> = Vec::new();
     let mut qw = vec![0.0f32; bsz];
     for (b, pr) in batch.iter().enumerate() {
         let ub = &u[b * d..(b + 1) * d];
-        let lse = f64::from(max[b]) * f64::from(inv_t) + sum[b].ln();
+        let lse = f64::from(soft.max[b]) * f64::from(inv_t) + soft.sum[b].ln();
         if !pr.top.is_empty() {
             stats.n_top += 1;
-            stats.top1 += usize::from(pr.top1 == Some(arg[b]));
+            stats.top1 += usize::from(pr.top1 == Some(soft.arg[b]));
             qw[b] = w * temp;
             let teacher: Vec<f32> = pr.top.iter().map(|&(_, l)| l).collect();
             let pt = softmax64(&teacher, inv_t);
@@ -176,19 +228,30 @@ pub(super) fn loss_and_grad(
             stats.cand += t2 * kl;
         }
     }
-    let Some(grad) = grad else {
-        return stats;
-    };
-    assert_eq!(grad.len(), d * d, "grad is not d x d");
     corr.sort_unstable_by_key(|&(r, b, _)| (r, b));
+    (corr, qw)
+}
 
-    // Backward, per vocabulary range: dZ = qw * softmax + corrections, dU_t = E_t^T dZ_t.
-    let (z, corr) = (&z, &corr);
-    let (max, sum, qw) = (&max, &sum, &qw);
+/// Backward, per vocabulary range: dZ = qw * softmax + corrections, dU_t = E_t^T dZ_t; the
+/// ranges' dU summed.
+#[allow(clippy::too_many_arguments)]
+fn backward_ranges(
+    rows: &[f32],
+    d: usize,
+    bsz: usize,
+    ranges: &[std::ops::Range<usize>],
+    parts: &[Part],
+    z: &[f32],
+    soft: &Softmax,
+    qw: &[f32],
+    corr: &[Correction],
+    inv_t: f32,
+) -> Vec<f32> {
+    let (max, sum) = (&soft.max, &soft.sum);
     let partials = run_all(
         ranges
             .iter()
-            .zip(&parts)
+            .zip(parts)
             .map(|(r, part)| {
                 let r = r.clone();
                 move || {
@@ -219,10 +282,12 @@ pub(super) fn loss_and_grad(
     for part in partials {
         du.iter_mut().zip(&part).for_each(|(x, y)| *x += y);
     }
+    du
+}
 
-    // dA[i][j] = sum_b du_b[i] * n_b[j], split across threads by rows of A.
+/// dA[i][j] = sum_b du_b[i] * n_b[j] into `grad`, split across threads by rows of A.
+fn grad_of_a(grad: &mut [f32], du: &[f32], batch: &[&Prep], d: usize, threads: usize) {
     let per = d.div_ceil(threads);
-    let du = &du;
     run_all(
         grad.chunks_mut(per * d)
             .enumerate()
@@ -242,7 +307,6 @@ pub(super) fn loss_and_grad(
             })
             .collect(),
     );
-    stats
 }
 
 /// What a forward thread found in its vocabulary range.
