@@ -361,16 +361,11 @@ mod tests {
                 .from_float
                 .expect("f16 from_float")
         };
-        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        let mut rng = leap_kernels::rng::XorShift::new(0x2545_F491_4F6C_DD1D);
         let mut bits: Vec<u32> = (0..1u32 << 19)
             .flat_map(|i| [0, 1, 0xfff, 0x1000, 0x1001, 0x1fff].map(|low| i << 13 | low))
             .collect();
-        bits.extend((0..1 << 20).map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 32) as u32
-        }));
+        bits.extend((0..1 << 20).map(|_| (rng.next() >> 32) as u32));
         let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
         let mut got = vec![0f32; x.len()];
         // SAFETY: checked above; slices of equal length.

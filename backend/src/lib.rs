@@ -32,7 +32,6 @@
 //! loads it through `GGML_BACKEND_PATH`.
 
 pub mod attn;
-pub mod attn_bench;
 mod device;
 mod est;
 pub mod f16;
@@ -492,16 +491,12 @@ fn supports(
     }
 }
 
-/// Pseudo-random values for the kernels' checks against ggml (xorshift from `seed`): each
-/// call gives a value in `[-scale / 2, scale / 2)`.
+/// Pseudo-random values for the kernels' checks against ggml ([`leap_kernels::rng`] from
+/// `seed`): each call gives a value in `[-scale / 2, scale / 2)`.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-pub(crate) fn check_values(mut seed: u64) -> impl FnMut(f32) -> f32 {
-    move |scale| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-    }
+pub(crate) fn check_values(seed: u64) -> impl FnMut(f32) -> f32 {
+    let mut rng = leap_kernels::rng::XorShift::new(seed);
+    move |scale| rng.centered() * scale
 }
 
 /// The backends' identity (ggml compares its bytes).

@@ -527,13 +527,8 @@ mod tests {
         let (d, hkv, cells, g) = (64usize, 2usize, 300usize, 3usize);
         let row = hkv * d / BLOCK * BLOCK_BYTES;
         let mut keys = vec![0u8; cells * row];
-        let mut seed = 7u64;
-        let mut rnd = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (seed >> 40) as u32
-        };
+        let mut rng = leap_kernels::rng::XorShift::new(7);
+        let mut rnd = || (rng.next() >> 40) as u32;
         for blk in keys.chunks_exact_mut(BLOCK_BYTES) {
             let s = f16::from_f32(0.001 + (rnd() % 1000) as f32 * 1e-5).to_le_bytes();
             blk[0] = s[0];

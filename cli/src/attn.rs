@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::attn_bench::{self, NodeResult};
 use anyhow::{bail, ensure, Context as _, Result};
 use leap_backend::attn::{self, Sparse};
-use leap_backend::attn_bench::{self, NodeResult};
 use leap_backend::{Device, DeviceConfig};
 use leap_host::{Batch, Context, ContextParams, FlashAttn, Model, ModelParams};
 use serde::Serialize;

@@ -10,8 +10,10 @@
 //! | [`heads`] | `leap train-heads`: early-exit heads trained into the sidecar, and loaded back (or refused) |
 //! | [`qnn`] | `leap qnn-selftest`: the QNN device's graphs against the CPU reference |
 //! | [`attn`] | `leap attn-bench`, `leap perplexity`, `leap profile-heads`, `leap plugin-path`: sparse attention measured and tuned |
+//! | [`attn_bench`] | captured attention nodes replayed: ggml's own flash attention (a graph built here) against the device's kernel |
 
 pub mod attn;
+pub mod attn_bench;
 pub mod bench;
 pub mod heads;
 pub mod models;

@@ -21,7 +21,7 @@ fn quantized(
     ty: llama_cpp_sys_2::ggml_type,
     n: usize,
     rows: usize,
-    seed: &mut u64,
+    rng: &mut leap_kernels::rng::XorShift,
 ) -> Vec<Vec<u8>> {
     use llama_cpp_sys_2 as sys;
     // SAFETY: ggml_cpu_init is idempotent; the traits table is static.
@@ -35,10 +35,7 @@ fn quantized(
         .map(|r| {
             let x: Vec<f32> = (0..n)
                 .map(|i| {
-                    *seed ^= *seed << 13;
-                    *seed ^= *seed >> 7;
-                    *seed ^= *seed << 17;
-                    let u = (*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    let u = rng.centered();
                     if (i * 7 + r) % 23 == 0 {
                         0.0
                     } else {
@@ -59,7 +56,7 @@ fn quantized(
 /// and remainders).
 pub fn agrees_with_ggml(k: &Kernel) -> bool {
     use llama_cpp_sys_2 as sys;
-    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut rng = leap_kernels::rng::XorShift::new(0x2545_F491_4F6C_DD1D);
     let ty = ggml_type(k.kind());
     // SAFETY: static traits table.
     let tr = unsafe {
@@ -70,8 +67,8 @@ pub fn agrees_with_ggml(k: &Kernel) -> bool {
         return false;
     };
     let n = if k.kind().is_k() { 768 } else { 640 };
-    let w = quantized(ty, n, 47, &mut seed);
-    let a = quantized(tr.vec_dot_type, n, 9, &mut seed);
+    let w = quantized(ty, n, 47, &mut rng);
+    let a = quantized(tr.vec_dot_type, n, 9, &mut rng);
     if w.is_empty() || a.is_empty() {
         return false;
     }

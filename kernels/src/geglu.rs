@@ -44,13 +44,8 @@ mod tests {
             .enumerate()
             .all(|(i, t)| t.to_bits() == to_f32(i as u16).to_bits()));
         let table: Vec<f32> = (0..1u32 << 16).map(|i| i as f32).collect();
-        let mut seed = 0x9E37_79B9u32;
-        let mut rnd = move |scale: f32| {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            (seed as f32 / u32::MAX as f32 * 2.0 - 1.0) * scale
-        };
+        let mut rng = crate::rng::XorShift::new(0x9E37_79B9);
+        let mut rnd = move |scale: f32| rng.signed() * scale;
         let special = [
             -10.0, 10.0, -9.999999, 9.999999, -10.000001, 10.000001, 0.0, -0.0, 3.0e-6,
         ];

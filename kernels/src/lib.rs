@@ -17,3 +17,4 @@ pub mod geglu;
 pub mod kq;
 pub mod qdot;
 pub mod reference;
+pub mod rng;

@@ -271,15 +271,8 @@ mod tests {
     }
 
     fn text(seed: u64, n: usize) -> Vec<Token> {
-        let mut x = seed;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x % 5000) as Token
-            })
-            .collect()
+        let mut rng = leap_kernels::rng::XorShift::new(seed);
+        (0..n).map(|_| rng.below(5000) as Token).collect()
     }
 
     #[test]

@@ -268,14 +268,11 @@ mod tests {
     use super::*;
 
     /// A small deterministic generator, so failures reproduce.
-    struct Lcg(u64);
+    use leap_kernels::rng::XorShift;
+    struct Lcg(XorShift);
     impl Lcg {
         fn next(&mut self, k: u64) -> Token {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((self.0 >> 33) % k) as Token
+            self.0.below(k) as Token
         }
     }
 
@@ -294,7 +291,7 @@ mod tests {
 
     #[test]
     fn longest_repeat_matches_brute_force() {
-        let mut rng = Lcg(7);
+        let mut rng = Lcg(XorShift::new(7));
         for alphabet in [2, 3, 5, 50] {
             let mut sam = SuffixAutomaton::new();
             let mut text = Vec::new();
@@ -325,7 +322,7 @@ mod tests {
 
     #[test]
     fn alternatives_are_every_other_token_after_the_longest_repeat() {
-        let mut rng = Lcg(5);
+        let mut rng = Lcg(XorShift::new(5));
         for alphabet in [2, 3, 6] {
             let mut sam = SuffixAutomaton::new();
             let mut text = Vec::new();
@@ -371,7 +368,7 @@ mod tests {
 
     #[test]
     fn matcher_finds_the_longest_suffix_in_another_text() {
-        let mut rng = Lcg(11);
+        let mut rng = Lcg(XorShift::new(11));
         let history: Vec<Token> = (0..400).map(|_| rng.next(4)).collect();
         let mut sam = SuffixAutomaton::new();
         sam.extend(&history);

@@ -104,15 +104,8 @@ fn plans_respect_the_budget() {
 fn scratch(name: &str, bytes: usize) -> std::path::PathBuf {
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let path = dir.join(name);
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let data: Vec<u8> = (0..bytes)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
+    let mut rng = leap_kernels::rng::XorShift::new(0x9E37_79B9_7F4A_7C15);
+    let data: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
     let mut f = std::fs::File::create(&path).expect("scratch file");
     std::io::Write::write_all(&mut f, &data).expect("scratch file");
     // Clean pages: the kernel does not drop dirty ones.

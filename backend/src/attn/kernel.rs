@@ -413,16 +413,13 @@ mod tests {
     /// captured from a model would be.
     type Problem = Captured;
 
-    fn rng(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    fn rng(r: &mut leap_kernels::rng::XorShift) -> f32 {
+        r.signed()
     }
 
     fn problem(n_q: usize, n_kv: usize, seed: u64) -> Problem {
         let (d, n_head, n_head_kv) = (64, 4, 2);
-        let mut s = seed;
+        let mut s = leap_kernels::rng::XorShift::new(seed);
         // A few "important" keys per head get large scores; the rest are noise.
         let q: Vec<f32> = (0..n_q * n_head * d).map(|_| rng(&mut s)).collect();
         let mut k: Vec<u16> = (0..n_kv * n_head_kv * d)

@@ -116,8 +116,12 @@ unsafe impl Send for Keys8 {}
 unsafe impl Sync for Keys8 {}
 
 impl Keys8 {
+    /// Where key `j` of head `h` starts.
+    ///
+    /// # Safety
+    /// `j` and `h` within the view (the result is then inside the `len` readable bytes).
     #[inline]
-    pub(crate) unsafe fn at(&self, j: usize, h: usize) -> *const u8 {
+    pub unsafe fn at(&self, j: usize, h: usize) -> *const u8 {
         self.base
             .add((self.cell0 + j) * self.row + self.col0 + h * self.head)
     }

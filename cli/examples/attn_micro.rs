@@ -1,7 +1,8 @@
 //! Micro-benchmark of the sparse-attention kernels on a synthetic decode-shaped node
-//! (`cargo run --release -p leap-backend --example attn_micro -- N_KV HEADS KV_HEADS D`).
+//! (`cargo run --release -p leap-cli --example attn_micro -- N_KV HEADS KV_HEADS D`).
 use leap_backend::attn::{Captured, Sparse};
-use leap_backend::{attn_bench, f16};
+use leap_backend::f16;
+use leap_cli::attn_bench;
 
 fn main() {
     let a: Vec<usize> = std::env::args()
@@ -18,13 +19,8 @@ fn main() {
         .ok()
         .and_then(|t| t.parse().ok())
         .unwrap_or(2);
-    let mut seed = 1u64;
-    let mut rnd = || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-    };
+    let mut rng = leap_kernels::rng::XorShift::new(1);
+    let mut rnd = || rng.signed();
     let c = Captured {
         layer: 0,
         swa: false,

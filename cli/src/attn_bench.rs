@@ -1,4 +1,4 @@
-//! Replaying captured flash-attention nodes ([`crate::attn::Captured`]): ggml's own CPU flash
+//! Replaying captured flash-attention nodes ([`leap_backend::attn::Captured`]): ggml's own CPU flash
 //! attention on them against Leap's sparse path, with the quality of the keys Leap kept.
 //! `leap attn-bench` reports this per context length.
 
@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use llama_cpp_sys_2 as sys;
 
-use crate::attn::{self, Captured, Chosen, Sparse};
-use crate::{est, f16};
+use leap_backend::attn::{self, Captured, Chosen, Sparse};
+use leap_kernels::{est, f16};
 
 /// One node's measurements.
 #[derive(Debug, Clone, PartialEq)]
