@@ -6,26 +6,17 @@ use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use leap_host::fileio::{self, Mapping as FileMapping};
+
 use crate::{Error, Result};
 
 /// A read-only mapping of a whole file.
 pub struct Pages {
     path: PathBuf,
     file: File,
-    base: *mut libc::c_void,
+    map: FileMapping,
     len: usize,
     page: usize,
-}
-
-// SAFETY: the mapping is read-only and lives as long as the value.
-unsafe impl Send for Pages {}
-unsafe impl Sync for Pages {}
-
-impl Drop for Pages {
-    fn drop(&mut self) {
-        // SAFETY: `base`/`len` are the mapping made in `open`.
-        unsafe { libc::munmap(self.base, self.len) };
-    }
 }
 
 fn io<'a>(path: &'a Path, what: &'static str) -> impl Fn(std::io::Error) -> Error + 'a {
@@ -44,32 +35,20 @@ impl Pages {
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).map_err(io(path, "opening"))?;
         let len = file.metadata().map_err(io(path, "reading metadata"))?.len() as usize;
-        // SAFETY: a fresh read-only shared mapping of an open file; checked below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len.max(1),
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(io(path, "mapping")(std::io::Error::last_os_error()));
-        }
-        // SAFETY: sysconf has no preconditions; advice on the fresh mapping. No readahead on
-        // faults: this mapping reads exactly the ranges asked for (with WILLNEED, in large
-        // reads), so what is resident is what the plan says.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
-        unsafe { libc::madvise(base, len.max(1), libc::MADV_RANDOM) };
+        let map = FileMapping::new(&file, 0, len).map_err(io(path, "mapping"))?;
+        // No readahead on faults: this mapping reads exactly the ranges asked for (with
+        // WILLNEED, in large reads), so what is resident is what the plan says.
+        let page = fileio::page_size();
+        let (base, mapped) = map.pages();
+        // SAFETY: advice on the fresh mapping.
+        unsafe { libc::madvise(base, mapped, libc::MADV_RANDOM) };
         // Nor on reads through this descriptor: `load` reads what it is asked, no more.
         // SAFETY: advice on an open descriptor.
         unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
         Ok(Self {
             path: path.to_owned(),
             file,
-            base,
+            map,
             len,
             page,
         })
@@ -117,7 +96,7 @@ impl Pages {
         let (start, len) = self.span(&r)?;
         let mut vec = vec![0u8; len.div_ceil(self.page)];
         // SAFETY: the span lies inside the mapping; `vec` has a byte per page.
-        let rc = unsafe { libc::mincore(self.base.add(start), len, vec.as_mut_ptr()) };
+        let rc = unsafe { libc::mincore(self.base().add(start), len, vec.as_mut_ptr()) };
         if rc != 0 {
             return Err(io(&self.path, "mincore")(std::io::Error::last_os_error()));
         }
@@ -167,7 +146,7 @@ impl Pages {
     pub fn prefetch(&self, r: Range<u64>) -> Result<()> {
         let (start, len) = self.span(&r)?;
         // SAFETY: inside the mapping; advice only.
-        unsafe { libc::madvise(self.base.add(start), len, libc::MADV_WILLNEED) };
+        unsafe { libc::madvise(self.base().add(start), len, libc::MADV_WILLNEED) };
         Ok(())
     }
 
@@ -222,7 +201,7 @@ impl Pages {
         // SAFETY: inside the mapping; a read-only shared file mapping is refilled from the
         // file on the next access.
         unsafe {
-            libc::madvise(self.base.add(start), len, libc::MADV_DONTNEED);
+            libc::madvise(self.base().add(start), len, libc::MADV_DONTNEED);
             libc::posix_fadvise(
                 self.file.as_raw_fd(),
                 start as libc::off_t,
@@ -235,7 +214,12 @@ impl Pages {
 
     /// Address of this mapping (to tell it from other mappings of the file).
     pub fn address(&self) -> usize {
-        self.base as usize
+        self.base() as usize
+    }
+
+    /// The mapping's start: the file's offset 0.
+    fn base(&self) -> *mut libc::c_void {
+        self.map.pages().0
     }
 
     /// Drop `r`'s pages from another read-only mapping of this file (llama.cpp's), so that
@@ -273,7 +257,7 @@ impl Pages {
     pub fn unlock(&self, r: Range<u64>) {
         if let Ok((start, len)) = self.span(&r) {
             // SAFETY: inside the mapping.
-            unsafe { libc::munlock(self.base.add(start), len) };
+            unsafe { libc::munlock(self.base().add(start), len) };
         }
     }
 
@@ -281,7 +265,7 @@ impl Pages {
     pub fn lock(&self, r: Range<u64>) -> bool {
         match self.span(&r) {
             // SAFETY: inside the mapping.
-            Ok((start, len)) => unsafe { libc::mlock(self.base.add(start), len) == 0 },
+            Ok((start, len)) => unsafe { libc::mlock(self.base().add(start), len) == 0 },
             Err(_) => false,
         }
     }

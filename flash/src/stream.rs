@@ -16,6 +16,7 @@ use std::path::Path;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Instant;
 
+use leap_host::fileio::{self, DIRECT_ALIGN};
 use leap_host::project::RowStream;
 use leap_host::{EvalObserver, TensorView};
 
@@ -82,16 +83,9 @@ struct Direct {
     _mem: Vec<Vec<u8>>,
 }
 
-/// `O_DIRECT` alignment of offsets, lengths and buffers.
-const DIRECT_ALIGN: u64 = 4096;
-
 impl Direct {
     fn new(path: &Path, chunk: u64, slots: usize) -> Option<Self> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
+        let file = fileio::open_direct(path)
             .map_err(|e| log::debug!("flash: no O_DIRECT for {}: {e}", path.display()))
             .ok()?;
         // Whole pages: an aligned read of the chunk needs at most two pages more.
@@ -112,45 +106,21 @@ impl Direct {
         })
     }
 
-    /// The aligned read covering `r`: its file offset and length.
-    fn span(r: &std::ops::Range<u64>) -> (u64, usize) {
-        let a = r.start / DIRECT_ALIGN * DIRECT_ALIGN;
-        let b = r.end.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-        (a, (b - a) as usize)
-    }
-
     /// Read chunk `j` (file bytes `r`) into its buffer.
     fn read(&self, j: usize, r: &std::ops::Range<u64>) -> std::io::Result<()> {
-        use std::os::unix::fs::FileExt;
-        let (off, len) = Self::span(r);
+        let (off, len) = fileio::aligned_span(r);
         assert!(len <= self.cap, "chunk larger than the pool's buffers");
         let base = self.bufs[j % self.bufs.len()];
-        let mut done = 0;
-        while done < len {
-            // SAFETY: the buffer has `cap >= len` bytes from `base`; chunk `j`'s slot is not
-            // read by the projection while the loader fills it (the chunk using it before
-            // was released with `after`, which comes before this chunk is requested).
-            let buf =
-                unsafe { std::slice::from_raw_parts_mut((base + done) as *mut u8, len - done) };
-            match self.file.read_at(buf, off + done as u64) {
-                Ok(0) if off + (done as u64) < r.end => {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        "the model file ended early",
-                    ))
-                }
-                Ok(0) => break,
-                Ok(n) => done += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+        // SAFETY: the buffer has `cap >= len` bytes from `base`; chunk `j`'s slot is not
+        // read by the projection while the loader fills it (the chunk using it before was
+        // released with `after`, which comes before this chunk is requested).
+        let buf = unsafe { std::slice::from_raw_parts_mut(base as *mut u8, len) };
+        fileio::read_full_at(&self.file, buf, off, r.end)
     }
 
     /// Where chunk `j`'s first byte (file offset `r.start`) is in its buffer.
     fn at(&self, j: usize, r: &std::ops::Range<u64>) -> *const u8 {
-        let (off, _) = Self::span(r);
+        let (off, _) = fileio::aligned_span(r);
         (self.bufs[j % self.bufs.len()] + (r.start - off) as usize) as *const u8
     }
 

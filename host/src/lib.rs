@@ -18,6 +18,7 @@
 //! | [`qdot`] | weight-stationary multi-row quantized dot products, bit-identical to ggml's one-row `vec_dot` |
 //! | [`project`] | [`project::OnDemand`]: the on-demand output projection (the decode cut at `result_norm`, logits only for the rows wanted, bit-identical to llama.cpp's), [`project::RowStream`] and [`project::DraftVocab`] for flash streaming |
 //! | [`sidecar`] | [`sidecar::Sidecar`]: `MODEL.leap.gguf`, Leap's per-model metadata (sparse-attention head profile, early-exit head) |
+//! | [`fileio`] | a model file read beside llama.cpp: read-only mappings of byte ranges, reads around the page cache (`O_DIRECT`) |
 //! | [`par`] | [`par::parallel`]: Leap's parallel work on ggml's OpenMP team when the process has libgomp, else scoped threads |
 //! | [`anchor`] | [`anchor::LlamaSpeculative`]: llama.cpp's own speculative decoding (`common/speculative.h`) through a small C++ shim, the baseline Leap is measured against |
 //!
@@ -33,6 +34,7 @@ pub mod context;
 mod error;
 pub mod eval;
 pub mod exit;
+pub mod fileio;
 pub mod gguf;
 pub mod grammar;
 pub mod model;

@@ -35,50 +35,20 @@ use llama_cpp_sys_2 as sys;
 
 use crate::{Error, GgufInfo, Model, Result};
 
-/// A read-only memory map of a byte range of a file.
-struct Mapped {
-    base: *mut c_void,
-    len: usize,
-    /// Where the wanted range starts inside the mapping (page alignment).
-    skip: usize,
-}
-
-// SAFETY: the mapping is read-only and never unmapped while shared.
-unsafe impl Send for Mapped {}
-unsafe impl Sync for Mapped {}
+/// A read-only memory map of a byte range of a file ([`crate::fileio::Mapping`]).
+struct Mapped(crate::fileio::Mapping);
 
 impl Mapped {
     fn new(path: &std::path::Path, offset: u64, size: usize) -> Result<Self> {
-        use std::os::unix::io::AsRawFd;
         let f = std::fs::File::open(path).map_err(|_| Error::ModelNotFound {
             path: path.to_path_buf(),
         })?;
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
-        let start = offset / page * page;
-        let skip = (offset - start) as usize;
-        let len = skip + size;
-        // SAFETY: a fresh read-only shared mapping of an open file; checked below.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                start as libc::off_t,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(Error::InvalidGguf {
+        crate::fileio::Mapping::new(&f, offset, size)
+            .map(Self)
+            .map_err(|e| Error::InvalidGguf {
                 path: path.to_path_buf(),
-                reason: format!(
-                    "cannot map the output weights: {}",
-                    std::io::Error::last_os_error()
-                ),
-            });
-        }
-        Ok(Self { base, len, skip })
+                reason: format!("cannot map the output weights: {e}"),
+            })
     }
 
     /// One mapping per file range for the whole process: every context's projection shares
@@ -102,15 +72,7 @@ impl Mapped {
     }
 
     fn bytes(&self) -> *const u8 {
-        // SAFETY: `skip < len`, inside the mapping.
-        unsafe { (self.base as *const u8).add(self.skip) }
-    }
-}
-
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        // SAFETY: `base`/`len` are this mapping's.
-        unsafe { libc::munmap(self.base, self.len) };
+        self.0.as_ptr()
     }
 }
 

@@ -5,52 +5,8 @@
 use std::sync::{Arc, Mutex};
 
 use super::Projection;
+use crate::fileio::{open_direct, read_direct};
 use crate::{Error, Result, Token};
-
-/// Read `buf.len()` bytes at `at` from `f`, opened with `O_DIRECT`: whole aligned pages
-/// into an aligned bounce buffer.
-fn read_direct(f: &std::fs::File, buf: &mut [u8], at: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    const ALIGN: u64 = 4096;
-    let start = at / ALIGN * ALIGN;
-    let end = (at + buf.len() as u64).div_ceil(ALIGN) * ALIGN;
-    let len = (end - start) as usize;
-    let layout = std::alloc::Layout::from_size_align(len, ALIGN as usize)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: a non-zero size (buf is not empty when called) with a valid alignment.
-    let p = unsafe { std::alloc::alloc(layout) };
-    if p.is_null() {
-        return Err(std::io::ErrorKind::OutOfMemory.into());
-    }
-    // SAFETY: `p` points at `len` freshly allocated bytes, freed below.
-    let bounce = unsafe { std::slice::from_raw_parts_mut(p, len) };
-    let mut done = 0;
-    let r = loop {
-        if done == len {
-            break Ok(());
-        }
-        match f.read_at(&mut bounce[done..], start + done as u64) {
-            // The end of the file inside the last page: what was read must cover `buf`.
-            Ok(0) => {
-                break if (start + done as u64) >= at + buf.len() as u64 {
-                    Ok(())
-                } else {
-                    Err(std::io::ErrorKind::UnexpectedEof.into())
-                }
-            }
-            Ok(n) => done += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => break Err(e),
-        }
-    };
-    if r.is_ok() {
-        let off = (at - start) as usize;
-        buf.copy_from_slice(&bounce[off..off + buf.len()]);
-    }
-    // SAFETY: allocated above with this layout.
-    unsafe { std::alloc::dealloc(p, layout) };
-    r
-}
 
 /// Some rows of the output weights, copied out and kept resident: the vocabulary a draft
 /// is allowed to choose from when the full output projection is streamed from storage.
@@ -125,12 +81,7 @@ impl DraftVocab {
         // the streamed matrix resident behind the budget's back. Plain reads otherwise, or
         // where the file system refuses O_DIRECT.
         let direct = if self.drop_cache {
-            use std::os::unix::fs::OpenOptionsExt;
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(&p.path)
-                .ok()
+            open_direct(std::path::Path::new(&p.path)).ok()
         } else {
             None
         };
