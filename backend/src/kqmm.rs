@@ -229,61 +229,6 @@ pub fn agrees_with_ggml() -> bool {
     true
 }
 
-/// Diagnostic (`tests/examples/attntime.rs`): seconds for `reps` passes over `rows` f16 rows
-/// of `n` (`stride` bytes apart) against `m` query rows, of Leap's kernel as the device runs
-/// it, of Leap's narrowest kernel (x86-64: the 256-bit one), and of ggml's `vec_dot_f16` pair
-/// by pair.
-///
-/// # Panics
-/// If the CPU does not run the kernels.
-#[doc(hidden)]
-pub fn time_products(n: usize, rows: usize, stride: usize, m: usize, reps: usize) -> [f64; 3] {
-    assert!(
-        kq::cpu_ok(),
-        "the CPU does not run Leap's f16 attention kernels"
-    );
-    // SAFETY: static traits table; idempotent init.
-    let tr = unsafe {
-        g::ggml_cpu_init();
-        &*g::ggml_get_type_traits_cpu(g::GGML_TYPE_F16)
-    };
-    let vec_dot = tr.vec_dot.expect("f16 vec_dot");
-    let x: Vec<u8> = (0..rows * stride).map(|i| (i % 7) as u8 * 9).collect();
-    let qs: Vec<f32> = (0..m * n).map(|i| (i % 13) as f32 * 0.01).collect();
-    let qh: Vec<u16> = qs.iter().map(|&v| crate::f16::from_f32(v)).collect();
-    let mut sums = vec![0f32; rows * m];
-    let kernels = kq::kernels();
-    let mut leap = [0f64; 2];
-    for (dots, secs) in [kernels[0], kernels[kernels.len() - 1]]
-        .into_iter()
-        .zip(&mut leap)
-    {
-        let t = std::time::Instant::now();
-        for _ in 0..reps {
-            // SAFETY: the CPU runs the kernels; rows of n f16 inside x (stride >= 2n).
-            unsafe { dots(x.as_ptr(), stride, rows, &qs, n, &mut sums) }
-        }
-        *secs = t.elapsed().as_secs_f64();
-    }
-    let t = std::time::Instant::now();
-    for _ in 0..reps {
-        for r in 0..rows {
-            for k in 0..m {
-                // SAFETY: one row of n f16 each.
-                sums[r * m + k] = unsafe {
-                    ggml_dot(
-                        vec_dot,
-                        n,
-                        x.as_ptr().add(r * stride),
-                        qh.as_ptr().add(k * n),
-                    )
-                };
-            }
-        }
-    }
-    [leap[0], leap[1], t.elapsed().as_secs_f64()]
-}
-
 #[cfg(test)]
 mod tests {
     use leap_kernels::kq;

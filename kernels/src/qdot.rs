@@ -203,7 +203,7 @@ impl Kernel {
                     && std::arch::is_x86_feature_detected!("avx512vl");
                 // Not for Q8_0: its 512-bit kernel ran a 65536 x 640 pass 4x slower than the
                 // 256-bit ones (6.1 ms against 1.6 ms, one thread, one row), where Q5_0's and
-                // Q4_1's run faster (`tests/examples/qdottime.rs`).
+                // Q4_1's run faster (`tests/benches/kernels.rs`, `qdot`).
                 let zmm = vnni
                     && kind != Kind::Q8_0
                     && std::arch::is_x86_feature_detected!("avx512f")

@@ -95,7 +95,7 @@ unsafe fn fetch_ahead(
 /// side by side, until `efd247f`) gave one and two. (Three cache rows, 12 accumulators, ran
 /// slower: Gemma's 8-row `kq` took 431-462 us a pass against the old kernel's 318-345.) Each
 /// sum adds the same products in the same order, so the results are bit for bit the old
-/// kernel's, and ggml's. One thread, warm cache (`tests/examples/attntime.rs`, this AMD EPYC,
+/// kernel's, and ggml's. One thread, warm cache (`tests/benches/kernels.rs`, `kq`; this AMD EPYC,
 /// AVX2): Gemma's 8-row `kq` 366-382 us against the old kernel's 432-458, its `kqv` 364-370
 /// against 518-535, SmolLM2's `kqv` 53-59 against 70-81. Query groups are outer, cache rows
 /// inner, so a group's rows stay in L1 while the block's cache rows come again from L2.

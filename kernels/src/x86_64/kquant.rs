@@ -109,7 +109,7 @@ macro_rules! entries {
 entries!("avx2,fma,f16c", q4k, q6k);
 // The same code where AVX-512VL gives it 32 vector registers instead of 16: groups of 3 and 4
 // rows keep their accumulators in registers (16384 x 2048 Q4_K weights, 4 rows: 2.03 ms
-// against 2.41 ms; `tests/examples/kqtime.rs`).
+// against 2.41 ms; `tests/benches/kernels.rs`, `qdot/Q4K`).
 entries!(
     "avx2,fma,f16c,avx512f,avx512vl,avx512bw",
     q4k_wide,

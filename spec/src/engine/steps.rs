@@ -194,7 +194,7 @@ impl<'a> Steps<'a> {
         let (ctx, batch) = (&mut *self.ctx, &self.batch);
         match &mut e.on_demand {
             // A lone row too, once the projection is checked: Leap's pass is faster than
-            // llama.cpp's (Gemma 3: 4.5 against ~6 ms, `tests/examples/projtime.rs`), and
+            // llama.cpp's (Gemma 3: 4.5 against ~6 ms, `tests/benches/calls.rs`, `projection`), and
             // a streamed one (flash) is read from storage by every pass anyway.
             Some((od, checked))
                 if e.cfg.on_demand

@@ -1,0 +1,213 @@
+//! Leap's kernels, one thread, caches warm (criterion):
+//!
+//! - `qdot/KIND/VARIANT/ROWS`: the multi-row quantized dot products of every type the device
+//!   takes, each kernel variant this CPU runs, over 1024 weight rows of 2048 against 1 to 8
+//!   activation rows; `qdot/KIND/ggml/1`: ggml's own one-row `vec_dot` over the same rows.
+//! - `kq/SHAPE/ROWS`: attention's f16 products in Gemma 3 270M's and SmolLM2-135M's shapes
+//!   over 1024 cache cells, each kernel this CPU runs, and ggml's `vec_dot_f16` pair by pair.
+//!
+//! `cargo bench -p leap-tests --bench kernels [-- FILTER]`. Times vary with the machine: read
+//! them as ratios within one run.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use leap_backend::ffi as g;
+use leap_host::qdot::{Kernel, Kind};
+use leap_kernels::kq;
+
+/// Weight rows and their length (values).
+const ROWS_W: usize = 1024;
+const N: usize = 2048;
+
+fn ggml_type(kind: Kind) -> g::ggml_type {
+    match kind {
+        Kind::Q8_0 => g::GGML_TYPE_Q8_0,
+        Kind::Q5_0 => g::GGML_TYPE_Q5_0,
+        Kind::Q4_1 => g::GGML_TYPE_Q4_1,
+        Kind::Q4K => g::GGML_TYPE_Q4_K,
+        Kind::Q6K => g::GGML_TYPE_Q6_K,
+    }
+}
+
+/// `blocks` blocks of `len` bytes of patterned quants whose scales are small (an f16 of
+/// ~0.008 where the scale is an f16, 0.01 where it is an f32), so that sums stay finite.
+fn patterned(
+    blocks: usize,
+    len: usize,
+    (x, y, m): (usize, usize, usize),
+    scales: Scales,
+) -> Vec<u8> {
+    let mut v = vec![0u8; blocks * len];
+    for (i, b) in v.chunks_exact_mut(len).enumerate() {
+        for (j, q) in b.iter_mut().enumerate() {
+            *q = ((i * x + j * y) % m) as u8;
+        }
+        match scales {
+            Scales::F16At(at) => {
+                for &a in at {
+                    b[a..a + 2].copy_from_slice(&[0x1f, 0x20]);
+                }
+            }
+            Scales::F32First => b[..4].copy_from_slice(&0.01f32.to_le_bytes()),
+        }
+    }
+    v
+}
+
+#[derive(Clone, Copy)]
+enum Scales {
+    /// f16 scales at these byte offsets of a block.
+    F16At(&'static [usize]),
+    /// An f32 scale first (`Q8_K`).
+    F32First,
+}
+
+/// Weights of `kind` and one activation row of its activation type.
+fn operands(kind: Kind) -> (Vec<u8>, Vec<u8>) {
+    let nb = N / kind.block_len();
+    let (ws, acts) = match kind {
+        Kind::Q4_1 => (Scales::F16At(&[0, 2]), Scales::F16At(&[0, 2])),
+        Kind::Q8_0 | Kind::Q5_0 => (Scales::F16At(&[0]), Scales::F16At(&[0])),
+        Kind::Q4K => (Scales::F16At(&[0, 2]), Scales::F32First),
+        Kind::Q6K => (Scales::F16At(&[208]), Scales::F32First),
+    };
+    let w = patterned(ROWS_W * nb, kind.weight_block(), (31, 7, 251), ws);
+    let a = patterned(nb, kind.act_block(), (13, 5, 200), acts);
+    (w, a)
+}
+
+fn qdot(c: &mut Criterion) {
+    // SAFETY: idempotent init (the traits table needs it).
+    unsafe { g::ggml_cpu_init() };
+    for kind in [Kind::Q8_0, Kind::Q5_0, Kind::Q4_1, Kind::Q4K, Kind::Q6K] {
+        let Some(k0) = Kernel::new(kind) else {
+            eprintln!("no {kind:?} kernel on this CPU");
+            continue;
+        };
+        let (w, a) = operands(kind);
+        let tile = 64 * kind.weight_block() * (N / kind.block_len());
+        let mut g = c.benchmark_group(format!("qdot/{kind:?}"));
+        let mut seen = Vec::new();
+        let variants = [
+            k0,
+            k0.with_zmm(),
+            k0.without_zmm(),
+            k0.without_vnni(),
+            k0.without_i8mm(),
+            k0.without_dotprod(),
+        ];
+        for k in variants {
+            if seen.contains(&k.variant()) {
+                continue;
+            }
+            seen.push(k.variant());
+            for rows in [1usize, 2, 4, 8] {
+                let acts_v: Vec<&[u8]> = (0..rows).map(|_| a.as_slice()).collect();
+                let acts = k.prepare(N, &acts_v);
+                let mut out = vec![0f32; 64 * rows];
+                g.bench_with_input(BenchmarkId::new(k.variant(), rows), &rows, |b, _| {
+                    b.iter(|| {
+                        for t in w.chunks(tile) {
+                            k.dot_many(&acts, t, &mut out);
+                        }
+                    })
+                });
+            }
+        }
+        // SAFETY: the static traits table of a type ggml has.
+        let tr = unsafe { &*g::ggml_get_type_traits_cpu(ggml_type(kind)) };
+        let vec_dot = tr.vec_dot.expect("ggml has a vec_dot for it");
+        let row = w.len() / ROWS_W;
+        g.bench_function(BenchmarkId::new("ggml", 1), |b| {
+            b.iter(|| {
+                let mut s = 0f32;
+                for r in w.chunks_exact(row) {
+                    // SAFETY: one whole row of each type; nrc = 1 as ggml's mul_mat calls it.
+                    unsafe {
+                        vec_dot(
+                            N as i32,
+                            &mut s,
+                            0,
+                            r.as_ptr().cast(),
+                            0,
+                            a.as_ptr().cast(),
+                            0,
+                            1,
+                        )
+                    };
+                }
+                s
+            })
+        });
+        g.finish();
+    }
+}
+
+fn attention(c: &mut Criterion) {
+    if !kq::cpu_ok() {
+        eprintln!("the CPU does not run Leap's f16 attention kernels");
+        return;
+    }
+    // SAFETY: idempotent init; the static traits table.
+    let tr = unsafe {
+        g::ggml_cpu_init();
+        &*g::ggml_get_type_traits_cpu(g::GGML_TYPE_F16)
+    };
+    let vec_dot = tr.vec_dot.expect("f16 vec_dot");
+    // (name, values a row, cache rows, bytes between rows, query rows per head group)
+    for (name, n, rows, stride, per_row) in [
+        ("gemma-kq", 256usize, 1024usize, 512usize, 4usize),
+        ("gemma-kqv", 1024, 256, 4096, 4),
+        ("smollm-kq", 64, 1024, 384, 3),
+        ("smollm-kqv", 1024, 64, 4096, 3),
+    ] {
+        let mut g = c.benchmark_group(format!("kq/{name}"));
+        let x: Vec<u8> = (0..rows * stride).map(|i| (i % 7) as u8 * 9).collect();
+        for q_rows in [1usize, 2, 8] {
+            let m = per_row * q_rows;
+            let qs: Vec<f32> = (0..m * n).map(|i| (i % 13) as f32 * 0.01).collect();
+            let qh: Vec<u16> = qs.iter().map(|&v| leap_kernels::f16::from_f32(v)).collect();
+            let mut sums = vec![0f32; rows * m];
+            for (i, &dots) in kq::kernels().iter().enumerate() {
+                g.bench_with_input(
+                    BenchmarkId::new(format!("leap{i}"), q_rows),
+                    &q_rows,
+                    |b, _| {
+                        // SAFETY: the CPU runs the kernels; rows of n f16 inside x (stride >= 2n).
+                        b.iter(|| unsafe { dots(x.as_ptr(), stride, rows, &qs, n, &mut sums) })
+                    },
+                );
+            }
+            g.bench_with_input(BenchmarkId::new("ggml", q_rows), &q_rows, |b, _| {
+                b.iter(|| {
+                    for r in 0..rows {
+                        for k in 0..m {
+                            let mut s = 0f32;
+                            // SAFETY: one row of n f16 each.
+                            unsafe {
+                                vec_dot(
+                                    n as i32,
+                                    &mut s,
+                                    0,
+                                    x.as_ptr().add(r * stride).cast(),
+                                    0,
+                                    qh.as_ptr().add(k * n).cast(),
+                                    0,
+                                    1,
+                                )
+                            };
+                            sums[r * m + k] = s;
+                        }
+                    }
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(300)).measurement_time(std::time::Duration::from_secs(1));
+    targets = qdot, attention
+}
+criterion_main!(benches);
