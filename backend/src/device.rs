@@ -15,7 +15,8 @@
 //!   settings ([`use_by_default`], from [`crate::configure_from_env`] in the plugin).
 //!
 //! So two models (or two contexts) with different settings in one process each keep their
-//! own, and a context's settings can change between decodes without touching another's.
+//! own. A context's settings are fixed when it is made; what changes between decodes (the
+//! early exit's mask, capture, ablation) is the context's own too.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -79,7 +80,8 @@ pub(crate) struct ExitMask {
 /// `leap-opencl`) and by the host's [`Device`] handle.
 #[derive(Debug, Default)]
 pub(crate) struct Instance {
-    config: RwLock<DeviceConfig>,
+    /// Fixed when the device is made.
+    config: DeviceConfig,
     /// Threads for the device's kernels (ggml's `set_n_threads`, per decode).
     pub threads: AtomicUsize,
     /// Nodes computed.
@@ -100,22 +102,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Instance {
     fn new(config: DeviceConfig) -> Self {
         Self {
-            config: RwLock::new(config),
+            config,
             ..Self::default()
         }
     }
 
-    /// The settings (cloned: a node's work must not hold the lock).
-    pub fn config(&self) -> DeviceConfig {
-        self.config
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Read the settings without cloning them.
-    pub fn with_config<R>(&self, f: impl FnOnce(&DeviceConfig) -> R) -> R {
-        f(&self.config.read().unwrap_or_else(|e| e.into_inner()))
+    /// The settings.
+    pub fn config(&self) -> &DeviceConfig {
+        &self.config
     }
 
     /// A node computed (and the early exit's rows it skipped).
@@ -127,12 +121,17 @@ impl Instance {
         }
     }
 
-    /// The early exit's rows for a matrix product of layer `layer` over `n_rows` rows
-    /// (`None`: all): only layers after the exit layer, over exactly the masked call's rows.
-    pub fn rows_kept(&self, layer: Option<u32>, n_rows: usize) -> Option<Vec<bool>> {
+    /// The early exit's rows for a matrix product over `n_rows` rows whose weight's layer
+    /// `layer` gives (`None`: all): only layers after the exit layer, over exactly the masked
+    /// call's rows. Without a mask the layer is not asked for.
+    pub fn rows_kept(
+        &self,
+        n_rows: usize,
+        layer: impl FnOnce() -> Option<u32>,
+    ) -> Option<Vec<bool>> {
         let m = lock(&self.exit);
         let m = m.as_ref().filter(|m| m.keep.len() == n_rows)?;
-        (layer? > m.layer).then(|| m.keep.clone())
+        (layer()? > m.layer).then(|| m.keep.clone())
     }
 
     pub fn ablation(&self) -> Option<Ablation> {
@@ -275,28 +274,9 @@ impl Device {
         create()
     }
 
-    /// The settings.
-    pub fn config(&self) -> DeviceConfig {
+    /// The settings (fixed when the device is made).
+    pub fn config(&self) -> &DeviceConfig {
         self.0.config()
-    }
-
-    /// Change the settings; they take effect at the next decode (a graph llama.cpp reuses
-    /// keeps the nodes it gave the device: those are computed under the new settings).
-    pub fn reconfigure(&self, config: DeviceConfig) {
-        prepare(&config);
-        let mut c = self.0.config.write().unwrap_or_else(|e| e.into_inner());
-        if c.kernels != config.kernels || c.sparse.is_some() != config.sparse.is_some() {
-            // While off, ggml writes the K caches: int8 shadows of them may go stale.
-            attn::invalidate();
-        }
-        *c = config;
-    }
-
-    /// Change some settings ([`Device::reconfigure`]).
-    pub fn update(&self, f: impl FnOnce(&mut DeviceConfig)) {
-        let mut c = self.config();
-        f(&mut c);
-        self.reconfigure(c);
     }
 
     /// Nodes the device computed for this context.
@@ -369,21 +349,21 @@ mod tests {
     fn the_exit_mask_covers_later_layers_of_the_same_call_only() {
         let d = Device::new(DeviceConfig::default());
         d.exit_mask(Some((4, vec![true, false, true])));
-        assert_eq!(d.0.rows_kept(Some(5), 3), Some(vec![true, false, true]));
+        assert_eq!(d.0.rows_kept(3, || Some(5)), Some(vec![true, false, true]));
         assert_eq!(
-            d.0.rows_kept(Some(4), 3),
+            d.0.rows_kept(3, || Some(4)),
             None,
             "the exit layer runs every row"
         );
-        assert_eq!(d.0.rows_kept(Some(5), 4), None, "another call's shape");
-        assert_eq!(d.0.rows_kept(None, 3), None, "not a layer's weight");
+        assert_eq!(d.0.rows_kept(4, || Some(5)), None, "another call's shape");
+        assert_eq!(d.0.rows_kept(3, || None), None, "not a layer's weight");
         let other = Device::new(DeviceConfig::default());
         assert_eq!(
-            other.0.rows_kept(Some(5), 3),
+            other.0.rows_kept(3, || Some(5)),
             None,
             "another context's device"
         );
         d.exit_mask(None);
-        assert_eq!(d.0.rows_kept(Some(5), 3), None, "cleared");
+        assert_eq!(d.0.rows_kept(3, || Some(5)), None, "cleared");
     }
 }

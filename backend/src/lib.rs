@@ -449,10 +449,9 @@ unsafe extern "C" fn dev_supports_op(
     // SAFETY: ggml passes a valid node.
     let op = &*op;
     let ctx = dev_ctx(dev);
-    let claims = |cfg: &DeviceConfig| supports(&ctx.kind, op, cfg, ctx.inst.as_ref());
     guard("supports_op", false, || match &ctx.inst {
-        Some(inst) => inst.with_config(claims),
-        None => claims(&defaults()),
+        Some(inst) => supports(&ctx.kind, op, inst.config(), Some(inst)),
+        None => supports(&ctx.kind, op, &defaults(), None),
     })
 }
 
@@ -536,32 +535,42 @@ unsafe extern "C" fn backend_graph_compute(
     let inst = backend_inst(b);
     let threads = inst.threads.load(Ordering::Relaxed).max(1);
     guard("graph_compute", g::GGML_STATUS_FAILED, || {
-        let mut skipped = 0;
         for i in 0..g::ggml_graph_n_nodes(cgraph) {
             let node = &mut *g::ggml_graph_node(cgraph, i);
-            match node.op {
+            // Batch rows an early exit skipped (matrix products only).
+            let skipped = match node.op {
                 g::GGML_OP_NONE
                 | g::GGML_OP_VIEW
                 | g::GGML_OP_RESHAPE
                 | g::GGML_OP_PERMUTE
                 | g::GGML_OP_TRANSPOSE => continue,
                 g::GGML_OP_MUL_MAT if matmul::supports(node, true) => {
-                    skipped = matmul::compute(node, threads, inst)
+                    matmul::compute(node, threads, inst)
                 }
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-                g::GGML_OP_MUL_MAT if kqmm::supports(node) => kqmm::compute(node, threads),
+                g::GGML_OP_MUL_MAT if kqmm::supports(node) => {
+                    kqmm::compute(node, threads);
+                    0
+                }
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-                g::GGML_OP_GLU => glu::compute(node, threads),
-                // Taken when the schedule was made (a reused graph keeps its schedule even if
-                // sparse attention was turned off since: computed with the defaults then).
-                g::GGML_OP_FLASH_ATTN_EXT => attn::flash_attn(node, threads, inst),
-                g::GGML_OP_SET_ROWS => attn::set_rows(node),
+                g::GGML_OP_GLU => {
+                    glu::compute(node, threads);
+                    0
+                }
+                g::GGML_OP_FLASH_ATTN_EXT => {
+                    attn::flash_attn(node, threads, inst);
+                    0
+                }
+                g::GGML_OP_SET_ROWS => {
+                    attn::set_rows(node);
+                    0
+                }
                 _ => {
                     log::error!("leap-cpu: asked to compute a node it does not support");
                     return g::GGML_STATUS_FAILED;
                 }
-            }
-            inst.counted(std::mem::take(&mut skipped));
+            };
+            inst.counted(skipped);
         }
         g::GGML_STATUS_SUCCESS
     })

@@ -93,7 +93,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
         .expect("the activation type has a quantizer");
     // The batch rows to compute: all, or those an early exit kept past this layer
     // (`Device::exit_mask`); the others get zeros.
-    let sel: Vec<usize> = match inst.rows_kept(layer_of(tensor_name(s0)), m) {
+    let sel: Vec<usize> = match inst.rows_kept(m, || layer_of(tensor_name(s0))) {
         Some(keep) => {
             for r in (0..m).filter(|&r| !keep[r]) {
                 let out = (node.data as *mut u8).add(r * node.nb[1]).cast::<f32>();

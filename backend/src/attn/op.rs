@@ -250,7 +250,7 @@ impl Operands {
 /// # Safety
 /// `node` passed [`supports_fa`]; its sources hold their data.
 pub(crate) unsafe fn flash_attn(node: &mut g::ggml_tensor, threads: usize, inst: &Instance) {
-    let configured = inst.with_config(|c| c.sparse.clone());
+    let configured = &inst.config().sparse;
     let cfg = configured.clone().unwrap_or_default();
     let op = Operands::of(node);
     let dense = vec![1.0; op.n_head];

@@ -32,7 +32,6 @@ pub(super) struct Shadow {
     pub(super) row_bytes: usize,
     pub(super) data: Vec<u8>,
     pub(super) valid: Vec<bool>,
-    epoch: u64,
     used: u64,
 }
 
@@ -40,28 +39,22 @@ pub(super) struct Shadow {
 pub(super) struct Shadows {
     /// Bumped for every lookup (least recently used).
     tick: u64,
-    /// Bumped whenever a context's settings change ([`invalidate`]): shadows written before
-    /// may be stale (while the device was off, ggml wrote the cache).
-    epoch: u64,
     list: Vec<Shadow>,
 }
 
+/// A context's settings are fixed when it is made, so a K cache is written by the device
+/// (sparse attention on) or by ggml (off) for its whole life: a shadow never goes stale
+/// behind the device's back.
 pub(super) static SHADOWS: Mutex<Shadows> = Mutex::new(Shadows {
     tick: 0,
-    epoch: 1,
     list: Vec::new(),
 });
-
-/// Invalidate every K shadow (call after the device was off while contexts decoded).
-pub(crate) fn invalidate() {
-    SHADOWS.lock().unwrap_or_else(|e| e.into_inner()).epoch += 1;
-}
 /// Shadows kept (one per layer per context; the least recently used goes first).
 const MAX_SHADOWS: usize = 256;
 
 pub(super) fn shadow_for<'a>(shadows: &'a mut Shadows, root: &g::ggml_tensor) -> &'a mut Shadow {
     shadows.tick += 1;
-    let (tick, epoch) = (shadows.tick, shadows.epoch);
+    let tick = shadows.tick;
     let list = &mut shadows.list;
     let base = root.data as usize;
     let n_embd = root.ne[0] as usize;
@@ -84,17 +77,12 @@ pub(super) fn shadow_for<'a>(shadows: &'a mut Shadows, root: &g::ggml_tensor) ->
                 row_bytes,
                 data: vec![0; cells * row_bytes],
                 valid: vec![false; cells],
-                epoch,
                 used: tick,
             });
             list.len() - 1
         }
     };
     let s = &mut list[i];
-    if s.epoch != epoch {
-        s.valid.fill(false);
-        s.epoch = epoch;
-    }
     s.used = tick;
     s
 }
