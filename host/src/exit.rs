@@ -36,8 +36,6 @@ struct Shared {
     apply: bool,
     /// What the last armed decode decided.
     kept: Option<Vec<bool>>,
-    /// Where the mask goes.
-    publish: Option<Publish>,
     /// Seconds the decision took.
     seconds: f64,
 }
@@ -47,6 +45,8 @@ struct Shared {
 pub struct Exit {
     layer: u32,
     shared: Arc<Mutex<Shared>>,
+    /// Where the mask goes (cleared at [`Exit::disarm`]).
+    publish: Publish,
 }
 
 impl std::fmt::Debug for Exit {
@@ -60,6 +60,8 @@ struct Observer {
     name: String,
     layer: u32,
     shared: Arc<Mutex<Shared>>,
+    /// Where the mask goes.
+    publish: Publish,
 }
 
 impl EvalObserver for Observer {
@@ -76,8 +78,8 @@ impl EvalObserver for Observer {
         let keep = t.read_f32().and_then(|h| decide(&h, rows));
         let mut s = self.lock();
         s.seconds = t0.elapsed().as_secs_f64();
-        if let (Some(k), Some(publish)) = (keep.as_ref().filter(|_| s.apply), &s.publish) {
-            publish(Some((self.layer, k.clone())));
+        if let Some(k) = keep.as_ref().filter(|_| s.apply) {
+            (self.publish)(Some((self.layer, k.clone())));
         }
         s.kept = keep;
         true
@@ -95,16 +97,21 @@ impl Exit {
     /// `publish`, and the observer to put on the context (with
     /// [`crate::Context::with_observer`], in a [`crate::Chain`] with others).
     pub fn new(layer: u32, publish: Publish) -> (Self, Box<dyn EvalObserver>) {
-        let shared = Arc::new(Mutex::new(Shared {
-            publish: Some(publish),
-            ..Shared::default()
-        }));
+        let shared = Arc::new(Mutex::new(Shared::default()));
         let obs = Observer {
             name: format!("l_out-{layer}"),
             layer,
             shared: shared.clone(),
+            publish: Arc::clone(&publish),
         };
-        (Self { layer, shared }, Box::new(obs))
+        (
+            Self {
+                layer,
+                shared,
+                publish,
+            },
+            Box::new(obs),
+        )
     }
 
     /// The exit layer.
@@ -130,10 +137,8 @@ impl Exit {
     /// exit layer, and return which rows went on (`None`: all of them) and the seconds the
     /// decision took.
     pub fn disarm(&self) -> (Option<Vec<bool>>, f64) {
+        (self.publish)(None);
         let mut s = self.lock();
-        if let Some(publish) = &s.publish {
-            publish(None);
-        }
         s.decide = None;
         (s.kept.take(), s.seconds)
     }
