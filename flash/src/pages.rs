@@ -15,7 +15,6 @@ pub struct Pages {
     path: PathBuf,
     file: File,
     map: FileMapping,
-    len: usize,
     page: usize,
 }
 
@@ -49,19 +48,18 @@ impl Pages {
             path: path.to_owned(),
             file,
             map,
-            len,
             page,
         })
     }
 
     /// Bytes mapped (the file's size when opened).
     pub fn len(&self) -> u64 {
-        self.len as u64
+        self.map.len() as u64
     }
 
     /// An empty file.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.map.len() == 0
     }
 
     /// `r` widened to whole pages, after checking it lies in the file as it is now (a
@@ -72,19 +70,19 @@ impl Pages {
             .metadata()
             .map_err(io(&self.path, "reading metadata"))?
             .len();
-        if r.end > self.len as u64 || r.end > now || r.start > r.end {
+        if r.end > self.map.len() as u64 || r.end > now || r.start > r.end {
             return Err(Error::OutOfFile {
                 path: self.path.display().to_string(),
                 start: r.start,
                 end: r.end,
-                len: now.min(self.len as u64),
+                len: now.min(self.map.len() as u64),
             });
         }
         let start = r.start as usize / self.page * self.page;
         let end = (r.end as usize).div_ceil(self.page) * self.page;
         Ok((
             start,
-            end.min(self.len.div_ceil(self.page) * self.page) - start,
+            end.min(self.map.len().div_ceil(self.page) * self.page) - start,
         ))
     }
 
@@ -114,11 +112,11 @@ impl Pages {
             .file
             .metadata()
             .map_err(io(&self.path, "reading metadata"))?;
-        if m.len() < self.len as u64 {
+        if m.len() < self.map.len() as u64 {
             return Err(Error::OutOfFile {
                 path: self.path.display().to_string(),
                 start: 0,
-                end: self.len as u64,
+                end: self.map.len() as u64,
                 len: m.len(),
             });
         }
