@@ -632,100 +632,98 @@ pub fn profile_heads(a: &ProfileHeads) -> Result<PathBuf> {
         take_all: true,
         ..DeviceConfig::default()
     });
-    (|| -> Result<PathBuf> {
-        let model = Model::load(&path, &ModelParams::default())?;
-        let (nl, nh) = (model.n_layer() as usize, model.n_head() as usize);
-        let toks = tokens_of(&model, &a.corpus, a.ctx * a.windows)?;
-        let mut ctx = fa_context(&model, &device, a.ctx as u32, 512, a.threads)?;
-        let prefix = a.ctx - a.tail;
-        let passes = (1 + nl + nl * nh) * a.windows;
-        let bar = progress::bar(
-            true,
-            passes as u64,
-            "profile-heads [{bar:30}] {pos}/{len} passes {msg}",
-        );
-        let (mut head_imp, mut layer_imp) = (vec![0f64; nl * nh], vec![0f64; nl]);
-        for w in 0..a.windows {
-            let win = &toks[w * a.ctx..(w + 1) * a.ctx];
-            ctx.clear(true);
-            decode_run(&mut ctx, &win[..prefix], 0, 512, |_| false, |_, _| Ok(()))?;
-            // Loss over the tail (each row predicts the next token), with `ab` zeroed.
-            let mut loss = |ab: Option<attn::Ablation>| -> Result<f64> {
-                device.ablate(ab);
-                ctx.seq_rm(0, prefix as i32, -1);
-                let (mut nll, mut n) = (0f64, 0usize);
-                let tail = &win[prefix..];
-                decode_run(
-                    &mut ctx,
-                    tail,
-                    prefix,
-                    a.tail,
-                    |p| p + 1 < a.ctx,
-                    |pos, logits| {
-                        nll += next_token_nll(logits, win[pos + 1]);
-                        n += 1;
-                        Ok(())
-                    },
-                )?;
-                device.ablate(None);
-                bar.inc(1);
-                Ok(nll / n as f64)
-            };
-            let base = loss(None)?;
-            bar.set_message(format!("base loss {base:.3}"));
-            for il in 0..nl {
-                layer_imp[il] += loss(Some(attn::Ablation {
+    let model = Model::load(&path, &ModelParams::default())?;
+    let (nl, nh) = (model.n_layer() as usize, model.n_head() as usize);
+    let toks = tokens_of(&model, &a.corpus, a.ctx * a.windows)?;
+    let mut ctx = fa_context(&model, &device, a.ctx as u32, 512, a.threads)?;
+    let prefix = a.ctx - a.tail;
+    let passes = (1 + nl + nl * nh) * a.windows;
+    let bar = progress::bar(
+        true,
+        passes as u64,
+        "profile-heads [{bar:30}] {pos}/{len} passes {msg}",
+    );
+    let (mut head_imp, mut layer_imp) = (vec![0f64; nl * nh], vec![0f64; nl]);
+    for w in 0..a.windows {
+        let win = &toks[w * a.ctx..(w + 1) * a.ctx];
+        ctx.clear(true);
+        decode_run(&mut ctx, &win[..prefix], 0, 512, |_| false, |_, _| Ok(()))?;
+        // Loss over the tail (each row predicts the next token), with `ab` zeroed.
+        let mut loss = |ab: Option<attn::Ablation>| -> Result<f64> {
+            device.ablate(ab);
+            ctx.seq_rm(0, prefix as i32, -1);
+            let (mut nll, mut n) = (0f64, 0usize);
+            let tail = &win[prefix..];
+            decode_run(
+                &mut ctx,
+                tail,
+                prefix,
+                a.tail,
+                |p| p + 1 < a.ctx,
+                |pos, logits| {
+                    nll += next_token_nll(logits, win[pos + 1]);
+                    n += 1;
+                    Ok(())
+                },
+            )?;
+            device.ablate(None);
+            bar.inc(1);
+            Ok(nll / n as f64)
+        };
+        let base = loss(None)?;
+        bar.set_message(format!("base loss {base:.3}"));
+        for il in 0..nl {
+            layer_imp[il] += loss(Some(attn::Ablation {
+                layer: il,
+                head: None,
+            }))? - base;
+            for h in 0..nh {
+                head_imp[il * nh + h] += loss(Some(attn::Ablation {
                     layer: il,
-                    head: None,
+                    head: Some(h),
                 }))? - base;
-                for h in 0..nh {
-                    head_imp[il * nh + h] += loss(Some(attn::Ablation {
-                        layer: il,
-                        head: Some(h),
-                    }))? - base;
-                }
             }
         }
-        bar.finish_and_clear();
-        for x in head_imp.iter_mut().chain(layer_imp.iter_mut()) {
-            *x /= a.windows as f64;
-        }
-        let budgets = head_budgets(&head_imp, &layer_imp, nh, keep);
-        let mut side = leap_host::sidecar::Sidecar::load(&out)?.unwrap_or_default();
-        use leap_host::sidecar::Value;
-        side.set(keys::KEEP, Value::F32s(budgets.clone()));
-        side.set(
-            keys::HEAD_IMPORTANCE,
-            Value::F32s(head_imp.iter().map(|&x| x as f32).collect()),
-        );
-        side.set(
-            keys::LAYER_IMPORTANCE,
-            Value::F32s(layer_imp.iter().map(|&x| x as f32).collect()),
-        );
-        side.set(keys::N_LAYER, Value::U32(nl as u32));
-        side.set(keys::N_HEAD, Value::U32(nh as u32));
-        side.set(keys::GLOBAL_KEEP, Value::F32(keep));
-        side.set(
-            keys::CORPUS,
-            Value::Str(
-                a.corpus
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-            ),
-        );
-        side.set(keys::TOKENS, Value::U32((a.tail * a.windows) as u32));
-        side.save(&out)?;
-        let (lo, hi) = budgets
-            .iter()
-            .fold((f32::MAX, f32::MIN), |(l, h), &k| (l.min(k), h.max(k)));
-        eprintln!(
-            "wrote {}: {nl} layers x {nh} heads, keep {lo:.3}..{hi:.3} (mean {:.3})",
-            out.display(),
-            budgets.iter().sum::<f32>() / budgets.len() as f32
-        );
-        Ok(out)
-    })()
+    }
+    bar.finish_and_clear();
+    for x in head_imp.iter_mut().chain(layer_imp.iter_mut()) {
+        *x /= a.windows as f64;
+    }
+    let budgets = head_budgets(&head_imp, &layer_imp, nh, keep);
+    let mut side = leap_host::sidecar::Sidecar::load(&out)?.unwrap_or_default();
+    use leap_host::sidecar::Value;
+    side.set(keys::KEEP, Value::F32s(budgets.clone()));
+    side.set(
+        keys::HEAD_IMPORTANCE,
+        Value::F32s(head_imp.iter().map(|&x| x as f32).collect()),
+    );
+    side.set(
+        keys::LAYER_IMPORTANCE,
+        Value::F32s(layer_imp.iter().map(|&x| x as f32).collect()),
+    );
+    side.set(keys::N_LAYER, Value::U32(nl as u32));
+    side.set(keys::N_HEAD, Value::U32(nh as u32));
+    side.set(keys::GLOBAL_KEEP, Value::F32(keep));
+    side.set(
+        keys::CORPUS,
+        Value::Str(
+            a.corpus
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        ),
+    );
+    side.set(keys::TOKENS, Value::U32((a.tail * a.windows) as u32));
+    side.save(&out)?;
+    let (lo, hi) = budgets
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(l, h), &k| (l.min(k), h.max(k)));
+    eprintln!(
+        "wrote {}: {nl} layers x {nh} heads, keep {lo:.3}..{hi:.3} (mean {:.3})",
+        out.display(),
+        budgets.iter().sum::<f32>() / budgets.len() as f32
+    );
+    Ok(out)
 }
 
 #[cfg(test)]
