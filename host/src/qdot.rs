@@ -5,7 +5,7 @@
 pub use leap_kernels::qdot::{Acts, Kernel, Kind};
 
 /// The ggml type id of a kernel's weight type.
-fn ggml_type(kind: Kind) -> llama_cpp_sys_2::ggml_type {
+pub fn ggml_type(kind: Kind) -> llama_cpp_sys_2::ggml_type {
     use llama_cpp_sys_2 as sys;
     match kind {
         Kind::Q8_0 => sys::GGML_TYPE_Q8_0,

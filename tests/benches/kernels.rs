@@ -11,22 +11,12 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use leap_backend::ffi as g;
-use leap_host::qdot::{Kernel, Kind};
+use leap_host::qdot::{ggml_type, Kernel, Kind};
 use leap_kernels::kq;
 
 /// Weight rows and their length (values).
 const ROWS_W: usize = 1024;
 const N: usize = 2048;
-
-fn ggml_type(kind: Kind) -> g::ggml_type {
-    match kind {
-        Kind::Q8_0 => g::GGML_TYPE_Q8_0,
-        Kind::Q5_0 => g::GGML_TYPE_Q5_0,
-        Kind::Q4_1 => g::GGML_TYPE_Q4_1,
-        Kind::Q4K => g::GGML_TYPE_Q4_K,
-        Kind::Q6K => g::GGML_TYPE_Q6_K,
-    }
-}
 
 /// `blocks` blocks of `len` bytes of patterned quants whose scales are small (an f16 of
 /// ~0.008 where the scale is an f16, 0.01 where it is an f32), so that sums stay finite.

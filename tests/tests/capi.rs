@@ -625,15 +625,8 @@ fn two_models_with_different_device_settings_keep_their_own() {
         assert_eq!(totals.device_nodes, 0);
         assert_eq!(leap_session_totals(on, &mut totals), LEAP_OK);
     }
-    // Leap's kernels run where the CPU has their instructions (x86-64 with AVX2, AArch64).
-    let has_kernels = cfg!(target_arch = "aarch64") || {
-        #[cfg(target_arch = "x86_64")]
-        let avx2 = std::arch::is_x86_feature_detected!("avx2");
-        #[cfg(not(target_arch = "x86_64"))]
-        let avx2 = false;
-        avx2
-    };
-    if has_kernels {
+    // The device computes SmolLM2's products wherever Leap has a checked Q4_1 kernel.
+    if leap_host::qdot::checked(leap_host::qdot::Kind::Q4_1).is_some() {
         assert!(
             stats_on.device_nodes > 0,
             "the first model's sessions kept Leap's device after a model with it off was opened"
