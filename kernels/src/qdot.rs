@@ -142,6 +142,33 @@ unsafe fn by_groups(
     }
 }
 
+/// [`Acts::wide_scales`] and [`Acts::group_sums`] from the row-major `scales` and `sums` of
+/// `rows` rows of `nb` blocks.
+#[cfg(target_arch = "x86_64")]
+fn grouped(scales: &[f32], sums: &[f32], rows: usize, nb: usize) -> (Vec<f32>, Vec<f32>) {
+    let groups = rows.div_ceil(GROUP);
+    let mut wide = vec![0.0f32; groups * nb * GROUP * 8];
+    let mut gsums = vec![
+        0.0f32;
+        if sums.is_empty() {
+            0
+        } else {
+            groups * nb * GROUP
+        }
+    ];
+    for r in 0..rows {
+        let (g, j) = (r / GROUP, r % GROUP);
+        for b in 0..nb {
+            let at = (g * nb + b) * GROUP + j;
+            wide[at * 8..at * 8 + 8].fill(scales[r * nb + b]);
+            if !sums.is_empty() {
+                gsums[at] = sums[r * nb + b];
+            }
+        }
+    }
+    (wide, gsums)
+}
+
 /// A checked-available kernel for one weight type.
 #[derive(Clone, Copy, Debug)]
 pub struct Kernel {
@@ -174,6 +201,17 @@ pub struct Acts<'a> {
     qs: Vec<u8>,
     /// `Q8_1`'s block sums as `f32` (`Q4_1` only), indexed like `scales`.
     sums: Vec<f32>,
+    /// For the 256-bit x86 kernels, by groups of [`GROUP`] rows (group g holds rows
+    /// `g * GROUP..`): row r's block b scale eight times over at
+    /// `((g * nb + b) * GROUP + r % GROUP) * 8`, so that a kernel multiplies it into the
+    /// weight's scale as one vector product with a memory operand.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    wide_scales: Vec<f32>,
+    /// Also for the 256-bit x86 kernels (`Q4_1`): the block sums by groups, row r's block b at
+    /// `(g * nb + b) * GROUP + r % GROUP`, zero past the last row, so that one 4-lane fused
+    /// multiply-add does a block's `m * s` for a group's rows.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    group_sums: Vec<f32>,
     nb: usize,
 }
 
@@ -323,6 +361,8 @@ impl Kernel {
                 scales: Vec::new(),
                 qs: Vec::new(),
                 sums: Vec::new(),
+                wide_scales: Vec::new(),
+                group_sums: Vec::new(),
                 nb,
             };
         }
@@ -360,11 +400,18 @@ impl Kernel {
                 sums.extend((0..nb).map(|b| f16(a, b * ab + 2)));
             }
         }
+        // (The AVX-512 kernels take a last odd weight row with the 256-bit ones.)
+        #[cfg(target_arch = "x86_64")]
+        let (wide_scales, group_sums) = grouped(&scales, &sums, acts.len(), nb);
+        #[cfg(not(target_arch = "x86_64"))]
+        let (wide_scales, group_sums) = (Vec::new(), Vec::new());
         Acts {
             rows: acts.to_vec(),
             scales,
             qs,
             sums,
+            wide_scales,
+            group_sums,
             nb,
         }
     }

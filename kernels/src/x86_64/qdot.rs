@@ -63,21 +63,25 @@ macro_rules! kernels {
                 _mm256_cvtepi32_ps(super::$lanes(ax, sy))
             }
 
-            /// K activation rows against one weight row.
+            /// K activation rows (group `g`'s first K) against one weight row. Per weight block
+            /// and row: the integer lane sums, their conversion, the scale product (from
+            /// [`Acts::wide_scales`], a vector product with a memory operand rather than a
+            /// scalar product and a broadcast) and the fused multiply-add, as ggml's; `Q4_1`'s
+            /// `m * s` terms go four rows to a vector, each lane the scalar chain ggml runs.
             #[inline]
             #[target_feature(enable = $feat)]
             unsafe fn group<const K: usize>(
                 kind: Kind,
-                nb: usize,
+                acts: &Acts<'_>,
+                g: usize,
                 x: *const u8,
-                y: [*const u8; K],
-                yd: [*const f32; K],
-                ysum: [*const f32; K],
                 out: *mut f32,
             ) {
+                let nb = acts.nb;
                 let (wb, ab) = (kind.weight_block(), kind.act_block());
+                let y: [*const u8; K] = std::array::from_fn(|r| acts.rows[g * GROUP + r].as_ptr());
+                let yd = acts.wide_scales.as_ptr().add(g * nb * GROUP * 8);
                 let mut acc = [_mm256_setzero_ps(); K];
-                let mut summs = [0.0f32; K];
                 match kind {
                     Kind::Q8_0 | Kind::Q5_0 => {
                         for b in 0..nb {
@@ -94,8 +98,9 @@ macro_rules! kernels {
                             let dx = _mm256_set1_ps(f16(xb));
                             // ggml's `mul_sum_i8_pairs_float`: |x| times y with x's sign.
                             let ax = _mm256_sign_epi8(qx, qx);
+                            let ydb = yd.add(b * GROUP * 8);
                             for r in 0..K {
-                                let d = _mm256_mul_ps(dx, _mm256_broadcast_ss(&*yd[r].add(b)));
+                                let d = _mm256_mul_ps(dx, _mm256_loadu_ps(ydb.add(r * 8)));
                                 let qy = _mm256_loadu_si256(y[r].add(b * ab + 2).cast());
                                 let q = lanes(ax, _mm256_sign_epi8(qy, qx));
                                 acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
@@ -106,23 +111,32 @@ macro_rules! kernels {
                         }
                     }
                     Kind::Q4_1 => {
+                        let ys = acts.group_sums.as_ptr().add(g * nb * GROUP);
+                        let mut summs = _mm_setzero_ps();
                         for b in 0..nb {
                             let xb = x.add(b * wb);
                             let (d0, m) = (_mm256_set1_ps(f16(xb)), f16(xb.add(2)));
                             let qx = nibbles(xb.add(4));
+                            // ggml's `summs += m * s` (fused there; the f16 x f16 product is
+                            // exact in f32, so fused or not agree), with `s` converted from f16
+                            // once per call (`Acts::sums`).
+                            summs = _mm_fmadd_ps(
+                                _mm_set1_ps(m),
+                                _mm_loadu_ps(ys.add(b * GROUP)),
+                                summs,
+                            );
+                            let ydb = yd.add(b * GROUP * 8);
                             for r in 0..K {
                                 let yb = y[r].add(b * ab);
-                                // ggml's `summs += m * s` (fused there; the f16 x f16
-                                // product is exact in f32, so fused or not agree), with
-                                // `s` converted from f16 once per call (`Acts::sums`).
-                                summs[r] = m.mul_add(*ysum[r].add(b), summs[r]);
-                                let d = _mm256_mul_ps(d0, _mm256_broadcast_ss(&*yd[r].add(b)));
+                                let d = _mm256_mul_ps(d0, _mm256_loadu_ps(ydb.add(r * 8)));
                                 let qy = _mm256_loadu_si256(yb.add(4).cast());
                                 acc[r] = _mm256_fmadd_ps(d, lanes(qx, qy), acc[r]);
                             }
                         }
+                        let mut s = [0.0f32; 4];
+                        _mm_storeu_ps(s.as_mut_ptr(), summs);
                         for r in 0..K {
-                            *out.add(r) = hsum(acc[r]) + summs[r];
+                            *out.add(r) = hsum(acc[r]) + s[r];
                         }
                     }
                     Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
@@ -138,50 +152,16 @@ macro_rules! kernels {
             ) {
                 let (nb, k) = (acts.nb, acts.rows.len());
                 let row = nb * kind.weight_block();
-                // Row r's quants, block scales and (`Q4_1`) block sums, as `group` reads them.
-                let y = |r: usize| acts.rows[r].as_ptr();
-                let yd = |r: usize| acts.scales.as_ptr().add(r * nb);
-                let ysum = |r: usize| {
-                    if acts.sums.is_empty() {
-                        std::ptr::null()
-                    } else {
-                        acts.sums.as_ptr().add(r * nb)
-                    }
-                };
                 for (i, o) in out.chunks_exact_mut(k).enumerate() {
                     let x = w.as_ptr().add(i * row);
                     let mut r = 0;
                     while r < k {
-                        let o = o.as_mut_ptr().add(r);
+                        let (g, o) = (r / GROUP, o.as_mut_ptr().add(r));
                         match k - r {
-                            1 => group::<1>(kind, nb, x, [y(r)], [yd(r)], [ysum(r)], o),
-                            2 => group::<2>(
-                                kind,
-                                nb,
-                                x,
-                                [y(r), y(r + 1)],
-                                [yd(r), yd(r + 1)],
-                                [ysum(r), ysum(r + 1)],
-                                o,
-                            ),
-                            3 => group::<3>(
-                                kind,
-                                nb,
-                                x,
-                                [y(r), y(r + 1), y(r + 2)],
-                                [yd(r), yd(r + 1), yd(r + 2)],
-                                [ysum(r), ysum(r + 1), ysum(r + 2)],
-                                o,
-                            ),
-                            _ => group::<GROUP>(
-                                kind,
-                                nb,
-                                x,
-                                [y(r), y(r + 1), y(r + 2), y(r + 3)],
-                                [yd(r), yd(r + 1), yd(r + 2), yd(r + 3)],
-                                [ysum(r), ysum(r + 1), ysum(r + 2), ysum(r + 3)],
-                                o,
-                            ),
+                            1 => group::<1>(kind, acts, g, x, o),
+                            2 => group::<2>(kind, acts, g, x, o),
+                            3 => group::<3>(kind, acts, g, x, o),
+                            _ => group::<GROUP>(kind, acts, g, x, o),
                         }
                         r += GROUP;
                     }
