@@ -105,14 +105,40 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
     };
     let act_bytes = g::ggml_row_size(tr.vec_dot_type, n as i64);
     let mut act = vec![0u8; act_bytes * sel.len()];
-    for (&r, a) in sel.iter().zip(act.chunks_exact_mut(act_bytes)) {
-        let x = (s1.data as *const u8).add(r * s1.nb[1]).cast::<f32>();
-        from(x, a.as_mut_ptr().cast(), n as i64);
-    }
-    let rows: Vec<&[u8]> = act.chunks_exact(act_bytes).collect();
     // Batch rows a pass over a weight tile (prefill-sized batches go through in chunks).
     const CHUNK: usize = 16;
-    let chunks: Vec<_> = rows.chunks(CHUNK).map(|c| k.prepare(n, c)).collect();
+    let n_chunks = sel.len().div_ceil(CHUNK);
+    // Each chunk's rows quantized (as ggml's `mul_mat` does) and prepared for the kernel; for
+    // more than one chunk, on every thread (a prefill batch's quantization on one thread kept
+    // the others waiting).
+    let slots: Vec<std::sync::OnceLock<qdot::Acts<'_>>> =
+        (0..n_chunks).map(|_| std::sync::OnceLock::new()).collect();
+    let (base, src, src_row) = (Ptr(act.as_mut_ptr()), Ptr(s1.data.cast()), s1.nb[1]);
+    let prepare = |c: usize| {
+        let rows = c * CHUNK..((c + 1) * CHUNK).min(sel.len());
+        let mut chunk: Vec<&[u8]> = Vec::with_capacity(rows.len());
+        for j in rows {
+            let x = src.at(sel[j] * src_row).cast::<f32>();
+            // SAFETY: row j of `act`, written by this call only (chunks are disjoint).
+            let a = std::slice::from_raw_parts_mut(base.at(j * act_bytes), act_bytes);
+            from(x, a.as_mut_ptr().cast(), n as i64);
+            chunk.push(&*a);
+        }
+        let _ = slots[c].set(k.prepare(n, &chunk));
+    };
+    if n_chunks > 1 && threads > 1 {
+        parallel(threads.min(n_chunks), &|tid, nth| {
+            for c in tid * n_chunks / nth..(tid + 1) * n_chunks / nth {
+                prepare(c);
+            }
+        });
+    } else {
+        (0..n_chunks).for_each(prepare);
+    }
+    let chunks: Vec<qdot::Acts<'_>> = slots
+        .into_iter()
+        .map(|s| s.into_inner().expect("every chunk prepared"))
+        .collect();
     let row_bytes = s0.nb[1];
     let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
     let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);
