@@ -92,14 +92,28 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
     // Query rows rounded through f16 as ggml's conversion does, one contiguous f32 row each,
     // ordered (i12, i11): those sharing `src0` matrix i02 are consecutive.
     q.resize(ne12 * ne11 * n, 0.0);
-    for i12 in 0..ne12 {
-        for i11 in 0..ne11 {
-            let src = (s1.data as *const u8)
-                .add(i12 * s1.nb[2] + i11 * s1.nb[1])
-                .cast::<f32>();
-            let dst = &mut q[(i12 * ne11 + i11) * n..][..n];
-            kq::round_f16(std::slice::from_raw_parts(src, n), dst);
-        }
+    let (src, src_nb1, src_nb2, out) = (
+        Ptr(s1.data.cast()),
+        s1.nb[1],
+        s1.nb[2],
+        Ptr(q.as_mut_ptr().cast()),
+    );
+    let round = |row: usize| {
+        let (i12, i11) = (row / ne11, row % ne11);
+        let src = src.at(i12 * src_nb2 + i11 * src_nb1).cast::<f32>();
+        // SAFETY: row `row` of `q`, written by this call only.
+        let dst = std::slice::from_raw_parts_mut(out.at(row * n * 4).cast::<f32>(), n);
+        kq::round_f16(std::slice::from_raw_parts(src, n), dst);
+    };
+    let rows = ne12 * ne11;
+    // A prefill batch's rows (KQV's are the softmax's rows, a cache length each) on every
+    // thread; a few decode rows on this one.
+    if threads > 1 && rows * n >= 1 << 16 {
+        parallel(threads.min(rows), &|tid, nth| {
+            (tid * rows / nth..(tid + 1) * rows / nth).for_each(round)
+        });
+    } else {
+        (0..rows).for_each(round);
     }
     let q = &q[..ne12 * ne11 * n];
     let per = r2 * ne11;
