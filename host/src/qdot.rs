@@ -16,6 +16,47 @@ pub fn ggml_type(kind: Kind) -> llama_cpp_sys_2::ggml_type {
     }
 }
 
+/// ggml's own single-row dot product for `kind`'s weights, as its `mul_mat` calls it
+/// (`vec_dot` with nrc = 1): `f(n, w, a)` is a row of `n` weights at `w` times a row of `n`
+/// values of the activation type at `a`. `None` when ggml has no `vec_dot` for the type.
+pub fn ggml_vec_dot(kind: Kind) -> Option<impl Fn(usize, &[u8], &[u8]) -> f32> {
+    use llama_cpp_sys_2 as sys;
+    let ty = ggml_type(kind);
+    // SAFETY: ggml_cpu_init is idempotent; the traits table is static.
+    let tr = unsafe {
+        sys::ggml_cpu_init();
+        &*sys::ggml_get_type_traits_cpu(ty)
+    };
+    let vec_dot = tr.vec_dot?;
+    // Bytes of a block and values a block, of the weight and the activation type.
+    // SAFETY: size queries of types ggml has.
+    let sizes = unsafe {
+        [ty, tr.vec_dot_type].map(|t| (sys::ggml_type_size(t), sys::ggml_blck_size(t) as usize))
+    };
+    Some(move |n: usize, w: &[u8], a: &[u8]| {
+        let [(wb, wv), (ab, av)] = sizes;
+        assert!(
+            w.len() >= n / wv * wb && a.len() >= n / av * ab,
+            "rows shorter than {n} values"
+        );
+        let mut s = 0.0f32;
+        // SAFETY: one full row of each type (checked above).
+        unsafe {
+            vec_dot(
+                n as i32,
+                &mut s,
+                0,
+                w.as_ptr().cast(),
+                0,
+                a.as_ptr().cast(),
+                0,
+                1,
+            )
+        };
+        s
+    })
+}
+
 /// Rows of `ty` quantized by ggml from pseudo-random values of several magnitudes.
 fn quantized(
     ty: llama_cpp_sys_2::ggml_type,
@@ -63,7 +104,7 @@ pub fn agrees_with_ggml(k: &Kernel) -> bool {
         sys::ggml_cpu_init();
         &*sys::ggml_get_type_traits_cpu(ty)
     };
-    let Some(vec_dot) = tr.vec_dot else {
+    let Some(vec_dot) = ggml_vec_dot(k.kind()) else {
         return false;
     };
     let n = if k.kind().is_k() { 768 } else { 640 };
@@ -75,23 +116,7 @@ pub fn agrees_with_ggml(k: &Kernel) -> bool {
     let all: Vec<u8> = w.concat();
     (1..=9).all(|rows| {
         let acts: Vec<&[u8]> = a[..rows].iter().map(Vec::as_slice).collect();
-        k.agrees(n, &all, &acts, |wr, ar| {
-            let mut s = 0.0f32;
-            // SAFETY: one full row of each type; nrc = 1 as ggml's mul_mat calls it.
-            unsafe {
-                vec_dot(
-                    n as i32,
-                    &mut s,
-                    0,
-                    wr.as_ptr().cast(),
-                    0,
-                    ar.as_ptr().cast(),
-                    0,
-                    1,
-                )
-            };
-            s
-        })
+        k.agrees(n, &all, &acts, |wr, ar| vec_dot(n, wr, ar))
     })
 }
 

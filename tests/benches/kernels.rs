@@ -11,7 +11,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use leap_backend::ffi as g;
-use leap_host::qdot::{ggml_type, Kernel, Kind};
+use leap_host::qdot::{ggml_vec_dot, Kernel, Kind};
 use leap_kernels::kq;
 
 /// Weight rows and their length (values).
@@ -103,27 +103,13 @@ fn qdot(c: &mut Criterion) {
                 });
             }
         }
-        // SAFETY: the static traits table of a type ggml has.
-        let tr = unsafe { &*g::ggml_get_type_traits_cpu(ggml_type(kind)) };
-        let vec_dot = tr.vec_dot.expect("ggml has a vec_dot for it");
+        let vec_dot = ggml_vec_dot(kind).expect("ggml has a vec_dot for it");
         let row = w.len() / ROWS_W;
         g.bench_function(BenchmarkId::new("ggml", 1), |b| {
             b.iter(|| {
                 let mut s = 0f32;
                 for r in w.chunks_exact(row) {
-                    // SAFETY: one whole row of each type; nrc = 1 as ggml's mul_mat calls it.
-                    unsafe {
-                        vec_dot(
-                            N as i32,
-                            &mut s,
-                            0,
-                            r.as_ptr().cast(),
-                            0,
-                            a.as_ptr().cast(),
-                            0,
-                            1,
-                        )
-                    };
+                    s = vec_dot(N, r, &a);
                 }
                 s
             })
