@@ -82,6 +82,117 @@ thread_local! {
     };
 }
 
+/// Query rows per chunk: a prefill's softmax rows are cut into runs this long, each computed
+/// over the span its own rows need.
+const CHUNK: usize = 16;
+
+/// A run of consecutive query rows `k0..k0 + len` of `src0` matrix `i02` (rows counted within
+/// the matrix's `r2 * ne11`), computed over elements `s..e` of their rows only and stored,
+/// rounded, at `off` in `q` in rows of `e - s`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Chunk {
+    i02: usize,
+    k0: usize,
+    len: usize,
+    s: usize,
+    e: usize,
+    off: usize,
+}
+
+/// The range `lo..hi` from the first term of `row` that is not zero to its last (empty when
+/// all are zero; a NaN is not zero).
+fn nonzero(row: &[f32]) -> (usize, usize) {
+    match row.iter().position(|&v| v != 0.0) {
+        None => (0, 0),
+        Some(lo) => (
+            lo,
+            row.iter().rposition(|&v| v != 0.0).map_or(lo, |h| h + 1),
+        ),
+    }
+}
+
+/// The elements `s..e` rows with nonzero ranges `ranges` (of `n` elements) must be computed
+/// over: whole steps of the kernels ([`kq::STEP`]) from the row's start, to the row's end at
+/// most; `(0, 0)` when every term is zero. Left out are whole steps of zeros and zero
+/// leftovers: each of them would have added zero to a sum, so every result keeps its bits.
+fn span(ranges: &[(usize, usize)], n: usize) -> (usize, usize) {
+    let (lo, hi) = ranges
+        .iter()
+        .filter(|(l, h)| l < h)
+        .fold((usize::MAX, 0), |(a, b), &(l, h)| (a.min(l), b.max(h)));
+    if lo >= hi {
+        return (0, 0);
+    }
+    let e = hi.div_ceil(kq::STEP) * kq::STEP;
+    (lo / kq::STEP * kq::STEP, e.min(n))
+}
+
+/// The chunks of `ne02` matrices of `per` query rows each, for rows whose nonzero ranges are
+/// `ranges` (row `i02 * per + k`; none: every row whole), consecutive chunks of equal span
+/// merged (a `kq` node's query rows have no zeros: one chunk a matrix). Returns them and the
+/// length of `q` they need.
+fn chunks(
+    ne02: usize,
+    per: usize,
+    n: usize,
+    ranges: Option<&[(usize, usize)]>,
+) -> (Vec<Chunk>, usize) {
+    let mut out: Vec<Chunk> = Vec::new();
+    let mut off = 0;
+    for i02 in 0..ne02 {
+        for k0 in (0..per).step_by(CHUNK) {
+            let len = CHUNK.min(per - k0);
+            let (s, e) = match ranges {
+                Some(r) => span(&r[i02 * per + k0..][..len], n),
+                None => (0, n),
+            };
+            match out.last_mut() {
+                Some(c) if c.i02 == i02 && (c.s, c.e) == (s, e) => c.len += len,
+                _ => out.push(Chunk {
+                    i02,
+                    k0,
+                    len,
+                    s,
+                    e,
+                    off,
+                }),
+            }
+            off += len * (e - s);
+        }
+    }
+    (out, off)
+}
+
+/// `sums[i * c.len + k]` = f16 row i (of `sums.len() / c.len` at `x`, `stride` bytes apart, of
+/// the whole row length) · chunk `c`'s query row k, which `q` holds (as [`chunks`] placed it),
+/// over the chunk's span.
+///
+/// # Safety
+/// As `dots`: the CPU runs it and `x` holds the rows up to the span's end.
+unsafe fn chunk_dots(
+    dots: kq::Dots,
+    x: *const u8,
+    stride: usize,
+    c: &Chunk,
+    q: &[f32],
+    sums: &mut [f32],
+) {
+    let w = c.e - c.s;
+    if w == 0 {
+        // Every term zero: ggml's sum is +0.
+        sums.fill(0.0);
+    } else {
+        dots(
+            x.add(c.s * 2),
+            stride,
+            sums.len() / c.len,
+            &q[c.off..c.off + c.len * w],
+            w,
+            sums,
+        );
+    }
+}
+
 /// [`compute`] with `q` for the query rows.
 unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f32>) {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
@@ -89,34 +200,63 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
     let (ne01, ne02) = (s0.ne[1] as usize, s0.ne[2] as usize);
     let (ne11, ne12) = (s1.ne[1] as usize, s1.ne[2] as usize);
     let r2 = ne12 / ne02;
-    // Query rows rounded through f16 as ggml's conversion does, one contiguous f32 row each,
-    // ordered (i12, i11): those sharing `src0` matrix i02 are consecutive.
-    q.resize(ne12 * ne11 * n, 0.0);
-    let (src, src_nb1, src_nb2, out) = (
-        Ptr(s1.data.cast()),
-        s1.nb[1],
-        s1.nb[2],
-        Ptr(q.as_mut_ptr().cast()),
-    );
-    let round = |row: usize| {
-        let (i12, i11) = (row / ne11, row % ne11);
-        let src = src.at(i12 * src_nb2 + i11 * src_nb1).cast::<f32>();
-        // SAFETY: row `row` of `q`, written by this call only.
-        let dst = std::slice::from_raw_parts_mut(out.at(row * n * 4).cast::<f32>(), n);
-        kq::round_f16(std::slice::from_raw_parts(src, n), dst);
-    };
     let rows = ne12 * ne11;
+    // Query rows ordered (i12, i11): those sharing `src0` matrix i02 are consecutive, `per` of
+    // them.
+    let per = r2 * ne11;
+    let (src, src_nb1, src_nb2) = (Ptr(s1.data.cast()), s1.nb[1], s1.nb[2]);
+    let src_row = |row: usize| {
+        let (i12, i11) = (row / ne11, row % ne11);
+        std::slice::from_raw_parts(src.at(i12 * src_nb2 + i11 * src_nb1).cast::<f32>(), n)
+    };
     // A prefill batch's rows (KQV's are the softmax's rows, a cache length each) on every
     // thread; a few decode rows on this one.
-    if threads > 1 && rows * n >= 1 << 16 {
-        parallel(threads.min(rows), &|tid, nth| {
-            (tid * rows / nth..(tid + 1) * rows / nth).for_each(round)
+    let par = threads > 1 && rows * n >= 1 << 16;
+    let each = |f: &(dyn Fn(usize) + Sync)| {
+        if par {
+            parallel(threads.min(rows), &|tid, nth| {
+                (tid * rows / nth..(tid + 1) * rows / nth).for_each(f)
+            });
+        } else {
+            (0..rows).for_each(f);
+        }
+    };
+    // A softmax row is zero where the mask hides a cell (past a causal row's position, before
+    // a sliding window): KQV leaves those terms out, a chunk of rows at a time.
+    let ranges = (s1.op == g::GGML_OP_SOFT_MAX).then(|| {
+        let mut r = vec![(0usize, 0usize); rows];
+        let out = Ptr(r.as_mut_ptr().cast());
+        // SAFETY: element `row` of `r`, written by this call only.
+        each(&|row| {
+            *out.at(row * std::mem::size_of::<(usize, usize)>()).cast() = nonzero(src_row(row))
         });
-    } else {
-        (0..rows).for_each(round);
-    }
-    let q = &q[..ne12 * ne11 * n];
-    let per = r2 * ne11;
+        r
+    });
+    let (chunks, len) = chunks(ne02, per, n, ranges.as_deref());
+    // Query rows rounded through f16 as ggml's conversion does, each chunk's rows over its
+    // span, one after another.
+    q.resize(len, 0.0);
+    let out = Ptr(q.as_mut_ptr().cast());
+    let per_matrix = per.div_ceil(CHUNK);
+    let chunk_of = |row: usize| {
+        let (i02, k) = (row / per, row % per);
+        // Chunks only merge, so the one holding row k is at or before the unmerged index.
+        let guess = (i02 * per_matrix + k / CHUNK).min(chunks.len() - 1);
+        let c = chunks[..=guess]
+            .iter()
+            .rposition(|c| c.i02 == i02 && c.k0 <= k)
+            .expect("every row is in a chunk");
+        (chunks[c], k)
+    };
+    each(&|row| {
+        let (c, k) = chunk_of(row);
+        let w = c.e - c.s;
+        // SAFETY: row k's place in chunk c's part of `q`, written by this call only.
+        let dst =
+            std::slice::from_raw_parts_mut(out.at((c.off + (k - c.k0) * w) * 4).cast::<f32>(), w);
+        kq::round_f16(&src_row(row)[c.s..c.e], dst);
+    });
+    let q = &q[..len];
     // Tasks: blocks of `src0` rows, every matrix (KV head) of a block together (the heads of a
     // cache row share its cache lines); at least 4 blocks per thread, so that no thread waits
     // long for the others (SmolLM2's kqv has 64 rows a head), and at most 64 rows a block.
@@ -127,20 +267,19 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
     let work = |b: usize, sums: &mut Vec<f32>| {
         let (r0, r1) = (b * block, ((b + 1) * block).min(ne01));
-        sums.resize((r1 - r0) * per, 0.0);
-        let sums = &mut sums[..(r1 - r0) * per];
-        for i02 in 0..ne02 {
-            let qs = &q[i02 * per * n..(i02 + 1) * per * n];
-            let x = x0.at(i02 * nb02 + r0 * nb01);
-            dots(x, nb01, r1 - r0, qs, n, sums);
+        for c in &chunks {
+            sums.resize((r1 - r0) * c.len, 0.0);
+            let sums = &mut sums[..(r1 - r0) * c.len];
+            chunk_dots(dots, x0.at(c.i02 * nb02 + r0 * nb01), nb01, c, q, sums);
             // Each output row's run r0..r1 in address order (one row after another, the
             // stores went 4 KB apart on Gemma's 1024 cells and stalled).
-            for k in 0..per {
-                let (i12, i11) = (i02 * r2 + k / ne11, k % ne11);
+            for kk in 0..c.len {
+                let k = c.k0 + kk;
+                let (i12, i11) = (c.i02 * r2 + k / ne11, k % ne11);
                 // SAFETY: elements (r0..r1, i11, i12) of dst; tasks write disjoint elements.
                 let out = dst.at(i12 * dst_nb2 + i11 * dst_nb1 + r0 * 4).cast::<f32>();
-                for (j, row) in sums.chunks_exact(per).enumerate() {
-                    *out.add(j) = row[k];
+                for (j, row) in sums.chunks_exact(c.len).enumerate() {
+                    *out.add(j) = row[kk];
                 }
             }
         }
@@ -257,6 +396,118 @@ mod tests {
             return;
         }
         assert!(super::agrees_with_ggml());
+    }
+
+    /// A chunk's span: whole steps from the row's start around its rows' nonzero terms, to
+    /// the row's end at most; nothing when every term is zero.
+    #[test]
+    fn spans_are_whole_steps_around_the_nonzero_terms() {
+        let st = kq::STEP;
+        assert_eq!(super::span(&[(0, 0), (0, 0)], 100), (0, 0));
+        assert_eq!(super::span(&[(st + 3, st + 4)], 10 * st), (st, 2 * st));
+        assert_eq!(
+            super::span(&[(st + 3, st + 4), (5, 6)], 10 * st),
+            (0, 2 * st)
+        );
+        assert_eq!(super::span(&[(2 * st, 3 * st)], 10 * st), (2 * st, 3 * st));
+        // Past the last whole step: the leftovers go to the row's end.
+        assert_eq!(
+            super::span(&[(st, 3 * st + 1)], 3 * st + 5),
+            (st, 3 * st + 5)
+        );
+        assert_eq!(
+            super::nonzero(&[0.0, -0.0, 1.0, 0.0, f32::NAN, 0.0]),
+            (2, 5)
+        );
+        assert_eq!(super::nonzero(&[0.0, -0.0]), (0, 0));
+    }
+
+    /// Softmax rows as a prefill's are (zero before a sliding window and past each row's
+    /// position, one row all zero), cut into chunks ([`super::chunks`]) and computed over their
+    /// spans only, give ggml's `vec_dot_f16` of the whole rows bit for bit, nonzero leftovers
+    /// past the last step included, with every kernel the CPU runs.
+    #[test]
+    fn softmax_rows_over_their_spans_match_ggml_vec_dot_f16() {
+        if !kq::cpu_ok() {
+            eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
+            return;
+        }
+        // SAFETY: static traits table; idempotent init.
+        let tr = unsafe {
+            crate::ffi::ggml_cpu_init();
+            &*crate::ffi::ggml_get_type_traits_cpu(crate::ffi::GGML_TYPE_F16)
+        };
+        let (vec_dot, from) = (tr.vec_dot.unwrap(), tr.from_float.unwrap());
+        let mut rnd = crate::check_values(0x5851_F42D_4C95_7F2D);
+        // Cache rows (Vᵀ's rows), two matrices of 37 query rows.
+        const ROWS: usize = 3;
+        let (ne02, per) = (2usize, 37usize);
+        for n in [40usize, 100, 1024, 1057] {
+            let x: Vec<u16> = (0..ROWS * n)
+                .map(|i| crate::f16::from_f32(rnd(1.0 + (i % 5) as f32)))
+                .collect();
+            let mut raw = vec![0f32; ne02 * per * n];
+            let mut ranges = Vec::new();
+            for row in 0..ne02 * per {
+                let t = row % per;
+                let hi = ((t + 2) * n / per + row % 3).min(n);
+                let lo = hi.saturating_sub(n / 3 + 5);
+                if t != per / 2 {
+                    for v in &mut raw[row * n + lo..row * n + hi] {
+                        *v = rnd(1.0).abs() + 1e-3;
+                    }
+                }
+                ranges.push(super::nonzero(&raw[row * n..][..n]));
+            }
+            let (chunks, len) = super::chunks(ne02, per, n, Some(&ranges));
+            assert!(
+                chunks.iter().any(|c| c.e - c.s < n) && chunks.iter().any(|c| c.e == n),
+                "{n}: {chunks:?}"
+            );
+            let mut q = vec![0f32; len];
+            for c in &chunks {
+                let w = c.e - c.s;
+                for k in 0..c.len {
+                    let row = c.i02 * per + c.k0 + k;
+                    // SAFETY: the CPU runs the kernels; slices of w elements.
+                    unsafe {
+                        kq::round_f16(
+                            &raw[row * n + c.s..row * n + c.e],
+                            &mut q[c.off + k * w..][..w],
+                        )
+                    };
+                }
+            }
+            let mut h = vec![0u16; raw.len()];
+            // SAFETY: slices of raw.len() elements.
+            unsafe { from(raw.as_ptr(), h.as_mut_ptr().cast(), raw.len() as i64) };
+            for &dots in kq::kernels() {
+                for c in &chunks {
+                    let mut sums = vec![f32::NAN; ROWS * c.len];
+                    // SAFETY: the CPU runs the kernels; ROWS rows of n f16 at x.
+                    unsafe { super::chunk_dots(dots, x.as_ptr().cast(), 2 * n, c, &q, &mut sums) };
+                    for k in 0..c.len {
+                        let row = c.i02 * per + c.k0 + k;
+                        for r in 0..ROWS {
+                            // SAFETY: rows of n elements.
+                            let want = unsafe {
+                                super::ggml_dot(
+                                    vec_dot,
+                                    n,
+                                    x[r * n..].as_ptr().cast(),
+                                    h[row * n..].as_ptr(),
+                                )
+                            };
+                            assert_eq!(
+                                sums[r * c.len + k].to_bits(),
+                                want.to_bits(),
+                                "n {n}, query row {row}, cache row {r}, {c:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Of a NaN cache element and a NaN query element (always ggml's `0x7e00` once rounded),

@@ -30,9 +30,9 @@ pub(crate) mod neon;
 mod x86;
 
 #[cfg(target_arch = "aarch64")]
-pub use neon::{cpu_ok, kernels, round_f16};
+pub use neon::{cpu_ok, kernels, round_f16, STEP};
 #[cfg(target_arch = "x86_64")]
-pub use x86::{cpu_ok, kernels, round_f16};
+pub use x86::{cpu_ok, kernels, round_f16, STEP};
 
 /// A kernel: `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row
 /// k of `qs` (rows of `n`, rounded through f16 by [`round_f16`]; `m = sums.len() / rows` of

@@ -17,6 +17,9 @@ use std::arch::asm;
 
 use super::{Dots, AHEAD_BYTES};
 
+/// ggml's step (see the x86-64 kernels' `STEP`).
+pub const STEP: usize = 16;
+
 /// Every AArch64 CPU runs [`dots`]: NEON is part of the target's baseline.
 pub fn cpu_ok() -> bool {
     std::arch::is_aarch64_feature_detected!("neon")

@@ -5,6 +5,12 @@ use std::arch::x86_64::*;
 
 use super::{Dots, AHEAD_BYTES};
 
+/// ggml's step: the products of elements `i` and `i + STEP` go to the same lane of the same
+/// sum, and elements past the last whole step are the leftovers. A run of terms that are all
+/// zero, starting and ending on a step boundary (or ending at the row's end), adds nothing to
+/// any sum, so a caller may leave it out (`leap_backend::kqmm` does, for softmax rows).
+pub const STEP: usize = 32;
+
 /// The CPU runs [`dots_blocked`] (AVX2/FMA/F16C).
 pub fn cpu_ok() -> bool {
     use std::sync::OnceLock;
