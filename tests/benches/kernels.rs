@@ -90,7 +90,7 @@ fn qdot(c: &mut Criterion) {
                 continue;
             }
             seen.push(k.variant());
-            for rows in [1usize, 2, 4, 8] {
+            for rows in [1usize, 2, 4, 8, 16] {
                 let acts_v: Vec<&[u8]> = (0..rows).map(|_| a.as_slice()).collect();
                 let acts = k.prepare(N, &acts_v);
                 let mut out = vec![0f32; 64 * rows];

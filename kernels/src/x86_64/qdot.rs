@@ -273,7 +273,7 @@ pub(super) mod zmm {
         ))
     }
 
-    /// Weight rows `x0`, `x1` against K activation rows starting at `r0`.
+    /// Weight rows `x0`, `x1` against K activation rows starting at `r0`; returns K.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn pair<const K: usize>(
@@ -284,7 +284,7 @@ pub(super) mod zmm {
         x1: *const u8,
         o0: *mut f32,
         o1: *mut f32,
-    ) {
+    ) -> usize {
         let nb = acts.nb;
         let wb = kind.weight_block();
         let q = acts.qs.as_ptr().add(r0 * nb * 32);
@@ -337,6 +337,7 @@ pub(super) mod zmm {
                 *o1.add(r) = hsum(hi);
             }
         }
+        K
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -354,13 +355,16 @@ pub(super) mod zmm {
             let mut r = 0;
             while r < k {
                 let (a, b) = (o0.add(r), o1.add(r));
-                match k - r {
+                // Eight rows to a pass where there are eight: a weight block's unpacking
+                // (about as many instructions as a row's products) then serves twice as
+                // many rows.
+                r += match k - r {
                     1 => pair::<1>(kind, acts, r, x0, x0.add(row), a, b),
                     2 => pair::<2>(kind, acts, r, x0, x0.add(row), a, b),
                     3 => pair::<3>(kind, acts, r, x0, x0.add(row), a, b),
-                    _ => pair::<GROUP>(kind, acts, r, x0, x0.add(row), a, b),
-                }
-                r += GROUP;
+                    4..8 => pair::<GROUP>(kind, acts, r, x0, x0.add(row), a, b),
+                    _ => pair::<{ 2 * GROUP }>(kind, acts, r, x0, x0.add(row), a, b),
+                };
             }
             i += 2;
         }
