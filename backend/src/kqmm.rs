@@ -2,7 +2,8 @@
 //! (`kq = K x Q` and `kqv = Vᵀ x softmax(kq)`) on the device, in batches of up to 4096 rows,
 //! with the kernels of [`leap_kernels::kq`] (where their speed and their bit-for-bit match with
 //! ggml's `ggml_vec_dot_f16` are described): here is what ggml's graph needs, which nodes the
-//! device takes, how a node is split over threads, and the check against the ggml this process
+//! device takes, how a node is split over threads, which terms of KQV's softmax rows it leaves
+//! out (whole kernel steps of zeros: `span`), and the check against the ggml this process
 //! loaded before the device claims any.
 
 use leap_kernels::kq;
