@@ -116,6 +116,9 @@ fn nonzero(row: &[f32]) -> (usize, usize) {
 /// over: whole steps of the kernels ([`kq::STEP`]) from the row's start, to the row's end at
 /// most; `(0, 0)` when every term is zero. Left out are whole steps of zeros and zero
 /// leftovers: each of them would have added zero to a sum, so every result keeps its bits.
+/// (Unless the cache holds an infinity or a NaN in a left-out step: ggml's `0 * inf` makes
+/// its sum NaN, the span's stays finite. llama.cpp clears its cache when it allocates it, so
+/// only an f16 overflow of the model's own values could put one there.)
 fn span(ranges: &[(usize, usize)], n: usize) -> (usize, usize) {
     let (lo, hi) = ranges
         .iter()
