@@ -325,6 +325,15 @@ unsafe fn ggml_dot(
     s
 }
 
+/// ggml's CPU traits for f16 (its `vec_dot` and `from_float`), after ggml's CPU init.
+fn f16_traits() -> &'static g::ggml_type_traits_cpu {
+    // SAFETY: static traits table; idempotent init.
+    unsafe {
+        g::ggml_cpu_init();
+        &*g::ggml_get_type_traits_cpu(g::GGML_TYPE_F16)
+    }
+}
+
 /// Whether [`compute`]'s arithmetic reproduces ggml's own `vec_dot_f16` (with ggml's f32 to
 /// f16 conversion of the query) bit for bit, on pseudo-random rows of several lengths (with
 /// and without leftovers past ggml's steps, shorter than one step too) and magnitudes, in
@@ -333,11 +342,7 @@ pub fn agrees_with_ggml() -> bool {
     if !kq::cpu_ok() {
         return false;
     }
-    // SAFETY: static traits table; idempotent init.
-    let tr = unsafe {
-        g::ggml_cpu_init();
-        &*g::ggml_get_type_traits_cpu(g::GGML_TYPE_F16)
-    };
+    let tr = f16_traits();
     let (Some(vec_dot), Some(from)) = (tr.vec_dot, tr.from_float) else {
         return false;
     };
@@ -436,11 +441,7 @@ mod tests {
             eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
             return;
         }
-        // SAFETY: static traits table; idempotent init.
-        let tr = unsafe {
-            crate::ffi::ggml_cpu_init();
-            &*crate::ffi::ggml_get_type_traits_cpu(crate::ffi::GGML_TYPE_F16)
-        };
+        let tr = super::f16_traits();
         let (vec_dot, from) = (tr.vec_dot.unwrap(), tr.from_float.unwrap());
         let mut rnd = crate::check_values(0x5851_F42D_4C95_7F2D);
         // Cache rows (Vᵀ's rows), two matrices of 37 query rows.
@@ -521,11 +522,7 @@ mod tests {
     #[cfg(target_arch = "aarch64")]
     #[test]
     fn nan_payloads_match_ggml_vec_dot_f16() {
-        // SAFETY: static traits table; idempotent init.
-        let tr = unsafe {
-            crate::ffi::ggml_cpu_init();
-            &*crate::ffi::ggml_get_type_traits_cpu(crate::ffi::GGML_TYPE_F16)
-        };
+        let tr = super::f16_traits();
         let (vec_dot, from) = (tr.vec_dot.unwrap(), tr.from_float.unwrap());
         const N: usize = 21;
         // Cache row 0: a signalling NaN in the first step; row 1: a quiet one in the leftovers.
@@ -568,13 +565,7 @@ mod tests {
             eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
             return;
         }
-        // SAFETY: static traits table; idempotent init.
-        let from = unsafe {
-            crate::ffi::ggml_cpu_init();
-            (*crate::ffi::ggml_get_type_traits_cpu(crate::ffi::GGML_TYPE_F16))
-                .from_float
-                .expect("f16 from_float")
-        };
+        let from = super::f16_traits().from_float.expect("f16 from_float");
         let mut rng = leap_kernels::rng::XorShift::new(0x2545_F491_4F6C_DD1D);
         let mut bits: Vec<u32> = (0..1u32 << 19)
             .flat_map(|i| [0, 1, 0xfff, 0x1000, 0x1001, 0x1fff].map(|low| i << 13 | low))
