@@ -398,6 +398,13 @@ mod tests {
     }
 
     #[test]
+    fn a_median_ignores_one_stray_time() {
+        assert_eq!(super::median(&mut [0.020, 0.210, 0.021]), 0.021);
+        assert_eq!(super::median(&mut [0.030, 0.010, 0.020, 0.900]), 0.025);
+        assert_eq!(super::median(&mut []), 0.0);
+    }
+
+    #[test]
     fn learns_the_cost_slope_from_call_times() {
         let mut c = Controller::new(0.1);
         for _ in 0..200 {
@@ -418,18 +425,42 @@ mod tests {
 pub struct CostPoint {
     /// Rows in the target call.
     pub rows: usize,
-    /// Mean seconds with logits for every row.
+    /// Median seconds with logits for every row.
     pub all_logits: f64,
-    /// Mean seconds with logits for the last row only.
+    /// Median seconds with logits for the last row only.
     pub last_logits: f64,
-    /// With an on-demand projection: mean seconds of the call cut at the hidden states (every
+    /// With an on-demand projection: median seconds of the call cut at the hidden states (every
     /// row's), and of projecting all k rows in one pass afterwards.
     pub cut: Option<(f64, f64)>,
+}
+
+impl CostPoint {
+    /// Seconds of the engine's path with an on-demand projection (the call cut at the hidden
+    /// states, then every row projected), else of the call with every row's logits.
+    #[must_use]
+    pub fn engine(&self) -> f64 {
+        self.cut.map_or(self.all_logits, |(c, p)| c + p)
+    }
+}
+
+/// The median of `xs` (the mean of the middle two for an even count); 0 when empty.
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    match xs.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => xs[n / 2],
+        n => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
+    }
 }
 
 /// Measure what a target call of `k` rows costs on this machine, for each `k` in `rows`,
 /// after `context` tokens are in the KV cache (sequence 0 of an empty context). Each call is
 /// rolled back, so every measurement sees the same cache.
+///
+/// The measurements are taken in `reps` rounds, each round timing every row count and variant
+/// once, and each point reports the median over the rounds: a shared machine's slow spell (a
+/// neighbour's burst, a descheduled thread) then lands on every row count alike instead of on
+/// whichever was being measured, and a stray call that took ten times as long moves no median.
 ///
 /// # Errors
 /// Decode failures.
@@ -445,54 +476,54 @@ pub fn measure_cost_curve(
     let pos0 = context.len() as i32;
     let max_rows = rows.iter().copied().max().unwrap_or(1);
     let mut batch = leap_host::Batch::new(max_rows, 1);
-    // `cut`: the decode stops at the hidden states (no logits to read).
-    let mut time =
+    // One call of `k` rows, rolled back; `cut`: the decode stops at the hidden states (no
+    // logits to read).
+    let mut once =
         |ctx: &mut leap_host::Context, k: usize, all: bool, cut: bool| -> leap_host::Result<f64> {
-            let mut total = 0.0;
-            for _ in 0..reps.max(1) {
-                batch.clear();
-                for i in 0..k {
-                    let t = context[(i * 7919) % context.len()];
-                    batch.add(t, pos0 + i as i32, &[0], all || i + 1 == k)?;
-                }
-                let t0 = std::time::Instant::now();
-                ctx.decode(&batch)?;
-                if !cut {
-                    ctx.logits(-1)?;
-                }
-                total += t0.elapsed().as_secs_f64();
-                ctx.seq_rm(0, pos0, -1);
+            batch.clear();
+            for i in 0..k {
+                let t = context[(i * 7919) % context.len()];
+                batch.add(t, pos0 + i as i32, &[0], all || i + 1 == k)?;
             }
-            Ok(total / reps.max(1) as f64)
+            let t0 = std::time::Instant::now();
+            ctx.decode(&batch)?;
+            if !cut {
+                ctx.logits(-1)?;
+            }
+            let s = t0.elapsed().as_secs_f64();
+            ctx.seq_rm(0, pos0, -1);
+            Ok(s)
         };
-    time(ctx, 1, true, false)?; // warm-up
-    let mut out = Vec::new();
-    for &k in rows {
-        let all_logits = time(ctx, k, true, false)?;
-        let last_logits = time(ctx, k, false, false)?;
-        let cut = match od {
-            Some(od) => {
+    once(ctx, 1, true, false)?; // warm-up
+                                // Per row count: all logits, last logits, cut, projection.
+    let mut samples = vec![[(); 4].map(|()| Vec::with_capacity(reps.max(1))); rows.len()];
+    // The projection's output rows, kept between calls as the engine keeps its own.
+    let mut outs = vec![Vec::new(); max_rows];
+    for _ in 0..reps.max(1) {
+        for (&k, s) in rows.iter().zip(&mut samples) {
+            s[0].push(once(ctx, k, true, false)?);
+            s[1].push(once(ctx, k, false, false)?);
+            if let Some(od) = od {
                 od.arm(true);
-                let t = time(ctx, k, true, true);
+                let t = once(ctx, k, true, true);
                 od.disarm();
-                let cut = t?;
+                s[2].push(t?);
                 let hidden = od.take_hidden()?;
                 let hs: Vec<&[f32]> = hidden.chunks_exact(od.n_embd()).collect();
-                let mut outs = vec![Vec::new(); hs.len()];
                 let t0 = std::time::Instant::now();
-                for _ in 0..reps.max(1) {
-                    od.logits_rows(&hs, &mut outs);
-                }
-                Some((cut, t0.elapsed().as_secs_f64() / reps.max(1) as f64))
+                od.logits_rows(&hs, &mut outs[..hs.len()]);
+                s[3].push(t0.elapsed().as_secs_f64());
             }
-            None => None,
-        };
-        out.push(CostPoint {
-            rows: k,
-            all_logits,
-            last_logits,
-            cut,
-        });
+        }
     }
-    Ok(out)
+    Ok(rows
+        .iter()
+        .zip(&mut samples)
+        .map(|(&k, [all, last, cut, proj])| CostPoint {
+            rows: k,
+            all_logits: median(all),
+            last_logits: median(last),
+            cut: od.map(|_| (median(cut), median(proj))),
+        })
+        .collect())
 }

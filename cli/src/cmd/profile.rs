@@ -20,7 +20,8 @@ pub struct ProfileArgs {
     /// Row counts to measure, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,6,8,12,16")]
     rows: Vec<usize>,
-    /// Calls per measurement (the mean is reported).
+    /// Rounds of measurement: each round times every row count once, and the median over the
+    /// rounds is reported (so a busy moment on a shared machine moves no figure much).
     #[arg(long, default_value_t = 10)]
     reps: usize,
     #[command(flatten)]
@@ -59,10 +60,8 @@ pub fn profile(a: ProfileArgs) -> Result<()> {
     tokens.truncate(a.context.max(1));
     let curve =
         leap_spec::control::measure_cost_curve(&mut ctx, od.as_ref(), &tokens, &a.rows, a.reps)?;
-    let base = curve
-        .iter()
-        .find(|p| p.rows == 1)
-        .map_or(curve[0].all_logits, |p| p.all_logits);
+    let one = curve.iter().find(|p| p.rows == 1).unwrap_or(&curve[0]);
+    let (base, engine_base) = (one.all_logits, one.engine());
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -75,30 +74,45 @@ pub fn profile(a: ProfileArgs) -> Result<()> {
     )?;
     writeln!(
         out,
-        "{:>5} {:>12} {:>10} {:>12} {:>10} {:>12} {:>12}",
-        "rows", "all logits", "vs 1 row", "last logits", "vs 1 row", "hidden only", "project all"
+        "{:>5} {:>12} {:>10} {:>12} {:>10} {:>12} {:>12} {:>10}",
+        "rows",
+        "all logits",
+        "vs 1 row",
+        "last logits",
+        "vs 1 row",
+        "hidden only",
+        "project all",
+        "vs 1 row"
     )?;
     for p in &curve {
-        let (cut, proj) = p.cut.map_or(("-".into(), "-".into()), |(c, j)| {
-            (format!("{:.2} ms", c * 1e3), format!("{:.2} ms", j * 1e3))
-        });
+        let (cut, proj, engine) = p
+            .cut
+            .map_or(("-".into(), "-".into(), "-".into()), |(c, j)| {
+                (
+                    format!("{:.2} ms", c * 1e3),
+                    format!("{:.2} ms", j * 1e3),
+                    format!("{:.2}x", p.engine() / engine_base),
+                )
+            });
         writeln!(
             out,
-            "{:>5} {:>9.2} ms {:>9.2}x {:>9.2} ms {:>9.2}x {:>12} {:>12}",
+            "{:>5} {:>9.2} ms {:>9.2}x {:>9.2} ms {:>9.2}x {:>12} {:>12} {:>10}",
             p.rows,
             p.all_logits * 1e3,
             p.all_logits / base,
             p.last_logits * 1e3,
             p.last_logits / base,
             cut,
-            proj
+            proj,
+            engine
         )?;
     }
     if od.is_some() {
         writeln!(
         out,
             "hidden only: the call cut before the output projection (Leap's on-demand projection); \
-             project all: every row's logits in one pass afterwards"
+             project all: every row's logits in one pass afterwards (the engine's path: \
+             the last column, hidden only + project all against one row's)"
         )?;
     }
     Ok(())
