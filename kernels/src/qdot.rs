@@ -113,6 +113,15 @@ mod x86;
 /// every accumulator in a register.
 const GROUP: usize = 4;
 
+/// The fewest activation rows for which `Q8_0` takes the AVX-512 kernel. Its 8-bit weights
+/// need no unpacking, so at one or two rows the 512-bit pass has nothing to amortise and loses
+/// to the 256-bit VNNI one; from three rows on it wins. Gemma 3's output projection (262144 x
+/// 640 `Q8_0`), 2 threads, median of 11 rounds on the AVX-512 Xeon VM: 1 row 14.3-14.5 ms
+/// against 13.2-13.4, 3 rows 16.9-17.1 against 17.4-17.6, 8 rows 25.1-25.3 against 33.5-33.7.
+/// (`variant` names it.)
+#[cfg(target_arch = "x86_64")]
+const Q8_0_ZMM_FROM: usize = 3;
+
 /// Calls `f(activation rows, weight row, outputs)` for every weight row of `w` (`nb`
 /// super-blocks of `block` bytes) and every group of up to [`GROUP`] activation rows: the
 /// k-quant kernels' driver on every architecture (inlined into each one's `target_feature`
@@ -178,6 +187,9 @@ pub struct Kernel {
     /// AVX-512 registers holding two weight rows' lanes each (with VNNI); for the k-quants,
     /// their 256-bit code with AVX-512VL's 32 registers.
     zmm: bool,
+    /// The fewest activation rows a call takes the AVX-512 path for (fewer take the 256-bit
+    /// one; see [`Kernel::new`]).
+    zmm_from: usize,
     /// AArch64: the integer sums with `sdot` (FEAT_DotProd) instead of `smull` + `sadalp`;
     /// the same integers.
     sdot: bool,
@@ -239,17 +251,14 @@ impl Kernel {
             {
                 let vnni = std::arch::is_x86_feature_detected!("avx512vnni")
                     && std::arch::is_x86_feature_detected!("avx512vl");
-                // Not for Q8_0: its 512-bit kernel ran a 65536 x 640 pass 4x slower than the
-                // 256-bit ones (6.1 ms against 1.6 ms, one thread, one row), where Q5_0's and
-                // Q4_1's run faster (`tests/benches/kernels.rs`, `qdot`).
                 let zmm = vnni
-                    && kind != Kind::Q8_0
                     && std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw");
                 return Some(Self {
                     kind,
                     vnni,
                     zmm,
+                    zmm_from: if kind == Kind::Q8_0 { Q8_0_ZMM_FROM } else { 1 },
                     sdot: false,
                     i8mm: false,
                     ggml_dotprod: false,
@@ -263,6 +272,7 @@ impl Kernel {
                 kind,
                 vnni: false,
                 zmm: false,
+                zmm_from: 1,
                 sdot: std::arch::is_aarch64_feature_detected!("dotprod"),
                 i8mm: std::arch::is_aarch64_feature_detected!("i8mm"),
                 ggml_dotprod: false,
@@ -303,6 +313,7 @@ impl Kernel {
     /// Which instructions this kernel runs (for `-v` and tests): e.g. `neon+sdot`.
     pub fn variant(&self) -> &'static str {
         match (self.zmm, self.vnni, self.sdot, self.i8mm) {
+            (true, _, _, _) if self.zmm_from > 1 => "avx512-from-3-rows",
             (true, _, _, _) => "avx512",
             (_, true, _, _) => "avx2+vnni",
             (_, _, _, true) if cfg!(target_arch = "aarch64") => "neon+i8mm",
@@ -326,18 +337,27 @@ impl Kernel {
         Self { zmm: false, ..self }
     }
 
-    /// The same kernel on AVX-512 registers where this CPU has them, also for `Q8_0`, which
-    /// [`Kernel::new`] keeps off them: for comparing them.
+    /// The same kernel on AVX-512 registers where this CPU has them, for any number of rows
+    /// (also `Q8_0`'s one and two, which [`Kernel::new`] keeps off them): for comparing them.
     pub fn with_zmm(self) -> Self {
         #[cfg(target_arch = "x86_64")]
         {
             let zmm = self.vnni
                 && std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw");
-            Self { zmm, ..self }
+            Self {
+                zmm,
+                zmm_from: 1,
+                ..self
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         self
+    }
+
+    /// Whether a call of `rows` activation rows takes the AVX-512 path.
+    fn wide(&self, rows: usize) -> bool {
+        self.zmm && rows >= self.zmm_from
     }
 
     /// The weight type.
@@ -377,7 +397,7 @@ impl Kernel {
         for a in acts {
             assert!(a.len() >= nb * ab, "activation row too short");
             scales.extend((0..nb).map(|b| f16(a, b * ab)));
-            if self.zmm {
+            if self.wide(acts.len()) {
                 let flip = if self.kind == Kind::Q4_1 { 0 } else { 0x80 };
                 for b in 0..nb {
                     qs.extend(a[b * ab + q_at..(b + 1) * ab].iter().map(|&q| q ^ flip));
@@ -451,7 +471,7 @@ impl Kernel {
                 kquant::q6k_wide(&acts.rows, acts.nb, w, out)
             } else if self.kind == Kind::Q6K {
                 kquant::q6k(&acts.rows, acts.nb, w, out)
-            } else if self.zmm {
+            } else if self.wide(acts.len()) {
                 x86::zmm::many(self.kind, acts, w, out)
             } else if self.vnni {
                 x86::vnni::many(self.kind, acts, w, out)
