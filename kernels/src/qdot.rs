@@ -136,10 +136,24 @@ unsafe fn by_groups(
     out: &mut [f32],
     f: impl Fn(&[*const u8], *const u8, &mut [f32]),
 ) {
+    by_groups_of::<GROUP>(rows, nb, w, block, out, f)
+}
+
+/// [`by_groups`] with groups of up to `G` rows.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn by_groups_of<const G: usize>(
+    rows: &[&[u8]],
+    nb: usize,
+    w: &[u8],
+    block: usize,
+    out: &mut [f32],
+    f: impl Fn(&[*const u8], *const u8, &mut [f32]),
+) {
     let m = rows.len();
-    for g0 in (0..m).step_by(GROUP) {
-        let gl = (m - g0).min(GROUP);
-        let ptrs: [*const u8; GROUP] =
+    for g0 in (0..m).step_by(G) {
+        let gl = (m - g0).min(G);
+        let ptrs: [*const u8; G] =
             std::array::from_fn(|r| rows.get(g0 + r).map_or(std::ptr::null(), |a| a.as_ptr()));
         for (i, x) in w.chunks_exact(nb * block).enumerate() {
             f(
@@ -184,8 +198,8 @@ pub struct Kernel {
     kind: Kind,
     /// AVX-512 VNNI (`vpdpbusd`): the same integer lane sums in one instruction.
     vnni: bool,
-    /// AVX-512 registers holding two weight rows' lanes each (with VNNI); for the k-quants,
-    /// their 256-bit code with AVX-512VL's 32 registers.
+    /// AVX-512 registers (with VNNI): two weight rows' lanes in each for the 32-weight
+    /// blocks, a sub-block pair's 64 quants in each for the k-quants.
     zmm: bool,
     /// The fewest activation rows a call takes the AVX-512 path for (fewer take the 256-bit
     /// one; see [`Kernel::new`]).
@@ -464,11 +478,11 @@ impl Kernel {
         // SAFETY: `new` checked the CPU features; lengths checked above and in `prepare`.
         unsafe {
             if self.kind == Kind::Q4K && self.zmm {
-                kquant::q4k_wide(&acts.rows, acts.nb, w, out)
+                kquant::zmm::q4k(&acts.rows, acts.nb, w, out)
             } else if self.kind == Kind::Q4K {
                 kquant::q4k(&acts.rows, acts.nb, w, out)
             } else if self.kind == Kind::Q6K && self.zmm {
-                kquant::q6k_wide(&acts.rows, acts.nb, w, out)
+                kquant::zmm::q6k(&acts.rows, acts.nb, w, out)
             } else if self.kind == Kind::Q6K {
                 kquant::q6k(&acts.rows, acts.nb, w, out)
             } else if self.wide(acts.len()) {

@@ -9,6 +9,9 @@
 //! super-block in the same lanes, and ggml's final reductions, so each result is bit-identical
 //! to ggml's single-row call. The scale shuffles are tables (one load each): building them with
 //! `_mm256_setr_epi8` in the loop cost more than the arithmetic.
+//!
+//! Where the CPU has AVX-512BW and VNNI, [`zmm`] runs the same arithmetic two 256-bit operands
+//! to a register, eight rows to a group.
 
 use std::arch::x86_64::*;
 
@@ -107,14 +110,6 @@ macro_rules! entries {
 }
 
 entries!("avx2,fma,f16c", q4k, q6k);
-// The same code where AVX-512VL gives it 32 vector registers instead of 16: groups of 3 and 4
-// rows keep their accumulators in registers (16384 x 2048 Q4_K weights, 4 rows: 2.03 ms
-// against 2.41 ms; `tests/benches/kernels.rs`, `qdot/Q4K`).
-entries!(
-    "avx2,fma,f16c,avx512f,avx512vl,avx512bw",
-    q4k_wide,
-    q6k_wide
-);
 
 /// One `Q4_K` weight row (at `x`) against `R` activation rows: ggml's AVX2 `vec_dot_q4_K_q8_K`
 /// for each row, with the weight quants and scales unpacked once per 64 values for all rows
@@ -245,5 +240,233 @@ unsafe fn q6k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
     }
     for r in 0..R {
         out[r] = hsum8(acc[r]);
+    }
+}
+
+/// The same arithmetic on 512-bit registers (AVX-512BW and VNNI), eight activation rows to a
+/// pass over a weight row.
+///
+/// Each register holds two of ggml's 256-bit operands side by side: a sub-block pair's 64
+/// quants (`Q4_K`'s low and high nibbles of 32 bytes, `Q6_K`'s groups g and g+1), the 64
+/// activation bytes they meet (consecutive in `Q8_K`, so one load), and the pair's scales. A
+/// row's products are then one `vpmaddubsw` and one `vpdpwssd` (ggml's `vpmaddwd` and
+/// `vpaddd` in one, without saturation as those) per 64 quants, where ggml's code takes six
+/// instructions. At a super-block's end the two halves are added: lane l of the sum is ggml's
+/// lane l (the same four products of each half, added exactly), so the float steps after it
+/// are ggml's own.
+pub(super) mod zmm {
+    use super::*;
+
+    /// `PAIR2[j]`, in each 128-bit lane: scale pair `2j` over the low 256 bits, `2j + 1` over
+    /// the high (`Q4_K`: the scales of the low and the high nibbles of quant bytes 32j..).
+    static PAIR2: [[u8; 64]; 4] = {
+        let mut t = [[0u8; 64]; 4];
+        let mut j = 0;
+        while j < 4 {
+            let mut k = 0;
+            while k < 64 {
+                t[j][k] = (2 * (2 * j + k / 32) + k % 2) as u8;
+                k += 1;
+            }
+            j += 1;
+        }
+        t
+    };
+
+    /// `HALF2[i]`: [`HALF`]`[2i]` then `HALF[2i + 1]` (`Q6_K`: groups 2i and 2i + 1's scale
+    /// bytes, each for 16 quants).
+    static HALF2: [[u8; 32]; 4] = {
+        let mut t = [[0u8; 32]; 4];
+        let mut i = 0;
+        while i < 4 {
+            let mut k = 0;
+            while k < 32 {
+                t[i][k] = HALF[2 * i + k / 16][k % 16];
+                k += 1;
+            }
+            i += 1;
+        }
+        t
+    };
+
+    /// A 512-bit integer sum's halves added: ggml's 256-bit lanes.
+    #[inline(always)]
+    unsafe fn halves(x: __m512i) -> __m256i {
+        _mm256_add_epi32(_mm512_castsi512_si256(x), _mm512_extracti64x4_epi64::<1>(x))
+    }
+
+    /// `out[i * rows.len() + r]` = weight row i (of `nb` `Q4_K` super-blocks in `w`) ·
+    /// `rows[r]`.
+    ///
+    /// # Safety
+    /// The CPU has these features; every activation row holds `nb` `Q8_K` super-blocks; `w`
+    /// whole rows; `out` one value per weight row and activation row.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    pub(in crate::qdot) unsafe fn q4k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
+        crate::qdot::by_groups_of::<8>(rows, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
+            1 => q4k_rows::<1>(ys, nb, x, o),
+            2 => q4k_rows::<2>(ys, nb, x, o),
+            3 => q4k_rows::<3>(ys, nb, x, o),
+            4 => q4k_rows::<4>(ys, nb, x, o),
+            5 => q4k_rows::<5>(ys, nb, x, o),
+            6 => q4k_rows::<6>(ys, nb, x, o),
+            7 => q4k_rows::<7>(ys, nb, x, o),
+            _ => q4k_rows::<8>(ys, nb, x, o),
+        })
+    }
+
+    /// As the `Q4_K` kernel beside it, for `Q6_K` weights.
+    ///
+    /// # Safety
+    /// As that kernel.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    pub(in crate::qdot) unsafe fn q6k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
+        crate::qdot::by_groups_of::<8>(rows, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
+            1 => q6k_rows::<1>(ys, nb, x, o),
+            2 => q6k_rows::<2>(ys, nb, x, o),
+            3 => q6k_rows::<3>(ys, nb, x, o),
+            4 => q6k_rows::<4>(ys, nb, x, o),
+            5 => q6k_rows::<5>(ys, nb, x, o),
+            6 => q6k_rows::<6>(ys, nb, x, o),
+            7 => q6k_rows::<7>(ys, nb, x, o),
+            _ => q6k_rows::<8>(ys, nb, x, o),
+        })
+    }
+
+    /// [`super::q4k_rows`] on 512-bit registers.
+    #[inline(always)]
+    unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, out: &mut [f32]) {
+        const KMASK1: u32 = 0x3f3f_3f3f;
+        const KMASK2: u32 = 0x0f0f_0f0f;
+        const KMASK3: u32 = 0x0303_0303;
+        let m4 = _mm512_set1_epi8(0xF);
+        let ys: [*const u8; R] = std::array::from_fn(|r| ys[r]);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut acc_m = [_mm_setzero_ps(); R];
+        for sb in 0..nb {
+            let x = x.add(sb * Q4K_BYTES);
+            let (xd, xdmin) = (f16_at(x), f16_at(x.add(2)));
+            let mut u = [0u32; 4];
+            std::ptr::copy_nonoverlapping(x.add(4), u.as_mut_ptr().cast::<u8>(), 12);
+            u[3] = ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4);
+            let uaux = u[1] & KMASK1;
+            u[1] = (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4);
+            u[2] = uaux;
+            u[0] &= KMASK1;
+            let ms = _mm256_cvtepu8_epi16(_mm_set_epi32(
+                u[3] as i32,
+                u[2] as i32,
+                u[1] as i32,
+                u[0] as i32,
+            ));
+            let mins = _mm256_extracti128_si256(ms, 1);
+            let scales = _mm512_broadcast_i32x4(_mm256_extracti128_si256(ms, 0));
+            let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
+            for r in 0..R {
+                let dmin = -std::ptr::read_unaligned(ys[r].cast::<f32>()) * xdmin;
+                let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
+                let q8s = _mm_hadd_epi16(
+                    _mm256_extracti128_si256(q8sums, 0),
+                    _mm256_extracti128_si256(q8sums, 1),
+                );
+                let prod = _mm_madd_epi16(mins, q8s);
+                acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+            }
+            let q4 = x.add(16);
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for (j, pair) in PAIR2.iter().enumerate() {
+                // Low nibbles of 32 bytes, then their high nibbles: 64 quants, against the
+                // 64 activation bytes at 64j.
+                let bits = _mm256_loadu_si256(q4.add(32 * j).cast());
+                let q = _mm512_and_si512(
+                    _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(bits),
+                        _mm256_srli_epi16(bits, 4),
+                    ),
+                    m4,
+                );
+                let s = _mm512_shuffle_epi8(scales, _mm512_loadu_si512(pair.as_ptr().cast()));
+                for r in 0..R {
+                    let y = _mm512_loadu_si512(ys[r].add(4 + 64 * j).cast());
+                    sumi[r] = _mm512_dpwssd_epi32(sumi[r], s, _mm512_maddubs_epi16(q, y));
+                }
+            }
+            for r in 0..R {
+                let d = std::ptr::read_unaligned(ys[r].cast::<f32>()) * xd;
+                acc[r] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(d),
+                    _mm256_cvtepi32_ps(halves(sumi[r])),
+                    acc[r],
+                );
+            }
+        }
+        for r in 0..R {
+            let mut am = acc_m[r];
+            am = _mm_add_ps(am, _mm_movehl_ps(am, am));
+            am = _mm_add_ss(am, _mm_movehdup_ps(am));
+            out[r] = hsum8(acc[r]) + _mm_cvtss_f32(am);
+        }
+    }
+
+    /// [`super::q6k_rows`] on 512-bit registers.
+    #[inline(always)]
+    unsafe fn q6k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, out: &mut [f32]) {
+        let m15 = _mm512_set1_epi8(15);
+        // Per half: which two bits of the high-bit byte a group takes, and how far they move
+        // to bits 4 and 5 (groups 0 | 1 left, groups 2 | 3 right).
+        let mask01 = _mm512_inserti64x4::<1>(_mm512_set1_epi8(3), _mm256_set1_epi8(12));
+        let shl01 = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+        let mask23 = _mm512_inserti64x4::<1>(_mm512_set1_epi8(48), _mm256_set1_epi8(-64));
+        let shr23 = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+        let ys: [*const u8; R] = std::array::from_fn(|r| ys[r]);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for sb in 0..nb {
+            let x = x.add(sb * Q6K_BYTES);
+            let (ql, qhp) = (x, x.add(128));
+            let xd = f16_at(x.add(208));
+            let scales = _mm_loadu_si128(x.add(192).cast());
+            let scales_16 = _mm256_cvtepi8_epi16(scales);
+            let scales2 = _mm256_broadcastsi128_si256(scales);
+            let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
+            let base: [__m256i; R] = std::array::from_fn(|r| {
+                let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
+                // ggml subtracts 32 * (scale-weighted quant sums) at the end; exact either way.
+                _mm256_sub_epi32(
+                    _mm256_setzero_si256(),
+                    _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5),
+                )
+            });
+            let mut sumi = [_mm512_setzero_si512(); R];
+            for j in 0..2 {
+                let b = _mm512_loadu_si512(ql.add(64 * j).cast());
+                let bh = _mm512_broadcast_i64x4(_mm256_loadu_si256(qhp.add(32 * j).cast()));
+                let h01 = _mm512_sllv_epi16(_mm512_and_si512(bh, mask01), shl01);
+                let h23 = _mm512_srlv_epi16(_mm512_and_si512(bh, mask23), shr23);
+                let q01 = _mm512_or_si512(_mm512_and_si512(b, m15), h01);
+                let q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), m15), h23);
+                let s = |i: usize| {
+                    _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(
+                        scales2,
+                        _mm256_loadu_si256(HALF2[i].as_ptr().cast()),
+                    ))
+                };
+                let (s01, s23) = (s(2 * j), s(2 * j + 1));
+                for r in 0..R {
+                    let y = ys[r].add(4 + 128 * j);
+                    let p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(y.cast()));
+                    let p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(y.add(64).cast()));
+                    sumi[r] = _mm512_dpwssd_epi32(sumi[r], s01, p01);
+                    sumi[r] = _mm512_dpwssd_epi32(sumi[r], s23, p23);
+                }
+            }
+            for r in 0..R {
+                let d = std::ptr::read_unaligned(ys[r].cast::<f32>()) * xd;
+                let s = _mm256_add_epi32(base[r], halves(sumi[r]));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r]);
+            }
+        }
+        for r in 0..R {
+            out[r] = hsum8(acc[r]);
+        }
     }
 }
