@@ -291,6 +291,11 @@ pub(super) mod zmm {
         let yd = acts.scales.as_ptr().add(r0 * nb);
         let mut acc = [_mm512_setzero_ps(); K];
         let mut summs = [[0.0f32; K]; 2];
+        // `Q4_1`'s `m * s` sums for whole groups of four rows (`r0` is then a multiple of
+        // four: `many` takes 8 or 4 rows first): four rows' running sums in one register per
+        // weight row, each lane the same fused multiply-add chain as ggml's scalar one.
+        let by4 = K.is_multiple_of(GROUP);
+        let mut summs4 = [[_mm_setzero_ps(); 2]; 2];
         for b in 0..nb {
             let (xa, xb) = (x0.add(b * wb), x1.add(b * wb));
             let qx = match kind {
@@ -302,16 +307,28 @@ pub(super) mod zmm {
             let d = pair_ps(f16(xa), f16(xb));
             if kind == Kind::Q4_1 {
                 let (m0, m1) = (f16(xa.add(2)), f16(xb.add(2)));
-                let ys = acts.sums.as_ptr().add(r0 * nb);
+                if by4 {
+                    let gs = acts.group_sums.as_ptr();
+                    let (v0, v1) = (_mm_set1_ps(m0), _mm_set1_ps(m1));
+                    for h in 0..K / GROUP {
+                        let s = _mm_loadu_ps(gs.add(((r0 / GROUP + h) * nb + b) * GROUP));
+                        summs4[0][h] = _mm_fmadd_ps(v0, s, summs4[0][h]);
+                        summs4[1][h] = _mm_fmadd_ps(v1, s, summs4[1][h]);
+                    }
+                } else {
+                    let ys = acts.sums.as_ptr().add(r0 * nb);
+                    for r in 0..K {
+                        let s = *ys.add(r * nb + b);
+                        summs[0][r] = m0.mul_add(s, summs[0][r]);
+                        summs[1][r] = m1.mul_add(s, summs[1][r]);
+                    }
+                }
                 for r in 0..K {
                     let y =
                         _mm512_broadcast_i64x4(_mm256_loadu_si256(q.add((r * nb + b) * 32).cast()));
                     let lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, y);
                     let dd = _mm512_mul_ps(d, _mm512_set1_ps(*yd.add(r * nb + b)));
                     acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[r]);
-                    let s = *ys.add(r * nb + b);
-                    summs[0][r] = m0.mul_add(s, summs[0][r]);
-                    summs[1][r] = m1.mul_add(s, summs[1][r]);
                 }
             } else {
                 let c =
@@ -323,6 +340,15 @@ pub(super) mod zmm {
                     let lanes = _mm512_dpbusd_epi32(negc, y, qx);
                     let dd = _mm512_mul_ps(d, _mm512_set1_ps(*yd.add(r * nb + b)));
                     acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[r]);
+                }
+            }
+        }
+        if by4 {
+            for (w, sums) in summs4.iter().enumerate() {
+                for (h, v) in sums.iter().take(K / GROUP).enumerate() {
+                    let mut lanes = [0.0f32; GROUP];
+                    _mm_storeu_ps(lanes.as_mut_ptr(), *v);
+                    summs[w][h * GROUP..(h + 1) * GROUP].copy_from_slice(&lanes);
                 }
             }
         }
