@@ -277,15 +277,12 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
             chunk_dots(dots, x0.at(c.i02 * nb02 + r0 * nb01), nb01, c, q, sums);
             // Each output row's run r0..r1 in address order (one row after another, the
             // stores went 4 KB apart on Gemma's 1024 cells and stalled).
-            for kk in 0..c.len {
+            // SAFETY: elements (r0..r1, i11, i12) of dst; tasks write disjoint elements.
+            leap_kernels::transpose::columns_to(sums, c.len, r1 - r0, |kk| {
                 let k = c.k0 + kk;
                 let (i12, i11) = (c.i02 * r2 + k / ne11, k % ne11);
-                // SAFETY: elements (r0..r1, i11, i12) of dst; tasks write disjoint elements.
-                let out = dst.at(i12 * dst_nb2 + i11 * dst_nb1 + r0 * 4).cast::<f32>();
-                for (j, row) in sums.chunks_exact(c.len).enumerate() {
-                    *out.add(j) = row[kk];
-                }
-            }
+                dst.at(i12 * dst_nb2 + i11 * dst_nb1 + r0 * 4).cast::<f32>()
+            });
         }
     };
     parallel(threads.min(tasks), &|tid, nth| {

@@ -155,13 +155,10 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
             let cm = acts.len();
             tmp.resize(len * cm, 0.0);
             k.dot_many(acts, tile, tmp);
-            for r in 0..cm {
-                // SAFETY: row r of dst holds n_w floats; tasks write disjoint columns.
-                let out = dst.at(sel[c * CHUNK + r] * dst_row).cast::<f32>().add(i0);
-                for i in 0..len {
-                    *out.add(i) = tmp[i * cm + r];
-                }
-            }
+            // SAFETY: row r of dst holds n_w floats; tasks write disjoint columns.
+            leap_kernels::transpose::columns_to(tmp, cm, len, |r| {
+                dst.at(sel[c * CHUNK + r] * dst_row).cast::<f32>().add(i0)
+            });
         }
     };
     parallel(threads.min(tasks), &|tid, nth| {

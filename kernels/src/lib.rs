@@ -2,7 +2,8 @@
 //! row cheap and give it, bit for bit, what ggml's CPU backend gives that row alone
 //! ([`qdot`]), attention's f16 products ([`kq`]) and Gemma's GELU-gated unit ([`geglu`]) under
 //! the same contract, sparse attention's int8 estimate ([`est`]) and exact inner loops
-//! ([`f16`]), and the half-precision conversion they share.
+//! ([`f16`]), the half-precision conversion they share, and the move of a result tile into
+//! ggml's rows ([`transpose`]).
 //!
 //! No FFI and no dependencies: the checks against the ggml a process actually loaded live with
 //! the callers (`leap_host::qdot::agrees_with_ggml`, `leap_backend`). Here each architecture's
@@ -18,3 +19,4 @@ pub mod kq;
 pub mod qdot;
 pub mod reference;
 pub mod rng;
+pub mod transpose;
