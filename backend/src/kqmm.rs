@@ -275,8 +275,8 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
             sums.resize((r1 - r0) * c.len, 0.0);
             let sums = &mut sums[..(r1 - r0) * c.len];
             chunk_dots(dots, x0.at(c.i02 * nb02 + r0 * nb01), nb01, c, q, sums);
-            // Each output row's run r0..r1 in address order (one row after another, the
-            // stores went 4 KB apart on Gemma's 1024 cells and stalled).
+            // Each output row's run r0..r1 in address order, eight rows at a time (stores
+            // scattered over every row went 4 KB apart on Gemma's 1024 cells and stalled).
             // SAFETY: elements (r0..r1, i11, i12) of dst; tasks write disjoint elements.
             leap_kernels::transpose::columns_to(sums, c.len, r1 - r0, |kk| {
                 let k = c.k0 + kk;

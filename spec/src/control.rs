@@ -494,8 +494,8 @@ pub fn measure_cost_curve(
             ctx.seq_rm(0, pos0, -1);
             Ok(s)
         };
-    once(ctx, 1, true, false)?; // warm-up
-                                // Per row count: all logits, last logits, cut, projection.
+    // A warm-up call, then per row count: all logits, last logits, cut, projection.
+    once(ctx, 1, true, false)?;
     let mut samples = vec![[(); 4].map(|()| Vec::with_capacity(reps.max(1))); rows.len()];
     // The projection's output rows, kept between calls as the engine keeps its own.
     let mut outs = vec![Vec::new(); max_rows];
