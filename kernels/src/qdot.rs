@@ -121,28 +121,16 @@ const GROUP: usize = 4;
 /// (`variant` names it.)
 #[cfg(target_arch = "x86_64")]
 const Q8_0_ZMM_FROM: usize = 3;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(Q8_0_ZMM_FROM == 3, "Kernel::variant names the threshold");
 
 /// Calls `f(activation rows, weight row, outputs)` for every weight row of `w` (`nb`
-/// super-blocks of `block` bytes) and every group of up to [`GROUP`] activation rows: the
+/// super-blocks of `block` bytes) and every group of up to `G` activation rows: the
 /// k-quant kernels' driver on every architecture (inlined into each one's `target_feature`
 /// function, so that `f`'s kernel is too).
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[inline(always)]
-unsafe fn by_groups(
-    rows: &[&[u8]],
-    nb: usize,
-    w: &[u8],
-    block: usize,
-    out: &mut [f32],
-    f: impl Fn(&[*const u8], *const u8, &mut [f32]),
-) {
-    by_groups_of::<GROUP>(rows, nb, w, block, out, f)
-}
-
-/// [`by_groups`] with groups of up to `G` rows.
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
-#[inline(always)]
-unsafe fn by_groups_of<const G: usize>(
+unsafe fn by_groups<const G: usize>(
     rows: &[&[u8]],
     nb: usize,
     w: &[u8],

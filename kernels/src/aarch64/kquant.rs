@@ -147,7 +147,7 @@ macro_rules! entries {
         /// [`q4k`] with these integer sums.
         #[target_feature(enable = $features)]
         unsafe fn $q4k(ys: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-            super::by_groups(ys, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
+            super::by_groups::<GROUP>(ys, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
                 1 => q4k_rows::<$sums, 1>(ys, nb, x, o),
                 2 => q4k_rows::<$sums, 2>(ys, nb, x, o),
                 3 => q4k_rows::<$sums, 3>(ys, nb, x, o),
@@ -158,7 +158,7 @@ macro_rules! entries {
         /// [`q6k`] with these integer sums.
         #[target_feature(enable = $features)]
         unsafe fn $q6k(ys: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-            super::by_groups(ys, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
+            super::by_groups::<GROUP>(ys, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
                 1 => q6k_rows::<$sums, 1>(ys, nb, x, o),
                 2 => q6k_rows::<$sums, 2>(ys, nb, x, o),
                 3 => q6k_rows::<$sums, 3>(ys, nb, x, o),

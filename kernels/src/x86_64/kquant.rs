@@ -74,51 +74,106 @@ unsafe fn half_shuffle(i: usize) -> __m128i {
     _mm_loadu_si128(HALF[i].as_ptr().cast())
 }
 
-/// The kernels' entry points for one set of CPU features: `$q4k` and `$q6k`.
-macro_rules! entries {
-    ($features:literal, $q4k:ident, $q6k:ident) => {
-        /// `out[i * rows.len() + r]` = weight row i (of `nb` `Q4_K` super-blocks in `w`) ·
-        /// `rows[r]`.
-        ///
-        /// # Safety
-        /// The CPU has these features; every activation row holds `nb` `Q8_K` super-blocks;
-        /// `w` whole rows; `out` one value per weight row and activation row.
-        #[target_feature(enable = $features)]
-        pub(super) unsafe fn $q4k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-            super::by_groups(rows, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
-                1 => q4k_rows::<1>(ys, nb, x, o),
-                2 => q4k_rows::<2>(ys, nb, x, o),
-                3 => q4k_rows::<3>(ys, nb, x, o),
-                _ => q4k_rows::<4>(ys, nb, x, o),
-            })
-        }
+/// A `Q4_K` super-block's (at `x`) eight 6-bit sub-block scales and eight minima, each
+/// widened to 16 bits (ggml's `utmp` unpacking).
+#[inline(always)]
+unsafe fn q4k_scales_mins(x: *const u8) -> (__m128i, __m128i) {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let mut u = [0u32; 4];
+    std::ptr::copy_nonoverlapping(x.add(4), u.as_mut_ptr().cast::<u8>(), 12);
+    u[3] = ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4);
+    let uaux = u[1] & KMASK1;
+    u[1] = (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4);
+    u[2] = uaux;
+    u[0] &= KMASK1;
+    let ms = _mm256_cvtepu8_epi16(_mm_set_epi32(
+        u[3] as i32,
+        u[2] as i32,
+        u[1] as i32,
+        u[0] as i32,
+    ));
+    (
+        _mm256_extracti128_si256(ms, 0),
+        _mm256_extracti128_si256(ms, 1),
+    )
+}
 
-        /// As the `Q4_K` kernel beside it, for `Q6_K` weights.
-        ///
-        /// # Safety
-        /// As that kernel.
-        #[target_feature(enable = $features)]
-        pub(super) unsafe fn $q6k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-            super::by_groups(rows, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
-                1 => q6k_rows::<1>(ys, nb, x, o),
-                2 => q6k_rows::<2>(ys, nb, x, o),
-                3 => q6k_rows::<3>(ys, nb, x, o),
-                _ => q6k_rows::<4>(ys, nb, x, o),
-            })
+/// `acc_m` with one activation super-block's (at `y`) minimum term added: its `Q8_K` block
+/// sums against the weight's `mins`, times `-d * xdmin` (ggml's `acc_m` step).
+#[inline(always)]
+unsafe fn q4k_min_term(y: *const u8, mins: __m128i, xdmin: f32, acc_m: __m128) -> __m128 {
+    let dmin = -std::ptr::read_unaligned(y.cast::<f32>()) * xdmin;
+    let q8sums = _mm256_loadu_si256(y.add(260).cast());
+    let q8s = _mm_hadd_epi16(
+        _mm256_extracti128_si256(q8sums, 0),
+        _mm256_extracti128_si256(q8sums, 1),
+    );
+    let prod = _mm_madd_epi16(mins, q8s);
+    _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m)
+}
+
+/// A `Q4_K` row's result from its accumulators (ggml's final reductions).
+#[inline(always)]
+unsafe fn q4k_result(acc: __m256, acc_m: __m128) -> f32 {
+    let mut am = acc_m;
+    am = _mm_add_ps(am, _mm_movehl_ps(am, am));
+    am = _mm_add_ss(am, _mm_movehdup_ps(am));
+    hsum8(acc) + _mm_cvtss_f32(am)
+}
+
+/// A `Q6_K` row's integer sums' start for one activation super-block (at `y`): minus 32 times
+/// its scale-weighted `Q8_K` block sums (ggml subtracts them at the end; exact either way).
+#[inline(always)]
+unsafe fn q6k_offset(y: *const u8, scales_16: __m256i) -> __m256i {
+    let q8sums = _mm256_loadu_si256(y.add(260).cast());
+    _mm256_sub_epi32(
+        _mm256_setzero_si256(),
+        _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5),
+    )
+}
+
+/// `$f::<R>(ys, nb, x, out)` for `R` = `ys.len()`, one of `$n` or else `$last` (the group
+/// size is a constant in each kernel, so every accumulator lives in a register).
+macro_rules! by_count {
+    ($f:ident, $ys:expr, $nb:expr, $x:expr, $o:expr, [$($n:literal),*], $last:literal) => {
+        match $ys.len() {
+            $($n => $f::<$n>($ys, $nb, $x, $o),)*
+            _ => $f::<$last>($ys, $nb, $x, $o),
         }
     };
 }
 
-entries!("avx2,fma,f16c", q4k, q6k);
+/// `out[i * rows.len() + r]` = weight row i (of `nb` `Q4_K` super-blocks in `w`) ·
+/// `rows[r]`.
+///
+/// # Safety
+/// The CPU has these features; every activation row holds `nb` `Q8_K` super-blocks;
+/// `w` whole rows; `out` one value per weight row and activation row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
+    super::by_groups::<{ super::GROUP }>(rows, nb, w, Q4K_BYTES, out, |ys, x, o| {
+        by_count!(q4k_rows, ys, nb, x, o, [1, 2, 3], 4)
+    })
+}
+
+/// As the `Q4_K` kernel beside it, for `Q6_K` weights.
+///
+/// # Safety
+/// As that kernel.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
+    super::by_groups::<{ super::GROUP }>(rows, nb, w, Q6K_BYTES, out, |ys, x, o| {
+        by_count!(q6k_rows, ys, nb, x, o, [1, 2, 3], 4)
+    })
+}
 
 /// One `Q4_K` weight row (at `x`) against `R` activation rows: ggml's AVX2 `vec_dot_q4_K_q8_K`
 /// for each row, with the weight quants and scales unpacked once per 64 values for all rows
 /// and the accumulators in registers (`R` is a constant).
 #[inline(always)]
 unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, out: &mut [f32]) {
-    const KMASK1: u32 = 0x3f3f_3f3f;
-    const KMASK2: u32 = 0x0f0f_0f0f;
-    const KMASK3: u32 = 0x0303_0303;
     let m4 = _mm256_set1_epi8(0xF);
     let ys: [*const u8; R] = std::array::from_fn(|r| ys[r]);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -126,32 +181,11 @@ unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
     for sb in 0..nb {
         let x = x.add(sb * Q4K_BYTES);
         let (xd, xdmin) = (f16_at(x), f16_at(x.add(2)));
-        let mut u = [0u32; 4];
-        std::ptr::copy_nonoverlapping(x.add(4), u.as_mut_ptr().cast::<u8>(), 12);
-        u[3] = ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4);
-        let uaux = u[1] & KMASK1;
-        u[1] = (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4);
-        u[2] = uaux;
-        u[0] &= KMASK1;
-        let ms = _mm256_cvtepu8_epi16(_mm_set_epi32(
-            u[3] as i32,
-            u[2] as i32,
-            u[1] as i32,
-            u[0] as i32,
-        ));
-        let mins = _mm256_extracti128_si256(ms, 1);
-        let sc = _mm256_extracti128_si256(ms, 0);
+        let (sc, mins) = q4k_scales_mins(x);
         let scales = _mm256_set_m128i(sc, sc);
         let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
         for r in 0..R {
-            let dmin = -std::ptr::read_unaligned(ys[r].cast::<f32>()) * xdmin;
-            let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
-            let q8s = _mm_hadd_epi16(
-                _mm256_extracti128_si256(q8sums, 0),
-                _mm256_extracti128_si256(q8sums, 1),
-            );
-            let prod = _mm_madd_epi16(mins, q8s);
-            acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+            acc_m[r] = q4k_min_term(ys[r], mins, xdmin, acc_m[r]);
         }
         // The quants, 64 at a time: unpacked once and multiplied into every row's integer
         // sums (exact, so each lane ends with ggml's sum whatever the order).
@@ -178,10 +212,7 @@ unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
         }
     }
     for r in 0..R {
-        let mut am = acc_m[r];
-        am = _mm_add_ps(am, _mm_movehl_ps(am, am));
-        am = _mm_add_ss(am, _mm_movehdup_ps(am));
-        out[r] = hsum8(acc[r]) + _mm_cvtss_f32(am);
+        out[r] = q4k_result(acc[r], acc_m[r]);
     }
 }
 
@@ -199,14 +230,7 @@ unsafe fn q6k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
         let scales = _mm_loadu_si128(x.add(192).cast());
         let scales_16 = _mm256_cvtepi8_epi16(scales);
         let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
-        let mut sumi: [__m256i; R] = std::array::from_fn(|r| {
-            let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
-            // ggml subtracts 32 * (scale-weighted quant sums) at the end; exact either way.
-            _mm256_sub_epi32(
-                _mm256_setzero_si256(),
-                _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5),
-            )
-        });
+        let mut sumi: [__m256i; R] = std::array::from_fn(|r| q6k_offset(ys[r], scales_16));
         for j in 0..2 {
             let b1 = _mm256_loadu_si256(ql.add(64 * j).cast());
             let b2 = _mm256_loadu_si256(ql.add(64 * j + 32).cast());
@@ -303,15 +327,8 @@ pub(super) mod zmm {
     /// whole rows; `out` one value per weight row and activation row.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
     pub(in crate::qdot) unsafe fn q4k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-        crate::qdot::by_groups_of::<8>(rows, nb, w, Q4K_BYTES, out, |ys, x, o| match ys.len() {
-            1 => q4k_rows::<1>(ys, nb, x, o),
-            2 => q4k_rows::<2>(ys, nb, x, o),
-            3 => q4k_rows::<3>(ys, nb, x, o),
-            4 => q4k_rows::<4>(ys, nb, x, o),
-            5 => q4k_rows::<5>(ys, nb, x, o),
-            6 => q4k_rows::<6>(ys, nb, x, o),
-            7 => q4k_rows::<7>(ys, nb, x, o),
-            _ => q4k_rows::<8>(ys, nb, x, o),
+        crate::qdot::by_groups::<8>(rows, nb, w, Q4K_BYTES, out, |ys, x, o| {
+            by_count!(q4k_rows, ys, nb, x, o, [1, 2, 3, 4, 5, 6, 7], 8)
         })
     }
 
@@ -321,24 +338,14 @@ pub(super) mod zmm {
     /// As that kernel.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
     pub(in crate::qdot) unsafe fn q6k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-        crate::qdot::by_groups_of::<8>(rows, nb, w, Q6K_BYTES, out, |ys, x, o| match ys.len() {
-            1 => q6k_rows::<1>(ys, nb, x, o),
-            2 => q6k_rows::<2>(ys, nb, x, o),
-            3 => q6k_rows::<3>(ys, nb, x, o),
-            4 => q6k_rows::<4>(ys, nb, x, o),
-            5 => q6k_rows::<5>(ys, nb, x, o),
-            6 => q6k_rows::<6>(ys, nb, x, o),
-            7 => q6k_rows::<7>(ys, nb, x, o),
-            _ => q6k_rows::<8>(ys, nb, x, o),
+        crate::qdot::by_groups::<8>(rows, nb, w, Q6K_BYTES, out, |ys, x, o| {
+            by_count!(q6k_rows, ys, nb, x, o, [1, 2, 3, 4, 5, 6, 7], 8)
         })
     }
 
     /// [`super::q4k_rows`] on 512-bit registers.
     #[inline(always)]
     unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, out: &mut [f32]) {
-        const KMASK1: u32 = 0x3f3f_3f3f;
-        const KMASK2: u32 = 0x0f0f_0f0f;
-        const KMASK3: u32 = 0x0303_0303;
         let m4 = _mm512_set1_epi8(0xF);
         let ys: [*const u8; R] = std::array::from_fn(|r| ys[r]);
         let mut acc = [_mm256_setzero_ps(); R];
@@ -346,31 +353,11 @@ pub(super) mod zmm {
         for sb in 0..nb {
             let x = x.add(sb * Q4K_BYTES);
             let (xd, xdmin) = (f16_at(x), f16_at(x.add(2)));
-            let mut u = [0u32; 4];
-            std::ptr::copy_nonoverlapping(x.add(4), u.as_mut_ptr().cast::<u8>(), 12);
-            u[3] = ((u[2] >> 4) & KMASK2) | (((u[1] >> 6) & KMASK3) << 4);
-            let uaux = u[1] & KMASK1;
-            u[1] = (u[2] & KMASK2) | (((u[0] >> 6) & KMASK3) << 4);
-            u[2] = uaux;
-            u[0] &= KMASK1;
-            let ms = _mm256_cvtepu8_epi16(_mm_set_epi32(
-                u[3] as i32,
-                u[2] as i32,
-                u[1] as i32,
-                u[0] as i32,
-            ));
-            let mins = _mm256_extracti128_si256(ms, 1);
-            let scales = _mm512_broadcast_i32x4(_mm256_extracti128_si256(ms, 0));
+            let (sc, mins) = q4k_scales_mins(x);
+            let scales = _mm512_broadcast_i32x4(sc);
             let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
             for r in 0..R {
-                let dmin = -std::ptr::read_unaligned(ys[r].cast::<f32>()) * xdmin;
-                let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
-                let q8s = _mm_hadd_epi16(
-                    _mm256_extracti128_si256(q8sums, 0),
-                    _mm256_extracti128_si256(q8sums, 1),
-                );
-                let prod = _mm_madd_epi16(mins, q8s);
-                acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r]);
+                acc_m[r] = q4k_min_term(ys[r], mins, xdmin, acc_m[r]);
             }
             let q4 = x.add(16);
             let mut sumi = [_mm512_setzero_si512(); R];
@@ -401,10 +388,7 @@ pub(super) mod zmm {
             }
         }
         for r in 0..R {
-            let mut am = acc_m[r];
-            am = _mm_add_ps(am, _mm_movehl_ps(am, am));
-            am = _mm_add_ss(am, _mm_movehdup_ps(am));
-            out[r] = hsum8(acc[r]) + _mm_cvtss_f32(am);
+            out[r] = q4k_result(acc[r], acc_m[r]);
         }
     }
 
@@ -428,14 +412,7 @@ pub(super) mod zmm {
             let scales_16 = _mm256_cvtepi8_epi16(scales);
             let scales2 = _mm256_broadcastsi128_si256(scales);
             let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
-            let base: [__m256i; R] = std::array::from_fn(|r| {
-                let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
-                // ggml subtracts 32 * (scale-weighted quant sums) at the end; exact either way.
-                _mm256_sub_epi32(
-                    _mm256_setzero_si256(),
-                    _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5),
-                )
-            });
+            let base: [__m256i; R] = std::array::from_fn(|r| q6k_offset(ys[r], scales_16));
             let mut sumi = [_mm512_setzero_si512(); R];
             for j in 0..2 {
                 let b = _mm512_loadu_si512(ql.add(64 * j).cast());
