@@ -9,7 +9,12 @@
 //! ggml's four partial sums of a pair one after another (`x86::dots_blocked`). In a real call the cache comes mostly from
 //! memory, so the rows are prefetched ahead: without that (`6e523d9`) SmolLM2's one-row call
 //! took 12.1-13.1 ms, with it (`5124809`) 7.4-8.0 (`tests/examples/hiddentime.rs`, context
-//! 1000, the call cut before the output projection). On AArch64 (`neon`) one cache row meets up
+//! 1000, the call cut before the output projection). A pair's products end in ggml's reduction
+//! of its four 8-lane sums to one number; both x86-64 kernels reduce eight pairs at once
+//! (`x86::reduce8`, `x86::reduce8_256`: the same additions, eight pairs to a register), where a
+//! pair's own extractions and two 3-uop `hadd`s outnumbered the four fused multiply-adds of
+//! SmolLM2's 64-value key rows (Xeon, AVX-512, one thread, warm: SmolLM2's `kq` 18.8-20.0 -> 16.8-17.3 us at 1 row, 132-140 ->
+//! 123-126 at 8, `tests/benches/kernels.rs`). On AArch64 (`neon`) one cache row meets up
 //! to four query rows at a time; it has not been timed on hardware yet.
 //!
 //! Each output is bit-identical to ggml's `ggml_vec_dot_f16` for that pair alone, as ggml's

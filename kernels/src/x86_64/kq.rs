@@ -187,16 +187,47 @@ unsafe fn block<const R: usize, const G: usize>(
             i += 32;
         }
     }
+    // Pair (r, g)'s `(a0 + a2) + (a1 + a3)`, ggml's first reduction steps, in slot 4r + g.
+    let mut x0 = [_mm256_setzero_ps(); 8];
     for r in 0..R {
-        let x = std::slice::from_raw_parts(xs[r], n);
         for g in 0..G {
-            let x0 = _mm256_add_ps(
+            x0[4 * r + g] = _mm256_add_ps(
                 _mm256_add_ps(acc[0][r][g], acc[2][r][g]),
                 _mm256_add_ps(acc[1][r][g], acc[3][r][g]),
             );
-            sums[r * m + k0 + g] = finish(x0, x, ys[g], np);
         }
     }
+    let done = reduce8_256(x0);
+    for r in 0..R {
+        let x = std::slice::from_raw_parts(xs[r], n);
+        for g in 0..G {
+            sums[r * m + k0 + g] = leftovers(done[4 * r + g], x, ys[g], np);
+        }
+    }
+}
+
+/// [`finish`]'s reduction, before the leftovers, of eight 8-lane sums at once: `_mm_hadd_ps`
+/// adds neighbours in each 128-bit half of its two operands, so eight pairs' 4-lane `t0`s
+/// share three `hadd`s where each pair took two of its own (the same additions, operands in
+/// the same order).
+#[inline(always)]
+unsafe fn reduce8_256(x0: [__m256; 8]) -> [f32; 8] {
+    // [t0 of x0[2i] | t0 of x0[2i + 1]]: each sum's 128-bit halves added, low first.
+    let t: [__m256; 4] = std::array::from_fn(|i| {
+        let (a, b) = (x0[2 * i], x0[2 * i + 1]);
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a, b),
+            _mm256_permute2f128_ps::<0x31>(a, b),
+        )
+    });
+    let u0 = _mm256_hadd_ps(t[0], t[1]);
+    let u1 = _mm256_hadd_ps(t[2], t[3]);
+    // Sums 0, 2, 4, 6 in the low half, 1, 3, 5, 7 in the high.
+    let f = _mm256_hadd_ps(u0, u1);
+    let mut out = [0f32; 8];
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_ps(out.as_mut_ptr(), _mm256_permutevar8x32_ps(f, order));
+    out
 }
 
 /// [`dots_blocked`]'s products with AVX-512's 32 registers: two cache rows at a time against
@@ -286,17 +317,71 @@ unsafe fn pair<const G: usize>(
         }
         i += 32;
     }
-    for (r, (x, out)) in [(xa, &mut *sa), (xb, &mut *sb)].into_iter().enumerate() {
+    // Pair (r, g)'s sum in slot 4r + g: [a0 + a2 | a1 + a3], ggml's first two reduction steps.
+    let mut s = [_mm512_setzero_ps(); 8];
+    for r in 0..2 {
         for g in 0..G {
-            // (a0 + a2) + (a1 + a3), ggml's first two reduction steps, then as `group`.
-            let s = _mm512_add_ps(acc[r][g][0], acc[r][g][1]);
-            let x0 = _mm256_add_ps(
-                _mm512_castps512_ps256(s),
-                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s))),
-            );
-            out[k0 + g] = finish(x0, x, ys[g], np);
+            s[4 * r + g] = _mm512_add_ps(acc[r][g][0], acc[r][g][1]);
         }
     }
+    let mut done = [0f32; 8];
+    _mm256_storeu_ps(done.as_mut_ptr(), reduce8(s));
+    for (r, (x, out)) in [(xa, &mut *sa), (xb, &mut *sb)].into_iter().enumerate() {
+        for g in 0..G {
+            out[k0 + g] = leftovers(done[4 * r + g], x, ys[g], np);
+        }
+    }
+}
+
+/// ggml's remaining reduction steps of eight pairs at once: `s[j]` holds a pair's two 8-lane
+/// halves, and lane j of the result is what [`finish`] gives for them before the leftovers:
+/// `x0 = lo + hi`, `t0 = x0's low 128 bits + its high`, then `_mm_hadd_ps` twice. The same
+/// additions with the same operands in the same order, only eight pairs to a register, where
+/// [`finish`] spends two extractions and two 3-uop `hadd`s on each (SmolLM2's key rows are 64
+/// values, so a pair's products are four fused multiply-adds and its reduction was most of
+/// its cost).
+#[inline(always)]
+unsafe fn reduce8(s: [__m512; 8]) -> __m256 {
+    // [x0 of s[2i] | x0 of s[2i + 1]]: 256-bit halves lined up and added, low first.
+    let x: [__m512; 4] = std::array::from_fn(|i| {
+        let (a, b) = (s[2 * i], s[2 * i + 1]);
+        let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+        let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+        _mm512_add_ps(lo, hi)
+    });
+    // [t0 of four pairs]: each x0's 128-bit halves lined up and added, low first.
+    let t: [__m512; 2] = std::array::from_fn(|i| {
+        let (a, b) = (x[2 * i], x[2 * i + 1]);
+        let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+        let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+        _mm512_add_ps(lo, hi)
+    });
+    // `_mm_hadd_ps` in every 128-bit lane: [a0 + a1, a2 + a3, b0 + b1, b2 + b3].
+    let hadd = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+        )
+    };
+    let u = hadd(t[0], t[1]);
+    // Lane k of `f` starts with pair k's sum, then pair 4 + k's.
+    let f = hadd(u, u);
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(order, f))
+}
+
+/// `s` plus the products past `np` (ggml's leftovers, added in `f64`).
+#[inline(always)]
+unsafe fn leftovers(s: f32, x: &[u16], y: *const f32, np: usize) -> f32 {
+    if np == x.len() {
+        return s;
+    }
+    let mut s = s as f64;
+    for (i, &h) in x.iter().enumerate().skip(np) {
+        let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
+        s += (xv * *y.add(i)) as f64;
+    }
+    s as f32
 }
 
 /// ggml's last reduction steps of one 8-lane sum `x0`, plus the leftovers past `np` in `f64`.
@@ -304,12 +389,7 @@ unsafe fn pair<const G: usize>(
 unsafe fn finish(x0: __m256, x: &[u16], y: *const f32, np: usize) -> f32 {
     let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
     let t1 = _mm_hadd_ps(t0, t0);
-    let mut s = _mm_cvtss_f32(_mm_hadd_ps(t1, t1)) as f64;
-    for (i, &h) in x.iter().enumerate().skip(np) {
-        let xv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
-        s += (xv * *y.add(i)) as f64;
-    }
-    s as f32
+    leftovers(_mm_cvtss_f32(_mm_hadd_ps(t1, t1)), x, y, np)
 }
 
 /// Query rows `k0..k0 + G` of `qs` against `x` into `sums`.
