@@ -231,7 +231,7 @@ unsafe fn reduce8_256(x0: [__m256; 8]) -> [f32; 8] {
 }
 
 /// [`dots_blocked`]'s products with AVX-512's 32 registers: two cache rows at a time against
-/// four query rows (16 accumulators), ggml's four sums of a pair side by side in two 512-bit
+/// four query rows (16 accumulators; six, 24, for rows of up to 256 values), ggml's four sums of a pair side by side in two 512-bit
 /// registers, so each query load feeds two fused multiply-adds; and query groups outer,
 /// cache rows inner, so a group's rows (16 KB for Gemma's `kqv`) stay in L1 while the cache
 /// rows of the block come again from L2 for each group. (Cache rows outer, Gemma's 8-row `kqv`
@@ -252,9 +252,14 @@ unsafe fn dots_wide(
     let m = sums.len() / rows;
     let ahead = ahead(n);
     let row = |i: usize| std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
+    // Six query rows to a pass (24 accumulators) where six rows fit L1 beside the cache rows
+    // with room to spare (keys: 6 KB for Gemma, 1.5 KB for SmolLM2): each converted cache row
+    // then serves six. A softmax row is a context long, and six of them (24 KB at 1000) pushed
+    // the cache rows out: Gemma's 8-row `kqv` went 264-304 -> 367-386 us, so four there.
+    let most = if n <= 256 { 6 } else { 4 };
     let mut k = 0;
     while k < m {
-        let g = 4.min(m - k);
+        let g = most.min(m - k);
         let mut i = 0;
         while i < rows {
             if k == 0 {
@@ -266,7 +271,9 @@ unsafe fn dots_wide(
                     1 => pair::<1>(row(i), row(i + 1), qs, n, k, a, b),
                     2 => pair::<2>(row(i), row(i + 1), qs, n, k, a, b),
                     3 => pair::<3>(row(i), row(i + 1), qs, n, k, a, b),
-                    _ => pair::<4>(row(i), row(i + 1), qs, n, k, a, b),
+                    4 => pair::<4>(row(i), row(i + 1), qs, n, k, a, b),
+                    5 => pair::<5>(row(i), row(i + 1), qs, n, k, a, b),
+                    _ => pair::<6>(row(i), row(i + 1), qs, n, k, a, b),
                 }
                 i += 2;
             } else {
@@ -275,7 +282,9 @@ unsafe fn dots_wide(
                     1 => group::<1>(row(i), qs, n, k, out),
                     2 => group::<2>(row(i), qs, n, k, out),
                     3 => group::<3>(row(i), qs, n, k, out),
-                    _ => group::<4>(row(i), qs, n, k, out),
+                    4 => group::<4>(row(i), qs, n, k, out),
+                    5 => group::<5>(row(i), qs, n, k, out),
+                    _ => group::<6>(row(i), qs, n, k, out),
                 }
                 i += 1;
             }
@@ -317,18 +326,21 @@ unsafe fn pair<const G: usize>(
         }
         i += 32;
     }
-    // Pair (r, g)'s sum in slot 4r + g: [a0 + a2 | a1 + a3], ggml's first two reduction steps.
-    let mut s = [_mm512_setzero_ps(); 8];
+    // Pair (r, g)'s sum in slot rG + g: [a0 + a2 | a1 + a3], ggml's first two reduction steps.
+    let mut s = [_mm512_setzero_ps(); 16];
     for r in 0..2 {
         for g in 0..G {
-            s[4 * r + g] = _mm512_add_ps(acc[r][g][0], acc[r][g][1]);
+            s[G * r + g] = _mm512_add_ps(acc[r][g][0], acc[r][g][1]);
         }
     }
-    let mut done = [0f32; 8];
-    _mm256_storeu_ps(done.as_mut_ptr(), reduce8(s));
+    let mut done = [0f32; 16];
+    for h in 0..(2 * G).div_ceil(8) {
+        let eight = std::array::from_fn(|j| s[8 * h + j]);
+        _mm256_storeu_ps(done.as_mut_ptr().add(8 * h), reduce8(eight));
+    }
     for (r, (x, out)) in [(xa, &mut *sa), (xb, &mut *sb)].into_iter().enumerate() {
         for g in 0..G {
-            out[k0 + g] = leftovers(done[4 * r + g], x, ys[g], np);
+            out[k0 + g] = leftovers(done[G * r + g], x, ys[g], np);
         }
     }
 }
