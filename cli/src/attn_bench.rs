@@ -8,6 +8,7 @@ use llama_cpp_sys_2 as sys;
 
 use leap_backend::attn::{self, Captured, Chosen, Sparse};
 use leap_kernels::{est, f16};
+use leap_spec::control::median;
 
 /// One node's measurements.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,11 +41,6 @@ pub struct NodeResult {
     pub sparse_rows: u64,
     /// Largest |sparse output - ggml's dense output|.
     pub max_abs_err: f32,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// ggml's CPU flash attention on `c`: median milliseconds over `reps` runs, and its output
@@ -102,7 +98,7 @@ pub fn ggml_dense(c: &Captured, threads: usize, reps: usize) -> (f64, Vec<f32>) 
         let out =
             std::slice::from_raw_parts(sys::ggml_get_data(fa).cast::<f32>(), out_len).to_vec();
         sys::ggml_free(ctx);
-        (median(times), out)
+        (median(&mut times), out)
     }
 }
 
@@ -142,7 +138,7 @@ fn leap(
             Some(&mut chosen),
         )
     };
-    (median(times), out, stats, chosen)
+    (median(&mut times), out, stats, chosen)
 }
 
 /// Quality of the kept keys over the (row, head) pairs that were sparse: recall of the

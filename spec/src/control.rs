@@ -443,8 +443,10 @@ impl CostPoint {
     }
 }
 
-/// The median of `xs` (the mean of the middle two for an even count); 0 when empty.
-fn median(xs: &mut [f64]) -> f64 {
+/// The median of `xs` (the mean of the middle two for an even count); 0 when empty. Sorts
+/// `xs`. Also `leap attn-bench`'s.
+#[must_use]
+pub fn median(xs: &mut [f64]) -> f64 {
     xs.sort_by(f64::total_cmp);
     match xs.len() {
         0 => 0.0,
