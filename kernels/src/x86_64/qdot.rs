@@ -115,13 +115,16 @@ macro_rules! kernels {
                         let mut summs = _mm_setzero_ps();
                         for b in 0..nb {
                             let xb = x.add(b * wb);
-                            let (d0, m) = (_mm256_set1_ps(f16(xb)), f16(xb.add(2)));
+                            // [d, m] in one conversion (`f16`'s instruction), then spread.
+                            let dm =
+                                _mm_cvtph_ps(_mm_cvtsi32_si128(xb.cast::<i32>().read_unaligned()));
+                            let d0 = _mm256_broadcastss_ps(dm);
                             let qx = nibbles(xb.add(4));
                             // ggml's `summs += m * s` (fused there; the f16 x f16 product is
                             // exact in f32, so fused or not agree), with `s` converted from f16
                             // once per call (`Acts::sums`).
                             summs = _mm_fmadd_ps(
-                                _mm_set1_ps(m),
+                                _mm_permute_ps::<0b01_01_01_01>(dm),
                                 _mm_loadu_ps(ys.add(b * GROUP)),
                                 summs,
                             );
