@@ -1,21 +1,24 @@
 //! Attention's f16 products (`kq = K x Q`, `kqv = Vᵀ x softmax(kq)`) over ggml's f16 KV cache:
 //! each cache row is converted from f16 once and multiplied with every query row of every head
 //! that shares it (grouped-query attention: Gemma 3 270M has 4 query heads on 1 KV head),
-//! where ggml's CPU backend converts and loads it again for each (head, row)
-//! pair. On x86-64 two cache rows meet four query rows at a time: with AVX-512 in 32
-//! registers (`x86::dots_wide`; on a warm cache, one thread, that is 2.3-3.2x (Gemma) and
-//! 2.2-3.4x (SmolLM2) faster than ggml at 1 to 8 rows, `tests/examples/attntime.rs` at
-//! `1bc4334`; a cache row at a time it was 12-22% and 1.4-1.8x), with AVX2 in 16 by taking
-//! ggml's four partial sums of a pair one after another (`x86::dots_blocked`). In a real call the cache comes mostly from
-//! memory, so the rows are prefetched ahead: without that (`6e523d9`) SmolLM2's one-row call
-//! took 12.1-13.1 ms, with it (`5124809`) 7.4-8.0 (`tests/examples/hiddentime.rs`, context
-//! 1000, the call cut before the output projection). A pair's products end in ggml's reduction
-//! of its four 8-lane sums to one number; both x86-64 kernels reduce eight pairs at once
-//! (`x86::reduce8`, `x86::reduce8_256`: the same additions, eight pairs to a register), where a
-//! pair's own extractions and two 3-uop `hadd`s outnumbered the four fused multiply-adds of
-//! SmolLM2's 64-value key rows (Xeon, AVX-512, one thread, warm: SmolLM2's `kq` 18.8-20.0 -> 16.8-17.3 us at 1 row, 132-140 ->
-//! 123-126 at 8, `tests/benches/kernels.rs`). On AArch64 (`neon`) one cache row meets up
-//! to four query rows at a time; it has not been timed on hardware yet.
+//! where ggml's CPU backend converts and loads it again for each (head, row) pair. On x86-64
+//! two cache rows meet four query rows at a time: with AVX-512 in 32 registers
+//! (`x86::dots_wide`; on a warm cache, one thread, that is 2.3-3.2x (Gemma) and 2.2-3.4x
+//! (SmolLM2) faster than ggml at 1 to 8 rows, `tests/examples/attntime.rs` at `1bc4334`; a
+//! cache row at a time it was 12-22% and 1.4-1.8x), six query rows for rows of up to 256
+//! values (keys), with AVX2 in 16 by taking ggml's four partial sums of a pair one after
+//! another (`x86::dots_blocked`). In a real call the cache comes mostly from memory, so the
+//! rows are prefetched ahead: without that (`6e523d9`) SmolLM2's one-row call took 12.1-13.1
+//! ms, with it (`5124809`) 7.4-8.0 (`tests/examples/hiddentime.rs`, context 1000, the call
+//! cut before the output projection). A pair's products end in ggml's reduction of its four
+//! 8-lane sums to one number; both x86-64 kernels reduce eight pairs at once (`x86::reduce8`,
+//! `x86::reduce8_256`: the same additions, eight pairs to a register), where a pair's own
+//! extractions and two 3-uop `hadd`s outnumbered the four fused multiply-adds of SmolLM2's
+//! 64-value key rows (Xeon, AVX-512, one thread, warm: SmolLM2's `kq` 18.8-20.0 -> 16.8-17.3
+//! us at 1 row, 132-140 -> 123-126 at 8, `tests/benches/kernels.rs`). On AArch64 (`neon`)
+//! one cache row meets up to four query rows at a time (the place for the six-row pass and
+//! the batched reduction to follow, where `faddp` reduces a pair); it has not been timed on
+//! hardware yet.
 //!
 //! Each output is bit-identical to ggml's `ggml_vec_dot_f16` for that pair alone, as ggml's
 //! CPU backend for the architecture computes it: the query row is rounded to f16 as ggml's

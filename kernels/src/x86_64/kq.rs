@@ -231,8 +231,9 @@ unsafe fn reduce8_256(x0: [__m256; 8]) -> [f32; 8] {
 }
 
 /// [`dots_blocked`]'s products with AVX-512's 32 registers: two cache rows at a time against
-/// four query rows (16 accumulators; six, 24, for rows of up to 256 values), ggml's four sums of a pair side by side in two 512-bit
-/// registers, so each query load feeds two fused multiply-adds; and query groups outer,
+/// four query rows (16 accumulators; six and 24 for rows of up to 256 values), ggml's four
+/// sums of a pair side by side in two 512-bit registers, so each query load feeds two fused
+/// multiply-adds; and query groups outer,
 /// cache rows inner, so a group's rows (16 KB for Gemma's `kqv`) stay in L1 while the cache
 /// rows of the block come again from L2 for each group. (Cache rows outer, Gemma's 8-row `kqv`
 /// streamed its 128 KB of query rows through L2 for every cache row, slower than ggml.) The
@@ -350,8 +351,8 @@ unsafe fn pair<const G: usize>(
 /// `x0 = lo + hi`, `t0 = x0's low 128 bits + its high`, then `_mm_hadd_ps` twice. The same
 /// additions with the same operands in the same order, only eight pairs to a register, where
 /// [`finish`] spends two extractions and two 3-uop `hadd`s on each (SmolLM2's key rows are 64
-/// values, so a pair's products are four fused multiply-adds and its reduction was most of
-/// its cost).
+/// values, so a pair's products are four fused multiply-adds, fewer instructions than its
+/// own reduction took).
 #[inline(always)]
 unsafe fn reduce8(s: [__m512; 8]) -> __m256 {
     // [x0 of s[2i] | x0 of s[2i + 1]]: 256-bit halves lined up and added, low first.
