@@ -206,10 +206,11 @@ unsafe fn block<const R: usize, const G: usize>(
     }
 }
 
-/// [`finish`]'s reduction, before the leftovers, of eight 8-lane sums at once: `_mm_hadd_ps`
-/// adds neighbours in each 128-bit half of its two operands, so eight pairs' 4-lane `t0`s
-/// share three `hadd`s where each pair took two of its own (the same additions, operands in
-/// the same order).
+/// The rest of ggml's `GGML_F32x8_REDUCE` for eight 8-lane sums `x0` at once (before the
+/// leftovers): ggml takes `t0` = `x0`'s low 128 bits + its high, then `_mm_hadd_ps(t0, t0)`
+/// twice. `_mm_hadd_ps` adds neighbours in each 128-bit half of its two operands, so eight
+/// pairs' `t0`s share three `hadd`s where each pair took two of its own (the same additions,
+/// operands in the same order). Every kernel here ends in it or in [`reduce8`].
 #[inline(always)]
 unsafe fn reduce8_256(x0: [__m256; 8]) -> [f32; 8] {
     // [t0 of x0[2i] | t0 of x0[2i + 1]]: each sum's 128-bit halves added, low first.
@@ -347,10 +348,10 @@ unsafe fn pair<const G: usize>(
 }
 
 /// ggml's remaining reduction steps of eight pairs at once: `s[j]` holds a pair's two 8-lane
-/// halves, and lane j of the result is what [`finish`] gives for them before the leftovers:
-/// `x0 = lo + hi`, `t0 = x0's low 128 bits + its high`, then `_mm_hadd_ps` twice. The same
-/// additions with the same operands in the same order, only eight pairs to a register, where
-/// [`finish`] spends two extractions and two 3-uop `hadd`s on each (SmolLM2's key rows are 64
+/// halves, and lane j of the result is what [`reduce8_256`] gives for `x0 = lo + hi`: `t0 =
+/// x0's low 128 bits + its high`, then `_mm_hadd_ps` twice. The same additions with the same
+/// operands in the same order, only eight pairs to a 512-bit register, where a pair's own
+/// reduction spent two extractions and two 3-uop `hadd`s (SmolLM2's key rows are 64
 /// values, so a pair's products are four fused multiply-adds, fewer instructions than its
 /// own reduction took).
 #[inline(always)]
@@ -397,14 +398,6 @@ unsafe fn leftovers(s: f32, x: &[u16], y: *const f32, np: usize) -> f32 {
     s as f32
 }
 
-/// ggml's last reduction steps of one 8-lane sum `x0`, plus the leftovers past `np` in `f64`.
-#[inline(always)]
-unsafe fn finish(x0: __m256, x: &[u16], y: *const f32, np: usize) -> f32 {
-    let t0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps::<1>(x0));
-    let t1 = _mm_hadd_ps(t0, t0);
-    leftovers(_mm_cvtss_f32(_mm_hadd_ps(t1, t1)), x, y, np)
-}
-
 /// Query rows `k0..k0 + G` of `qs` against `x` into `sums`.
 #[inline(always)]
 unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums: &mut [f32]) {
@@ -424,9 +417,14 @@ unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums
         }
         i += 32;
     }
+    // Query row g's `(a0 + a2) + (a1 + a3)`, ggml's first reduction steps, in slot g.
+    let mut x0 = [_mm256_setzero_ps(); 8];
     for g in 0..G {
         let [a0, a1, a2, a3] = acc[g];
-        let x0 = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
-        sums[k0 + g] = finish(x0, x, ys[g], np);
+        x0[g] = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+    }
+    let done = reduce8_256(x0);
+    for g in 0..G {
+        sums[k0 + g] = leftovers(done[g], x, ys[g], np);
     }
 }
