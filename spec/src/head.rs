@@ -111,7 +111,7 @@ pub fn candidate_softmax(scores: &[f32], temperature: f32) -> Vec<f32> {
 const LANES: usize = 32;
 
 /// `a · b` with LANES independent accumulators, so LLVM vectorises it.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));

@@ -14,6 +14,7 @@
 //! | [`accept`] | greedy and stochastic (distribution-preserving) acceptance over a token tree |
 //! | [`dist`] | llama.cpp's top-k/top-p/min-p/temperature chain |
 //! | [`head`] | early-exit heads (Lever §4.3): the head, its training |
+//! | [`ahead`] | a head that guesses the token after next from the final hidden state and the next token |
 //! | [`tree`] | token trees, the rows of their one-call verification (leaf sequence ids), KV rollback plans |
 //! | [`sam`] | the suffix automaton over token ids that retrieval drafting queries |
 //! | [`vocab`] | on a streamed output projection (flash): the target drafting for itself over a resident vocabulary |
@@ -27,6 +28,7 @@
 #![forbid(unsafe_code)]
 
 pub mod accept;
+pub mod ahead;
 pub mod calib;
 pub mod control;
 pub mod dist;

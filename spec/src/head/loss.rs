@@ -41,7 +41,8 @@ impl Stats {
     }
 }
 
-/// The loss `mean_b (L_kd + λ L_cand)` of a mini-batch and, into `grad` (d x d, overwritten),
+/// The loss `mean_b (L_kd + λ L_cand)` of a mini-batch and, into `grad` (the shape of `A`:
+/// d rows of the input's length, overwritten),
 /// its gradient with respect to `A`. The student logits are `Z = E U` (rows of E: the
 /// vocabulary, columns of U: `u_b = A n_b`); `dZ = T (q - p)` per term; `dU = E^T dZ`;
 /// `dA = sum_b du_b ⊗ n_b`.
@@ -75,15 +76,17 @@ pub(super) fn loss_and_grad(
     let Some(grad) = grad else {
         return stats;
     };
-    assert_eq!(grad.len(), d * d, "grad is not d x d");
+    let din = batch[0].norm.len();
+    assert_eq!(grad.len(), d * din, "grad is not the shape of A");
     let du = backward_ranges(rows, d, bsz, &ranges, &parts, &z, &soft, &qw, &corr, inv_t);
     grad_of_a(grad, &du, batch, d, threads);
     stats
 }
 
-/// U: one row of `d` per sample, `A` times the sample's normalised hidden state.
+/// U: one row of `d` per sample, `A` times the sample's normalised input.
 fn project_samples(batch: &[&Prep], a: &[f32], d: usize, threads: usize) -> Vec<f32> {
     let mut u = vec![0.0f32; batch.len() * d];
+    let din = batch[0].norm.len();
     let per = batch.len().div_ceil(threads);
     run_all(
         u.chunks_mut(per * d)
@@ -91,7 +94,7 @@ fn project_samples(batch: &[&Prep], a: &[f32], d: usize, threads: usize) -> Vec<
             .map(|(chunk, batch)| {
                 move || {
                     for (ub, pr) in chunk.chunks_exact_mut(d).zip(batch) {
-                        for (o, arow) in ub.iter_mut().zip(a.chunks_exact(d)) {
+                        for (o, arow) in ub.iter_mut().zip(a.chunks_exact(din)) {
                             *o = dot(arow, &pr.norm);
                         }
                     }
@@ -288,12 +291,13 @@ fn backward_ranges(
 /// dA[i][j] = sum_b du_b[i] * n_b[j] into `grad`, split across threads by rows of A.
 fn grad_of_a(grad: &mut [f32], du: &[f32], batch: &[&Prep], d: usize, threads: usize) {
     let per = d.div_ceil(threads);
+    let din = batch[0].norm.len();
     run_all(
-        grad.chunks_mut(per * d)
+        grad.chunks_mut(per * din)
             .enumerate()
             .map(|(k, chunk)| {
                 move || {
-                    for (i, grow) in chunk.chunks_exact_mut(d).enumerate() {
+                    for (i, grow) in chunk.chunks_exact_mut(din).enumerate() {
                         let i = k * per + i;
                         grow.fill(0.0);
                         for (b, pr) in batch.iter().enumerate() {

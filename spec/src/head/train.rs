@@ -12,7 +12,9 @@ use crate::accept::{SplitMix64, Uniform};
 /// One training position.
 #[derive(Debug, Clone)]
 pub struct Sample {
-    /// Hidden state at layer L (length d).
+    /// The head's input: the hidden state at layer L (length d); for a head that looks ahead
+    /// ([`crate::ahead`]) the final hidden state and then the next token's output-embedding
+    /// row (length 2d). Each d-vector is normalised on its own.
     pub hidden: Vec<f32>,
     /// The teacher's (the full model's final) top-K tokens and their final logits, best first.
     pub top: Vec<(i32, f32)>,
@@ -106,12 +108,13 @@ pub struct Eval {
     pub cand: f64,
 }
 
-/// Train `A` from `init` (d x d) on `samples` over `vocab`; returns the trained `A`. The loss
+/// Train `A` from `init` (d x (inputs x d), d x d for an early-exit head) on `samples` over `vocab`; returns the trained `A`. The loss
 /// of a sample is `L_kd + λ L_cand` (Eq. 8-10) at temperature `cfg.kd_temperature`, averaged
 /// over mini-batches of shuffled samples, minimised with Adam. Tokens of a sample that are not
 /// in `vocab` are left out of its loss (build `vocab` from [`Vocab::needed`] so none is).
-/// `progress` hears of every mini-batch. Panics if the lengths disagree (`init` is not d x d,
-/// `vocab.rows` not `ids.len() x d`, a hidden state not of length d).
+/// `progress` hears of every mini-batch. Panics if the lengths disagree (`init` is not d by
+/// the input's length, `vocab.rows` not `ids.len() x d`, an input not a whole number of
+/// d-vectors).
 pub fn train(
     samples: &[Sample],
     vocab: &Vocab,
@@ -120,10 +123,10 @@ pub fn train(
     progress: &mut dyn FnMut(Progress),
 ) -> Vec<f32> {
     let mut a = init;
-    let Some(d) = samples.first().map(|s| s.hidden.len()) else {
+    let Some((d, din)) = widths(samples, vocab) else {
         return a;
     };
-    assert_eq!(a.len(), d * d, "init is not d x d");
+    assert_eq!(a.len(), d * din, "init is not d x (inputs x d)");
     let prep = prepare(samples, vocab, d);
     if vocab.ids.is_empty() {
         return a;
@@ -137,9 +140,9 @@ pub fn train(
     let steps = samples.len().div_ceil(bsz);
     let mut order: Vec<usize> = (0..samples.len()).collect();
     let mut rng = SplitMix64(cfg.seed ^ 0x4EAD_5EED_0000_0000);
-    let mut grad = vec![0.0f32; d * d];
-    let mut m = vec![0.0f32; d * d];
-    let mut v = vec![0.0f32; d * d];
+    let mut grad = vec![0.0f32; d * din];
+    let mut m = vec![0.0f32; d * din];
+    let mut v = vec![0.0f32; d * din];
     let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
     let mut t = 0i32;
     for epoch in 0..cfg.epochs {
@@ -173,10 +176,10 @@ pub fn train(
 /// teacher top-1 missing from it counts as a miss), in mini-batches of 64 on the default
 /// config's threads. Panics if the lengths disagree.
 pub fn evaluate(samples: &[Sample], vocab: &Vocab, a: &[f32]) -> Eval {
-    let Some(d) = samples.first().map(|s| s.hidden.len()) else {
+    let Some((d, din)) = widths(samples, vocab) else {
         return Eval::default();
     };
-    assert_eq!(a.len(), d * d, "A is not d x d");
+    assert_eq!(a.len(), d * din, "A is not d x (inputs x d)");
     let prep = prepare(samples, vocab, d);
     if vocab.ids.is_empty() {
         return Eval::default();
@@ -206,10 +209,27 @@ pub fn evaluate(samples: &[Sample], vocab: &Vocab, a: &[f32]) -> Eval {
     }
 }
 
-/// A sample with its hidden state normalised and its tokens mapped to vocabulary rows.
+/// The width `d` of the vocabulary's rows and of a sample's input (`d` times the vectors in
+/// it), `None` without samples. Panics if the input is not a whole number of `d`-vectors.
+fn widths(samples: &[Sample], vocab: &Vocab) -> Option<(usize, usize)> {
+    let din = samples.first()?.hidden.len();
+    let d = if vocab.ids.is_empty() {
+        din
+    } else {
+        vocab.rows.len() / vocab.ids.len()
+    };
+    assert!(
+        d > 0 && din % d == 0,
+        "inputs of {din} values over rows of {d}"
+    );
+    Some((d, din))
+}
+
+/// A sample with its input normalised and its tokens mapped to vocabulary rows.
 #[derive(Debug, Clone)]
 pub(super) struct Prep {
-    /// n(h).
+    /// The input with each of its d-vectors normalised: n(h), or [n(h), n(e)] (a head that
+    /// looks ahead, [`crate::ahead`]).
     pub(super) norm: Vec<f32>,
     /// (row, teacher logit) of the `top` tokens found in the vocabulary.
     pub(super) top: Vec<(usize, f32)>,
@@ -234,9 +254,11 @@ pub(super) fn prepare(samples: &[Sample], vocab: &Vocab, d: usize) -> Vec<Prep> 
     samples
         .iter()
         .map(|s| {
-            assert_eq!(s.hidden.len(), d, "hidden state length");
-            let mut norm = vec![0.0; d];
-            rms_normalize(&s.hidden, &mut norm);
+            assert_eq!(s.hidden.len() % d, 0, "hidden state length");
+            let mut norm = vec![0.0; s.hidden.len()];
+            for (o, h) in norm.chunks_exact_mut(d).zip(s.hidden.chunks_exact(d)) {
+                rms_normalize(h, o);
+            }
             Prep {
                 norm,
                 top: map(&s.top),
@@ -294,6 +316,64 @@ mod tests {
                 Sample { hidden, top, cand }
             })
             .collect()
+    }
+
+    /// A head with two inputs (as [`crate::ahead::Ahead`]) trains as one with one: samples of
+    /// a planted d x 2d `A*`, recovered from a d x 2d start.
+    #[test]
+    fn training_recovers_a_planted_head_of_two_inputs() {
+        let (d, nv) = (12, 150);
+        let mut rng = SplitMix64(5);
+        let vocab = Vocab {
+            ids: (0..nv as i32).collect(),
+            rows: random(&mut rng, nv * d, 1.0),
+        };
+        let truth = crate::ahead::Ahead {
+            n_embd: d,
+            a: random(&mut rng, 2 * d * d, 0.6),
+        };
+        let mut u = vec![0.0; d];
+        let mut samples = |n: usize| -> Vec<Sample> {
+            (0..n)
+                .map(|_| {
+                    // The second input on another scale: each is normalised on its own.
+                    let mut x = random(&mut rng, d, 3.0);
+                    x.extend(random(&mut rng, d, 0.2));
+                    truth.query(&x[..d], &x[d..], &mut u);
+                    let z: Vec<f32> = vocab.rows.chunks_exact(d).map(|e| dot(e, &u)).collect();
+                    let mut order: Vec<usize> = (0..nv).collect();
+                    order.sort_by(|&p, &q| z[q].total_cmp(&z[p]));
+                    let top: Vec<(i32, f32)> =
+                        order[..20].iter().map(|&r| (r as i32, z[r])).collect();
+                    let cand = top[..4].to_vec();
+                    Sample {
+                        hidden: x,
+                        top,
+                        cand,
+                    }
+                })
+                .collect()
+        };
+        let (train_set, held_out) = (samples(3000), samples(400));
+        let init = vec![0.0; 2 * d * d];
+        let before = evaluate(&held_out, &vocab, &init);
+        let cfg = TrainConfig {
+            epochs: 6,
+            batch: 32,
+            lr: 2e-2,
+            ..TrainConfig::default()
+        };
+        let a = train(&train_set, &vocab, init, &cfg, &mut |_| {});
+        let after = evaluate(&held_out, &vocab, &a);
+        assert!(after.top1 > 0.85, "{before:?} -> {after:?}");
+        assert!(after.top1 > before.top1 + 0.5, "{before:?} -> {after:?}");
+        // The second input's half of A learned something: without it the guesses fall.
+        let mut first_only = a.clone();
+        for row in first_only.chunks_exact_mut(2 * d) {
+            row[d..].fill(0.0);
+        }
+        let blind = evaluate(&held_out, &vocab, &first_only);
+        assert!(blind.top1 < after.top1 - 0.2, "{blind:?} vs {after:?}");
     }
 
     #[test]
