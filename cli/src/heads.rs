@@ -16,8 +16,10 @@ use std::sync::{Arc, Mutex};
 use anyhow::{ensure, Context as _, Result};
 use leap_host::eval::{EvalObserver, TensorView};
 use leap_host::project::OnDemand;
+use leap_host::sampler::argmax;
 use leap_host::sidecar::Sidecar;
 use leap_host::{Batch, ContextParams, Model, ModelParams};
+use leap_spec::ahead::{self, Ahead};
 use leap_spec::exit;
 use leap_spec::head::{self, Head, Sample, TrainConfig, Vocab};
 
@@ -40,8 +42,11 @@ pub struct TrainHeads {
     /// Documents (workload requests) at the start of the corpus to leave out: the ones a
     /// benchmark of the head then runs on.
     pub skip: usize,
-    /// The exit layer (its output `l_out-L` is what the head reads).
+    /// The exit layer (its output `l_out-L` is what the head reads); not used with `ahead`.
     pub layer: u32,
+    /// Train the head that guesses the token after next ([`leap_spec::ahead`]) instead of an
+    /// early-exit head.
+    pub ahead: bool,
     /// The sidecar to write (default next to the model).
     pub out: Option<PathBuf>,
     /// Corpus positions to train and evaluate on.
@@ -54,15 +59,23 @@ pub struct TrainHeads {
     pub progress: bool,
 }
 
+/// The head trained.
+#[derive(Debug, Clone)]
+pub enum TrainedHead {
+    Exit(Head),
+    Ahead(Ahead),
+}
+
 /// What training measured.
 #[derive(Debug, Clone)]
 pub struct Trained {
     pub out: PathBuf,
-    pub head: Head,
+    pub head: TrainedHead,
     pub train_samples: usize,
     pub held_out: usize,
-    /// The head before training (the model's own final norm and output projection applied
-    /// at layer L: the "logit lens") and after, on the held-out positions.
+    /// The head before training (an early-exit head: the model's own final norm and output
+    /// projection applied at layer L, the "logit lens"; a head looking ahead: the next
+    /// token's own row) and after, on the held-out positions.
     pub lens: head::Eval,
     pub eval: head::Eval,
 }
@@ -145,7 +158,7 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
     let model = Model::load(&path, &ModelParams::default())?;
     let (n_layer, d) = (model.n_layer() as u32, model.n_embd() as usize);
     ensure!(
-        a.layer + 1 < n_layer,
+        a.ahead || a.layer + 1 < n_layer,
         "--layer {} leaves no layer after it to skip: this model has {n_layer} layers (0..{})",
         a.layer,
         n_layer - 1
@@ -175,12 +188,22 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
     }
     let vocab = Vocab { ids, rows: vrows };
 
-    // From the logit lens: A = diag(final norm weight).
-    let mut init = vec![0f32; d * d];
-    let scale = output_norm(&model)?.filter(|w| w.len() == d);
-    for i in 0..d {
-        init[i * d + i] = scale.as_ref().map_or(1.0, |w| w[i]);
-    }
+    let init = if a.ahead {
+        // Guessing the next token again: A = [0 | I].
+        let mut init = vec![0f32; 2 * d * d];
+        for i in 0..d {
+            init[i * 2 * d + d + i] = 1.0;
+        }
+        init
+    } else {
+        // From the logit lens: A = diag(final norm weight).
+        let mut init = vec![0f32; d * d];
+        let scale = output_norm(&model)?.filter(|w| w.len() == d);
+        for i in 0..d {
+            init[i * d + i] = scale.as_ref().map_or(1.0, |w| w[i]);
+        }
+        init
+    };
     let lens = head::evaluate(&held, &vocab, &init);
     let cfg = TrainConfig {
         epochs: a.epochs,
@@ -199,13 +222,6 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
     });
     bar.finish_and_clear();
     let eval = head::evaluate(&held, &vocab, &trained);
-    let head = Head {
-        layer: a.layer,
-        n_embd: d,
-        a: trained,
-        temperature: 1.0,
-        shadow,
-    };
     let mut side = match Sidecar::load(&out) {
         Ok(s) => s.unwrap_or_default(),
         Err(e) => {
@@ -218,7 +234,24 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    exit::store(&mut side, &head, n_layer, &fingerprint, &corpus);
+    let head = if a.ahead {
+        let h = Ahead {
+            n_embd: d,
+            a: trained,
+        };
+        ahead::store(&mut side, &h, &fingerprint, &corpus);
+        TrainedHead::Ahead(h)
+    } else {
+        let h = Head {
+            layer: a.layer,
+            n_embd: d,
+            a: trained,
+            temperature: 1.0,
+            shadow,
+        };
+        exit::store(&mut side, &h, n_layer, &fingerprint, &corpus);
+        TrainedHead::Exit(h)
+    };
     side.save(&out)?;
     Ok(Trained {
         out,
@@ -287,8 +320,14 @@ fn capture_samples(
 ) -> Result<(Vec<(usize, Sample)>, OnDemand)> {
     let d = model.n_embd() as usize;
     let rows = Arc::new(Mutex::new(Vec::new()));
+    // A head looking ahead reads what the output projection reads.
+    let name = if a.ahead {
+        "result_norm".to_string()
+    } else {
+        format!("l_out-{}", a.layer)
+    };
     let capture = Box::new(Capture {
-        name: format!("l_out-{}", a.layer),
+        name: name.clone(),
         rows: rows.clone(),
     });
     let params = ContextParams {
@@ -312,19 +351,26 @@ fn capture_samples(
         ctx.clear(true);
         let mut b = Batch::new(w.len(), 1);
         for (i, &t) in w.iter().enumerate() {
-            b.add(t, i as i32, &[0], i + 1 < w.len())?;
+            // `result_norm` has only the rows with outputs.
+            b.add(t, i as i32, &[0], a.ahead || i + 1 < w.len())?;
         }
         ctx.decode(&b)?;
         let hidden = std::mem::take(&mut *rows.lock().unwrap_or_else(|e| e.into_inner()));
         ensure!(
             hidden.len() == w.len() * d,
-            "the model's graph has no l_out-{} of every row (got {} values for {} rows)",
-            a.layer,
+            "the model's graph has no {name} of every row (got {} values for {} rows)",
             hidden.len(),
             w.len()
         );
-        for i in 0..w.len() - 1 {
-            let logits = ctx.logits(i as i32)?;
+        // A head looking ahead learns the target's token at i + 2 from the state at i and
+        // the token at i + 1, where that token is the target's own choice (as it is when
+        // the target drafts for itself).
+        let shift = usize::from(a.ahead);
+        for i in 0..w.len() - 1 - shift {
+            if a.ahead && argmax(ctx.logits(i as i32)?) != w[i + 1] {
+                continue;
+            }
+            let logits = ctx.logits((i + shift) as i32)?;
             idx.clear();
             idx.extend(0..logits.len() as u32);
             let by = |x: &u32, y: &u32| logits[*y as usize].total_cmp(&logits[*x as usize]);
@@ -335,7 +381,7 @@ fn capture_samples(
                 .iter()
                 .map(|&t| (t as i32, logits[t as usize]))
                 .collect();
-            let mut cand: Vec<i32> = vec![w[i + 1]];
+            let mut cand: Vec<i32> = vec![w[i + 1 + shift]];
             let teacher = top.iter().take(CAND_TOP).map(|&(t, _)| t);
             for t in teacher.chain(shadow.iter().copied()) {
                 if !cand.contains(&t) {
@@ -346,7 +392,14 @@ fn capture_samples(
             samples.push((
                 wi,
                 Sample {
-                    hidden: hidden[i * d..(i + 1) * d].to_vec(),
+                    hidden: {
+                        let mut x = hidden[i * d..(i + 1) * d].to_vec();
+                        if a.ahead {
+                            x.resize(2 * d, 0.0);
+                            od.row_f32(w[i + 1] as usize, &mut x[d..]);
+                        }
+                        x
+                    },
                     top,
                     cand,
                 },

@@ -205,6 +205,13 @@ impl Engine {
         self
     }
 
+    /// Guess the token after next when the target drafts for itself ([`crate::ahead`]): a
+    /// step's call then takes the head's guess as a second row where that pays.
+    pub fn with_ahead(mut self, head: Option<std::sync::Arc<crate::ahead::Ahead>>) -> Self {
+        self.vocab.ahead = head;
+        self
+    }
+
     /// Whether on-demand projection is in use (`None`: not checked yet).
     pub fn on_demand_ok(&self) -> Option<bool> {
         self.on_demand.as_ref().and_then(|o| o.1)

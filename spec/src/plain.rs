@@ -51,6 +51,10 @@ pub struct Generation {
     /// The target drafted for itself over a resident vocabulary ([`crate::vocab`]) rather
     /// than verifying the drafters' trees.
     pub self_drafted: bool,
+    /// There, the head's guesses at the token after next that rode in a step's call
+    /// ([`crate::ahead`]), and how many were the resident best (kept as drafts).
+    pub guesses: u64,
+    pub guesses_kept: u64,
 }
 
 /// Run the prompt through the target (sequence 0 from position 0), logits for the last token

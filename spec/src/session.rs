@@ -24,6 +24,7 @@ use leap_host::project::OnDemand;
 use leap_host::sampler::SamplingParams;
 use leap_host::{Context, ContextParams, FlashAttn, Model, ModelParams, Token};
 
+use crate::ahead::Ahead;
 use crate::engine::{Engine, EngineConfig};
 use crate::exit::{ModelShape, Pruner};
 use crate::head::Head;
@@ -211,6 +212,8 @@ pub struct Runtime {
     model: Arc<Model>,
     opts: Options,
     head: Option<Arc<Head>>,
+    /// The head that guesses the token after next ([`crate::ahead`]).
+    ahead: Option<Arc<Ahead>>,
     flash: Option<Flash>,
 }
 
@@ -228,6 +231,7 @@ impl std::fmt::Debug for Runtime {
             .field("model", &self.model.desc())
             .field("opts", &self.opts)
             .field("head", &self.head.as_ref().map(|h| h.layer))
+            .field("ahead", &self.ahead.is_some())
             .finish()
     }
 }
@@ -304,10 +308,15 @@ impl Runtime {
             .then(|| load_head(&model, opts.sidecar.as_deref()))
             .flatten()
             .map(Arc::new);
+        let ahead = (opts.mode == Mode::Leap && flash.is_none())
+            .then(|| load_ahead(&model, opts.sidecar.as_deref()))
+            .flatten()
+            .map(Arc::new);
         Ok(Self {
             model,
             opts: opts.clone(),
             head,
+            ahead,
             flash,
         })
     }
@@ -444,7 +453,12 @@ impl Runtime {
         });
         let (engine, plain_od) = match o.mode {
             Mode::Leap => (
-                Some(Engine::new(config).with_on_demand(od).with_exit(exit)),
+                Some(
+                    Engine::new(config)
+                        .with_on_demand(od)
+                        .with_exit(exit)
+                        .with_ahead(self.ahead.clone()),
+                ),
                 None,
             ),
             Mode::Plain => (None, od.filter(OnDemand::streamed)),
@@ -887,6 +901,54 @@ pub fn head_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Head>, S
     };
     crate::exit::load(&side, &shape)
         .map_err(|why| format!("ignoring the early-exit head in {}: {why}", path.display()))
+}
+
+/// The head that guesses the token after next ([`crate::ahead`]) for `model` from the
+/// sidecar at `sidecar` (default: next to the model), as [`head_for`] finds the early-exit
+/// head: `Ok(None)` without one, `Err` saying why one there cannot be used.
+///
+/// # Errors
+/// As said.
+pub fn ahead_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Ahead>, String> {
+    let path = sidecar
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| leap_host::sidecar::path_for(model.path()));
+    let side = match leap_host::sidecar::Sidecar::load(&path) {
+        Ok(Some(s)) => s,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(format!("ignoring the sidecar {}: {e}", path.display())),
+    };
+    let shape = ModelShape {
+        fingerprint: match leap_host::project::fingerprint(model) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        },
+        n_embd: model.n_embd() as usize,
+        n_layer: model.n_layer() as u32,
+        n_vocab: model.n_vocab() as usize,
+    };
+    crate::ahead::load(&side, &shape).map_err(|why| {
+        format!(
+            "ignoring the head guessing the token after next in {}: {why}",
+            path.display()
+        )
+    })
+}
+
+/// [`ahead_for`], with a warning when the head is refused (Leap then drafts without it).
+pub fn load_ahead(model: &Model, sidecar: Option<&Path>) -> Option<Ahead> {
+    match ahead_for(model, sidecar) {
+        Ok(Some(h)) => {
+            log::info!("a head guessing the token after next");
+            Some(h)
+        }
+        Ok(None) => None,
+        Err(why) => {
+            log::warn!("{why}; drafting without it");
+            None
+        }
+    }
 }
 
 /// [`head_for`], with a warning when the head is refused (Leap then runs without early

@@ -21,6 +21,7 @@
 //! on measured costs: with per-step acceptance `p`, a step costing `d` seconds and a pass
 //! `P + R * rows`, k maximises `(1 - p^(k+1)) / (1 - p) / ((k + 1) (d + R) + P)`.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use leap_host::grammar::Grammar;
@@ -28,6 +29,7 @@ use leap_host::project::{DraftVocab, OnDemand};
 use leap_host::usage::cpu_seconds;
 use leap_host::{Batch, Context, Error, Result, Token};
 
+use crate::ahead::Ahead;
 use crate::draft::{ContextDrafter, Drafter};
 use crate::plain::{argmax, keep_prefix, prefill_from, Generation};
 
@@ -158,6 +160,16 @@ pub struct VocabState {
     prefix: usize,
     /// Rounds in a row the cost model chose not to draft ([`VocabState::next_steps`]).
     idle: usize,
+    /// The head that guesses the token after next ([`crate::ahead`]): with it a step's call
+    /// can take a second row.
+    pub ahead: Option<Arc<Ahead>>,
+    /// Its guesses and how many were the resident best after the guessed-after token.
+    guesses: f64,
+    right: f64,
+    /// EMA of a two-row step (a guess in it), seconds.
+    step2: Option<f64>,
+    /// Steps in a row that could have guessed and did not ([`VocabState::guess_pays`]).
+    unguessed: usize,
 }
 
 impl Default for VocabState {
@@ -172,6 +184,12 @@ impl Default for VocabState {
             spelled: Spellings::default(),
             prefix: 0,
             idle: 0,
+            ahead: None,
+            // A prior of a third of guesses right, weighing as 9.
+            guesses: 9.0,
+            right: 3.0,
+            step2: None,
+            unguessed: 0,
         }
     }
 }
@@ -219,12 +237,52 @@ impl VocabState {
         });
     }
 
+    /// Whether the next step puts the head's guess in its call: when a right guess saves
+    /// more than a second row costs (`p * step > step2 - step`, on the measured guesses and
+    /// step times), and, as [`VocabState::next_steps`] does for drafts, once in [`EXPLORE`]
+    /// chances where it does not, so that the rate is learned again. Always while either
+    /// step time is unmeasured. Never without a head.
+    fn guess_pays(&mut self) -> bool {
+        if self.ahead.is_none() {
+            return false;
+        }
+        let p = self.right / self.guesses;
+        let pays = match (self.step, self.step2) {
+            (Some(one), Some(two)) => p * one > two - one,
+            _ => true,
+        };
+        if pays {
+            self.unguessed = 0;
+            return true;
+        }
+        self.unguessed += 1;
+        if self.unguessed >= EXPLORE {
+            self.unguessed = 0;
+            return true;
+        }
+        false
+    }
+
+    fn record_guess(&mut self, right: bool, seconds: f64) {
+        self.guesses += 1.0;
+        self.right += f64::from(u8::from(right));
+        self.step2 = Some(match self.step2 {
+            Some(s) => 0.8 * s + 0.2 * seconds,
+            None => seconds,
+        });
+    }
+
+    /// The share of the head's guesses that were the resident best (its prior included).
+    pub fn guess_rate(&self) -> f64 {
+        self.right / self.guesses
+    }
+
     /// A request's figures and the costs it leaves (`RUST_LOG=leap_spec::vocab=debug`).
     fn log(&self, g: &Generation, resident_rows: usize, max_draft: usize) {
         log::debug!(
             "self-drafting: {} tokens, {} calls, {:.3} s decode ({:.3} drafting, {:.3} \
              projecting); {resident_rows} resident rows, acceptance {:.2}, step {:.1} ms, \
-             pass {:?} s, {} steps a pass",
+             pass {:?} s, {} steps a pass; guesses {:.0}, right {:.2}, two-row step {:.1} ms",
             g.tokens.len(),
             g.target_calls,
             g.decode_seconds,
@@ -233,7 +291,10 @@ impl VocabState {
             self.acceptance(),
             self.step.unwrap_or(0.0) * 1e3,
             self.pass_cost(),
-            self.steps(max_draft)
+            self.steps(max_draft),
+            self.guesses,
+            self.guess_rate(),
+            self.step2.unwrap_or(0.0) * 1e3
         );
     }
 

@@ -37,6 +37,7 @@ fn sidecar(name: &str) -> PathBuf {
         corpus: concat!(env!("CARGO_MANIFEST_DIR"), "/data/attention-notes.txt").into(),
         skip: 0,
         layer,
+        ahead: false,
         out: Some(out.clone()),
         positions: 400,
         window: 64,
@@ -46,8 +47,11 @@ fn sidecar(name: &str) -> PathBuf {
     })
     .expect("train-heads");
     assert_eq!(t.out, out);
-    assert_eq!(t.head.layer, layer);
-    assert_eq!(t.head.shadow.len(), 16);
+    let leap_cli::heads::TrainedHead::Exit(h) = &t.head else {
+        panic!("an early-exit head was asked for");
+    };
+    assert_eq!(h.layer, layer);
+    assert_eq!(h.shadow.len(), 16);
     assert!(t.held_out > 0 && t.train_samples > t.held_out);
     // Training moved the head from the logit lens towards the teacher (held-out positions).
     assert!(

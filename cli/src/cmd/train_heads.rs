@@ -21,6 +21,11 @@ pub struct TrainHeadsArgs {
     /// follow it). Default: two thirds of the way up (12 of Gemma 3 270M's 18).
     #[arg(long)]
     layer: Option<u32>,
+    /// Train the head that guesses the token after next instead (read from the final hidden
+    /// state and the next token): with it the target drafting for itself (Gemma 3) puts a
+    /// second row in each step's call. `--layer` does not apply.
+    #[arg(long)]
+    ahead: bool,
     /// The sidecar to write (default: MODEL.leap.gguf next to the model; other keys in it are
     /// kept).
     #[arg(long)]
@@ -66,6 +71,7 @@ pub fn train_heads(a: TrainHeadsArgs) -> Result<()> {
         corpus: a.corpus,
         skip: a.skip,
         layer,
+        ahead: a.ahead,
         out: a.out,
         positions: a.positions,
         window: a.window,
@@ -74,13 +80,17 @@ pub fn train_heads(a: TrainHeadsArgs) -> Result<()> {
         progress: true,
     })?;
     let pct = |x: f64| x * 100.0;
+    let what = match &t.head {
+        leap_cli::heads::TrainedHead::Exit(h) => format!("head at layer {}", h.layer),
+        leap_cli::heads::TrainedHead::Ahead(_) => "head guessing the token after next".into(),
+    };
     eprintln!(
-        "head at layer {layer}: {} training positions, {} held out",
+        "{what}: {} training positions, {} held out",
         t.train_samples, t.held_out
     );
     eprintln!(
-        "held out: teacher's top token first {:.1}% (logit lens {:.1}%), best candidate \
-         {:.1}% (lens {:.1}%), distillation loss {:.3} (lens {:.3})",
+        "held out: teacher's top token first {:.1}% (before training {:.1}%), best candidate \
+         {:.1}% (before training {:.1}%), distillation loss {:.3} (before {:.3})",
         pct(t.eval.top1),
         pct(t.lens.top1),
         pct(t.eval.cand_top1),

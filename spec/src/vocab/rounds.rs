@@ -220,21 +220,80 @@ impl<'a> Rounds<'a> {
                 }
                 w.accept(d);
             }
-            self.g.draft_seconds += td.elapsed().as_secs_f64();
             self.drafts.push(d);
             if self.model.is_eog(d) {
                 // Nothing follows an end of generation: no step for it.
+                self.g.draft_seconds += td.elapsed().as_secs_f64();
                 break;
             }
-            self.od.prefetch(self.drafts.len() == k);
+            // The head's guess after `d` rides in `d`'s call, while the drafts stay within
+            // `k` and the output's limit (not under a grammar: its walk would need the guess).
+            let guess = if walk.is_none()
+                && self.grammar.is_none()
+                && self.drafts.len() < k
+                && self.g.tokens.len() + self.drafts.len() + 1 < self.max_tokens
+                && self.state.guess_pays()
+            {
+                let h = self.hs[self.hs.len() - n..].to_vec();
+                self.guess(&h, d)
+            } else {
+                None
+            };
+            self.g.draft_seconds += td.elapsed().as_secs_f64();
+            self.od
+                .prefetch(self.drafts.len() + usize::from(guess.is_some()) >= k);
             let ts = Instant::now();
             let at = self.pos + self.drafts.len() as i32;
-            run(self.ctx, self.od, &mut self.batch, d, &[], at, &mut self.hs)?;
-            self.state.record_step(ts.elapsed().as_secs_f64());
+            let chain: &[Token] = match &guess {
+                Some(g) => std::slice::from_ref(g),
+                None => &[],
+            };
+            run(
+                self.ctx,
+                self.od,
+                &mut self.batch,
+                d,
+                chain,
+                at,
+                &mut self.hs,
+            )?;
+            let seconds = ts.elapsed().as_secs_f64();
             self.g.target_calls += 1;
-            self.g.verify_rows += 1;
+            self.g.verify_rows += 1 + chain.len() as u64;
+            let Some(g) = guess else {
+                self.state.record_step(seconds);
+                continue;
+            };
+            // The guess stands when it is the resident best after `d` (as a chain's token
+            // does); else its row goes, and that best is the next draft.
+            let td = Instant::now();
+            let h = &self.hs[self.hs.len() - 2 * n..self.hs.len() - n];
+            let best = self.vocab.argmax(h).map(|(r, _)| r);
+            let right = best == Some(g);
+            self.state.record_guess(right, seconds);
+            self.g.guesses += 1;
+            self.g.guesses_kept += u64::from(right);
+            if right {
+                self.drafts.push(g);
+            } else {
+                self.hs.truncate(self.hs.len() - n);
+                self.ctx.seq_rm(0, at + 1, -1);
+                ahead = best;
+            }
+            self.g.draft_seconds += td.elapsed().as_secs_f64();
         }
         Ok(())
+    }
+
+    /// The head's guess at the token after `d`, chosen after state `h`: the resident token
+    /// that scores best against the head's query ([`crate::ahead::Ahead::query`]).
+    fn guess(&mut self, h: &[f32], d: Token) -> Option<Token> {
+        let head = self.state.ahead.clone()?;
+        let mut e = vec![0.0; self.n];
+        self.od.row_f32(d as usize, &mut e);
+        let mut u = vec![0.0; self.n];
+        head.query(h, &e, &mut u);
+        self.vocab.argmax(&u).map(|(t, _)| t)
     }
 
     /// One pass over the output weights for every state; how many rows.
