@@ -81,6 +81,11 @@ pub struct VocabConfig {
     /// plain without chains, 1.61x with matches of 4+ and 1.57x with 2+ (before that fix,
     /// 0.94x and 0.82x where the target's own drafts alone ran 1.36x).
     pub min_match: usize,
+    /// With a head that guesses the token after next ([`crate::ahead`]): `false` (the
+    /// default) puts its guess in a call while the measured rate pays for the second row
+    /// ([`VocabState::guess_pays`]); `true` in every call it can (tests: the timings do not
+    /// decide).
+    pub always_guess: bool,
 }
 
 /// When the target drafts for itself with its output weights resident in memory (a
@@ -138,6 +143,7 @@ impl Default for VocabConfig {
             max_draft: 24,
             resident: Resident::Auto,
             min_match: 4,
+            always_guess: false,
         }
     }
 }
@@ -242,9 +248,12 @@ impl VocabState {
     /// step times), and, as [`VocabState::next_steps`] does for drafts, once in [`EXPLORE`]
     /// chances where it does not, so that the rate is learned again. Always while either
     /// step time is unmeasured. Never without a head.
-    fn guess_pays(&mut self) -> bool {
+    fn guess_pays(&mut self, always: bool) -> bool {
         if self.ahead.is_none() {
             return false;
+        }
+        if always {
+            return true;
         }
         let p = self.right / self.guesses;
         let pays = match (self.step, self.step2) {
@@ -599,6 +608,43 @@ mod tests {
             "{p} {r} against {p0} {r0}"
         );
         assert_eq!(s.steps(24), calm.steps(24));
+    }
+
+    #[test]
+    fn a_guess_rides_while_a_kept_one_saves_more_than_its_row_costs() {
+        let head = crate::ahead::Ahead {
+            n_embd: 1,
+            a: vec![0.0, 1.0],
+        };
+        let mut s = VocabState::default();
+        assert!(
+            !s.guess_pays(false) && !s.guess_pays(true),
+            "no head, no guess"
+        );
+        s.ahead = Some(std::sync::Arc::new(head));
+        assert!(s.guess_pays(false), "unmeasured: guess");
+        // Half the guesses kept; a second row costs 20% of a step: a guess pays.
+        s.record_step(0.010);
+        for i in 0..40 {
+            s.record_guess(i % 2 == 0, 0.012);
+        }
+        // 23 of 49 with the prior's 3 of 9.
+        assert!(
+            (s.guess_rate() - 23.0 / 49.0).abs() < 1e-9,
+            "{}",
+            s.guess_rate()
+        );
+        assert!(s.guess_pays(false));
+        // A second row as dear as a step: a guess pays only to measure the rate again.
+        for _ in 0..40 {
+            s.record_guess(false, 0.020);
+        }
+        let rides: Vec<bool> = (0..2 * super::EXPLORE)
+            .map(|_| s.guess_pays(false))
+            .collect();
+        assert_eq!(rides.iter().filter(|&&r| r).count(), 2, "{rides:?}");
+        assert!(rides[super::EXPLORE - 1]);
+        assert!(s.guess_pays(true), "always: whatever the costs");
     }
 
     #[test]

@@ -91,6 +91,7 @@ fn guesses_ride_in_the_steps_and_output_stays_plain_greedy() {
             resident: Resident::Always,
             // No retrieval chains: every draft is the target's own or the head's.
             min_match: 0,
+            always_guess: true,
             ..Default::default()
         }),
         ..EngineConfig::default()

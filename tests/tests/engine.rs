@@ -406,6 +406,7 @@ fn self_drafting_over_a_resident_vocabulary_is_plain_greedy() {
                 extra: 0,
                 min_match: 2,
                 max_draft: 6,
+                always_guess: false,
             },
         ] {
             let (mut ec, od) = leap_context(name, 2048, 1);

@@ -433,6 +433,7 @@ fn self_drafting_on_a_streamed_target_keeps_the_tokens_and_the_budget() {
             max_draft: 4,
             resident: leap_spec::vocab::Resident::Never,
             min_match: 2,
+            always_guess: false,
         },
     ] {
         let budget = map.per_call_bytes() / 4;

@@ -1,9 +1,10 @@
 //! Self-drafting's rounds after the first token ([`super::generate`]), in named steps. Each
 //! round ([`Rounds::round`]):
-//! 1. [`Rounds::chain`]: a retrieval chain after the next token rides in the call that token
-//!    needs, kept while each token is the resident vocabulary's best after the one before;
-//! 2. [`Rounds::steps`]: one-row steps, each drafting the resident best, as many as the cost
-//!    model chose;
+//! 1. [`Rounds::chain`]: a retrieval chain after the next token (or the head's guess,
+//!    [`crate::ahead`]) rides in the call that token needs, kept while each token is the
+//!    resident vocabulary's best after the one before;
+//! 2. [`Rounds::steps`]: one-row steps (two with the head's guess), each drafting the
+//!    resident best, as many as the cost model chose;
 //! 3. [`Rounds::project`]: one pass over the output weights for every state;
 //! 4. [`Rounds::walk`]: the target's token after each state (under a grammar, the best it
 //!    allows); a draft stands while it is that token;
@@ -50,6 +51,9 @@ pub(super) struct Rounds<'a> {
     proposals: Vec<Proposal>,
     /// The round's final hidden states, `n` values each: after `next`, then after each draft.
     hs: Vec<f32>,
+    /// The state `next` was chosen after (the last round's), for the head's guess in the
+    /// round's first call; empty in the first round (its token came from llama.cpp's logits).
+    prev: Vec<f32>,
     n: usize,
     drafts: Vec<Token>,
     logits: Vec<Vec<f32>>,
@@ -95,6 +99,7 @@ impl<'a> Rounds<'a> {
             batch: Batch::new(cfg.max_draft + 1, 1),
             proposals: Vec::new(),
             hs: Vec::new(),
+            prev: Vec::new(),
             n: od.n_embd(),
             drafts: Vec::new(),
             logits: Vec::new(),
@@ -130,8 +135,9 @@ impl<'a> Rounds<'a> {
 
     /// The call after `next`, with a retrieval chain through the blocks in it (proposed
     /// whatever `k` is: it rides in the call the next token needs anyway, and its rows past
-    /// the first the resident vocabulary disowns are dropped unprojected). The drafts it
-    /// keeps go to `drafts`; the next draft, when checking the chain already found it.
+    /// the first the resident vocabulary disowns are dropped unprojected), or without one the
+    /// head's guess ([`Rounds::guess`]), a chain of one. The drafts it keeps go to `drafts`;
+    /// the next draft, when checking the chain already found it.
     fn chain(&mut self, k: usize) -> Result<Option<Token>> {
         let (n, left) = (self.n, self.max_tokens - self.g.tokens.len() - 1);
         let td = Instant::now();
@@ -152,6 +158,22 @@ impl<'a> Rounds<'a> {
                 chain.truncate(gr.allowed_prefix(&chain)?);
             }
         }
+        // Without a chain, the head's guess after `next` rides instead (as in a step).
+        let mut guessed = false;
+        if chain.is_empty()
+            && left > 0
+            && self.grammar.is_none()
+            && !self.prev.is_empty()
+            && !self.model.is_eog(self.next)
+            && self.state.guess_pays(self.cfg.always_guess)
+        {
+            let prev = std::mem::take(&mut self.prev);
+            if let Some(g) = self.guess(&prev, self.next) {
+                chain.push(g);
+                guessed = true;
+            }
+            self.prev = prev;
+        }
         self.g.draft_seconds += td.elapsed().as_secs_f64();
         // The stream reads the projection's first chunk ahead only in the call before a pass.
         self.od.prefetch(k == 0);
@@ -159,8 +181,9 @@ impl<'a> Rounds<'a> {
         self.g.verify_rows += 1 + chain.len() as u64;
         let (ctx, od, batch, hs) = (&mut *self.ctx, self.od, &mut self.batch, &mut self.hs);
         run(ctx, od, batch, self.next, &chain, self.pos, hs)?;
+        let seconds = ts.elapsed().as_secs_f64();
         if chain.is_empty() {
-            self.state.record_step(ts.elapsed().as_secs_f64());
+            self.state.record_step(seconds);
         } else {
             // The chain stands while each token is the resident vocabulary's best after the
             // one before; from the first that is not, its rows are dropped (that token is not
@@ -179,6 +202,11 @@ impl<'a> Rounds<'a> {
             }
             hs.truncate((kept + 1) * n);
             self.drafts.extend_from_slice(&chain[..kept]);
+            if guessed {
+                self.state.record_guess(kept == 1, seconds);
+                self.g.guesses += 1;
+                self.g.guesses_kept += kept as u64;
+            }
             self.g.draft_seconds += td.elapsed().as_secs_f64();
             ctx.seq_rm(0, self.pos + 1 + kept as i32, -1);
         }
@@ -232,7 +260,7 @@ impl<'a> Rounds<'a> {
                 && self.grammar.is_none()
                 && self.drafts.len() < k
                 && self.g.tokens.len() + self.drafts.len() + 1 < self.max_tokens
-                && self.state.guess_pays()
+                && self.state.guess_pays(self.cfg.always_guess)
             {
                 let h = self.hs[self.hs.len() - n..].to_vec();
                 self.guess(&h, d)
@@ -393,6 +421,9 @@ impl<'a> Rounds<'a> {
             return;
         }
         self.next = *self.emitted.last().expect("one token per pass at least");
+        let n = self.n;
+        self.prev.clear();
+        self.prev.extend_from_slice(&self.hs[m * n..(m + 1) * n]);
         self.pos += 1 + m as i32;
     }
 }
