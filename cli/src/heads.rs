@@ -9,6 +9,12 @@
 //! position is what Leap's drafters put in a tree there: the corpus's own next token (retrieval
 //! copies text), the teacher's top 3, and the shadow tokens (the corpus's most frequent tokens,
 //! the same comparison references the head uses at run time).
+//!
+//! With `ahead` it trains the head that guesses the token after next ([`leap_spec::ahead`])
+//! instead: the copied state is `result_norm` (what the output projection reads), a sample's
+//! input is that state and the next token's output-embedding row, and its teacher the final
+//! logits one position later; only positions whose next corpus token is the target's own
+//! choice are kept, as it always is when the target drafts for itself.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -46,7 +46,8 @@ enum Cmd {
     ProfileHeads(cmd::attn::ProfileHeadsArgs),
     /// Train an early-exit head (Lever §4.3) at a middle layer on a corpus and write it into
     /// the model's sidecar (`MODEL.leap.gguf`): `leap` then prunes tree rows there that the
-    /// target will not accept, and runs the later layers for the others only.
+    /// target will not accept, and runs the later layers for the others only. With `--ahead`,
+    /// a head that guesses the token after next instead, for the target drafting for itself.
     TrainHeads(cmd::train_heads::TrainHeadsArgs),
     /// Print the path of Leap's ggml plugin (`libggml_leap.so`): give it to an unmodified
     /// llama.cpp as `GGML_BACKEND_PATH` (with `LEAP_SPARSE=0.2` and `-fa on` for sparse

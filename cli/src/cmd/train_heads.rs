@@ -1,5 +1,6 @@
-//! `leap train-heads`: an early-exit head trained at a middle layer and written into the
-//! model's sidecar (the training is [`leap_cli::heads`]'s).
+//! `leap train-heads`: an early-exit head trained at a middle layer (or, with `--ahead`, a head
+//! guessing the token after next) and written into the model's sidecar (the training is
+//! [`leap_cli::heads`]'s).
 
 use std::io::Write;
 use std::path::PathBuf;
