@@ -90,6 +90,9 @@ pub struct HostedDrafter {
     pending: Option<Pending>,
     /// When the last step's draft (maybe empty) was handed out, and its rows (draft + 1).
     last_step: Option<(Instant, usize)>,
+    /// The clock the host's calls are timed with (`Instant::now`; the tests' own ticks, so
+    /// that a machine's hiccup between two steps cannot make their rows look dear).
+    clock: fn() -> Instant,
     stats: HostedStats,
     proposals: Vec<Proposal>,
 }
@@ -104,6 +107,7 @@ impl HostedDrafter {
             prompt_len: None,
             pending: None,
             last_step: None,
+            clock: Instant::now,
             stats: HostedStats::default(),
             proposals: Vec::new(),
             cfg,
@@ -161,7 +165,7 @@ impl HostedDrafter {
     /// A `tokens` that does not extend what this drafter saw (a host that did not call
     /// [`HostedDrafter::begin`], or edited its context) starts a new generation from it.
     pub fn draft(&mut self, tokens: &[Token], id_last: Token, max: usize) -> &[Token] {
-        let now = Instant::now();
+        let now = (self.clock)();
         self.stats.steps += 1;
         let seen = self.local.text();
         let extends = self.prompt_len.is_some()
@@ -213,7 +217,7 @@ impl HostedDrafter {
                 expected: built.expected,
             });
         }
-        self.last_step = Some((Instant::now(), leaf + 1));
+        self.last_step = Some(((self.clock)(), leaf + 1));
         self.pending.as_ref().map_or(&[], |p| &p.tokens)
     }
 
@@ -270,6 +274,28 @@ mod tests {
         (truth.len(), calls)
     }
 
+    /// A drafter on [`ticks`].
+    fn drafter(cfg: HostedConfig) -> HostedDrafter {
+        let mut d = HostedDrafter::new(cfg);
+        d.clock = ticks;
+        d
+    }
+
+    /// A clock that moves 1 ms each time it is read (in this thread): every host call
+    /// takes the same time, whatever its rows, and whatever else the machine does.
+    fn ticks() -> Instant {
+        use std::cell::Cell;
+        use std::time::Duration;
+        thread_local! {
+            static CLOCK: Cell<Option<Instant>> = const { Cell::new(None) };
+        }
+        CLOCK.with(|c| {
+            let t = c.get().unwrap_or_else(Instant::now) + Duration::from_millis(1);
+            c.set(Some(t));
+            t
+        })
+    }
+
     fn text(seed: u64, n: usize) -> Vec<Token> {
         let mut rng = leap_kernels::rng::XorShift::new(seed);
         (0..n).map(|_| rng.below(5000) as Token).collect()
@@ -282,7 +308,7 @@ mod tests {
         prompt.extend_from_slice(&passage);
         prompt.extend_from_slice(&text(5, 20));
         prompt.extend_from_slice(&passage[..4]);
-        let mut d = HostedDrafter::new(HostedConfig::default());
+        let mut d = drafter(HostedConfig::default());
         let (tokens, calls) = run(&mut d, &prompt, &passage[4..]);
         assert!(calls * 4 < tokens, "{calls} calls for {tokens} tokens");
         let s = d.stats();
@@ -296,7 +322,7 @@ mod tests {
         let passage = text(9, 100);
         let mut prompt = passage.clone();
         prompt.extend_from_slice(&passage[..10]);
-        let mut d = HostedDrafter::new(HostedConfig {
+        let mut d = drafter(HostedConfig {
             history_tokens: 0,
             ..HostedConfig::default()
         });
@@ -323,7 +349,7 @@ mod tests {
         let mut sibling = d.sibling();
         sibling.begin(&prompt);
         assert!(sibling.draft(&prompt, passage[10], 16).len() <= 1);
-        let mut fresh = HostedDrafter::new(d.config().clone());
+        let mut fresh = drafter(d.config().clone());
         fresh.begin(&prompt);
         assert!(fresh.draft(&prompt, passage[10], 16).len() >= 2);
     }
@@ -331,7 +357,7 @@ mod tests {
     #[test]
     fn drafts_from_the_sequences_earlier_answers() {
         let answer = text(11, 120);
-        let mut d = HostedDrafter::new(HostedConfig::default());
+        let mut d = drafter(HostedConfig::default());
         run(&mut d, &text(1, 30), &answer);
         let before = d.stats();
         // A new request whose answer repeats the last one: only the history has it.
@@ -340,7 +366,7 @@ mod tests {
         assert!(s.accepted - before.accepted > 80, "{before:?} -> {s:?}");
         assert!(calls * 3 < tokens, "{calls} calls for {tokens} tokens");
         // Without history, the same request drafts nothing.
-        let mut fresh = HostedDrafter::new(HostedConfig {
+        let mut fresh = drafter(HostedConfig {
             history_tokens: 0,
             ..HostedConfig::default()
         });
@@ -352,7 +378,7 @@ mod tests {
 
     #[test]
     fn a_host_that_edits_its_context_starts_over() {
-        let mut d = HostedDrafter::new(HostedConfig::default());
+        let mut d = drafter(HostedConfig::default());
         d.begin(&[1, 2, 3, 1, 2]);
         let _ = d.draft(&[1, 2, 3, 1, 2], 3, 8);
         // The host dropped tokens (a context shift) and did not call begin.
