@@ -50,15 +50,22 @@ impl Ahead {
     /// `e` into `out` (each length d): the guess is the candidate whose output-embedding row
     /// has the largest dot product with it. Panics if the lengths are not `n_embd`'s.
     pub fn query(&self, h: &[f32], e: &[f32], out: &mut [f32]) {
+        let mut x = vec![0.0; 2 * self.n_embd];
+        self.query_into(h, e, &mut x, out);
+    }
+
+    /// [`Ahead::query`] with the normalised input `[n(h); n(e)]` built in `x` (length 2d), so
+    /// a caller that guesses every step allocates nothing.
+    pub fn query_into(&self, h: &[f32], e: &[f32], x: &mut [f32], out: &mut [f32]) {
         let d = self.n_embd;
         assert!(h.len() == d && e.len() == d && out.len() == d, "lengths");
+        assert_eq!(x.len(), 2 * d, "input buffer");
         assert_eq!(self.a.len(), 2 * d * d, "A is not d x 2d");
-        let mut x = vec![0.0; 2 * d];
         let (xh, xe) = x.split_at_mut(d);
         rms_normalize(h, xh);
         rms_normalize(e, xe);
         for (o, row) in out.iter_mut().zip(self.a.chunks_exact(2 * d)) {
-            *o = crate::head::dot(row, &x);
+            *o = crate::head::dot(row, x);
         }
     }
 }

@@ -54,6 +54,8 @@ pub(super) struct Rounds<'a> {
     /// The state `next` was chosen after (the last round's), for the head's guess in the
     /// round's first call; empty in the first round (its token came from llama.cpp's logits).
     prev: Vec<f32>,
+    /// The head's scratch ([`Rounds::guess`]): the next token's row, the query, the input.
+    guess_buf: Vec<f32>,
     n: usize,
     drafts: Vec<Token>,
     logits: Vec<Vec<f32>>,
@@ -100,6 +102,7 @@ impl<'a> Rounds<'a> {
             proposals: Vec::new(),
             hs: Vec::new(),
             prev: Vec::new(),
+            guess_buf: Vec::new(),
             n: od.n_embd(),
             drafts: Vec::new(),
             logits: Vec::new(),
@@ -167,12 +170,10 @@ impl<'a> Rounds<'a> {
             && !self.model.is_eog(self.next)
             && self.state.guess_pays(self.cfg.always_guess)
         {
-            let prev = std::mem::take(&mut self.prev);
-            if let Some(g) = self.guess(&prev, self.next) {
+            if let Some(g) = self.guess(usize::MAX, self.next) {
                 chain.push(g);
                 guessed = true;
             }
-            self.prev = prev;
         }
         self.g.draft_seconds += td.elapsed().as_secs_f64();
         // The stream reads the projection's first chunk ahead only in the call before a pass.
@@ -256,14 +257,12 @@ impl<'a> Rounds<'a> {
             }
             // The head's guess after `d` rides in `d`'s call, while the drafts stay within
             // `k` and the output's limit (not under a grammar: its walk would need the guess).
-            let guess = if walk.is_none()
-                && self.grammar.is_none()
+            let guess = if self.grammar.is_none()
                 && self.drafts.len() < k
                 && self.g.tokens.len() + self.drafts.len() + 1 < self.max_tokens
                 && self.state.guess_pays(self.cfg.always_guess)
             {
-                let h = self.hs[self.hs.len() - n..].to_vec();
-                self.guess(&h, d)
+                self.guess(self.hs.len() / n - 1, d)
             } else {
                 None
             };
@@ -313,15 +312,23 @@ impl<'a> Rounds<'a> {
         Ok(())
     }
 
-    /// The head's guess at the token after `d`, chosen after state `h`: the resident token
-    /// that scores best against the head's query ([`crate::ahead::Ahead::query`]).
-    fn guess(&mut self, h: &[f32], d: Token) -> Option<Token> {
-        let head = self.state.ahead.clone()?;
-        let mut e = vec![0.0; self.n];
-        self.od.row_f32(d as usize, &mut e);
-        let mut u = vec![0.0; self.n];
-        head.query(h, &e, &mut u);
-        self.vocab.argmax(&u).map(|(t, _)| t)
+    /// The head's guess at the token after `d`, chosen after state `row` of `hs`
+    /// (`usize::MAX`: `prev`, the last round's): the resident token that scores best against
+    /// the head's query ([`crate::ahead::Ahead::query`]). Into buffers kept for it, no
+    /// allocation a step.
+    fn guess(&mut self, row: usize, d: Token) -> Option<Token> {
+        let head = self.state.ahead.as_ref()?;
+        let n = self.n;
+        let h = match row {
+            usize::MAX => &self.prev[..],
+            r => &self.hs[r * n..(r + 1) * n],
+        };
+        self.guess_buf.resize(4 * n, 0.0);
+        let (e, rest) = self.guess_buf.split_at_mut(n);
+        let (u, x) = rest.split_at_mut(n);
+        self.od.row_f32(d as usize, e);
+        head.query_into(h, e, x, u);
+        self.vocab.argmax(u).map(|(t, _)| t)
     }
 
     /// One pass over the output weights for every state; how many rows.
