@@ -50,8 +50,13 @@ pub struct TrainHeadsArgs {
 }
 
 pub fn train_heads(a: TrainHeadsArgs) -> Result<()> {
+    anyhow::ensure!(
+        !(a.ahead && a.layer.is_some()),
+        "--layer does not apply to --ahead (that head reads the final hidden state)"
+    );
     let layer = match a.layer {
         Some(l) => l,
+        None if a.ahead => 0,
         None => {
             let path = models::resolve(&a.model)?;
             let info = leap_host::GgufInfo::open(&path)?;
