@@ -879,28 +879,45 @@ pub fn vocab_reserve(
 /// # Errors
 /// As said: the reason a sidecar's head cannot be used.
 pub fn head_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Head>, String> {
+    let (path, side) = sidecar_at(model, sidecar)?;
+    let Some(side) = side else {
+        return match sidecar {
+            Some(_) => Err(format!("no sidecar at {}", path.display())),
+            None => Ok(None),
+        };
+    };
+    let shape = shape_of(model)?
+        .ok_or_else(|| "the model has no output weights to score with".to_string())?;
+    crate::exit::load(&side, &shape)
+        .map_err(|why| format!("ignoring the early-exit head in {}: {why}", path.display()))
+}
+
+/// The sidecar's path (`sidecar`, default next to the model) and the sidecar there (`None`:
+/// no file). `Err` when it cannot be read.
+fn sidecar_at(
+    model: &Model,
+    sidecar: Option<&Path>,
+) -> Result<(std::path::PathBuf, Option<leap_host::sidecar::Sidecar>), String> {
     let path = sidecar
         .map(Path::to_path_buf)
         .unwrap_or_else(|| leap_host::sidecar::path_for(model.path()));
-    let side = match leap_host::sidecar::Sidecar::load(&path) {
-        Ok(Some(s)) => s,
-        Ok(None) if sidecar.is_some() => return Err(format!("no sidecar at {}", path.display())),
-        Ok(None) => return Ok(None),
-        Err(e) => return Err(format!("ignoring the sidecar {}: {e}", path.display())),
-    };
-    let fingerprint = match leap_host::project::fingerprint(model) {
-        Ok(Some(f)) => f,
-        Ok(None) => return Err("the model has no output weights to score with".into()),
-        Err(e) => return Err(e.to_string()),
-    };
-    let shape = ModelShape {
-        fingerprint,
-        n_embd: model.n_embd() as usize,
-        n_layer: model.n_layer() as u32,
-        n_vocab: model.n_vocab() as usize,
-    };
-    crate::exit::load(&side, &shape)
-        .map_err(|why| format!("ignoring the early-exit head in {}: {why}", path.display()))
+    match leap_host::sidecar::Sidecar::load(&path) {
+        Ok(side) => Ok((path, side)),
+        Err(e) => Err(format!("ignoring the sidecar {}: {e}", path.display())),
+    }
+}
+
+/// What a sidecar's heads must match in `model` (`None`: it has no output weights Leap can
+/// score with).
+fn shape_of(model: &Model) -> Result<Option<ModelShape>, String> {
+    Ok(leap_host::project::fingerprint(model)
+        .map_err(|e| e.to_string())?
+        .map(|fingerprint| ModelShape {
+            fingerprint,
+            n_embd: model.n_embd() as usize,
+            n_layer: model.n_layer() as u32,
+            n_vocab: model.n_vocab() as usize,
+        }))
 }
 
 /// The head that guesses the token after next ([`crate::ahead`]) for `model` from the
@@ -910,23 +927,11 @@ pub fn head_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Head>, S
 /// # Errors
 /// As said.
 pub fn ahead_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Ahead>, String> {
-    let path = sidecar
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| leap_host::sidecar::path_for(model.path()));
-    let side = match leap_host::sidecar::Sidecar::load(&path) {
-        Ok(Some(s)) => s,
-        Ok(None) => return Ok(None),
-        Err(e) => return Err(format!("ignoring the sidecar {}: {e}", path.display())),
+    let (path, Some(side)) = sidecar_at(model, sidecar)? else {
+        return Ok(None);
     };
-    let shape = ModelShape {
-        fingerprint: match leap_host::project::fingerprint(model) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Ok(None),
-            Err(e) => return Err(e.to_string()),
-        },
-        n_embd: model.n_embd() as usize,
-        n_layer: model.n_layer() as u32,
-        n_vocab: model.n_vocab() as usize,
+    let Some(shape) = shape_of(model)? else {
+        return Ok(None);
     };
     crate::ahead::load(&side, &shape).map_err(|why| {
         format!(

@@ -237,10 +237,7 @@ impl VocabState {
     }
 
     fn record_step(&mut self, seconds: f64) {
-        self.step = Some(match self.step {
-            Some(s) => 0.8 * s + 0.2 * seconds,
-            None => seconds,
-        });
+        self.step = Some(ema(self.step, seconds));
     }
 
     /// Whether the next step puts the head's guess in its call: when a right guess saves
@@ -275,10 +272,7 @@ impl VocabState {
     fn record_guess(&mut self, right: bool, seconds: f64) {
         self.guesses += 1.0;
         self.right += f64::from(u8::from(right));
-        self.step2 = Some(match self.step2 {
-            Some(s) => 0.8 * s + 0.2 * seconds,
-            None => seconds,
-        });
+        self.step2 = Some(ema(self.step2, seconds));
     }
 
     /// The share of the head's guesses that were the resident best (its prior included).
@@ -344,6 +338,11 @@ impl VocabState {
         }
         best.0
     }
+}
+
+/// A step time's moving average: a fifth of the new figure (the first one as it is).
+fn ema(old: Option<f64>, seconds: f64) -> f64 {
+    old.map_or(seconds, |s| 0.8 * s + 0.2 * seconds)
 }
 
 /// Greedy generation of up to `max_tokens` tokens after `prompt`, drafting with the target
