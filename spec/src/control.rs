@@ -420,15 +420,33 @@ mod tests {
     }
 }
 
-/// One point of a verification cost curve.
+/// Which of a call's paths [`measure_cost_curve`] times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Paths {
+    /// llama.cpp's own: the call with every row's logits, and with the last row's only.
+    pub llama: bool,
+    /// The engine's: with an on-demand projection, the call cut at the hidden states and then
+    /// every row projected in one pass; without one, the call with every row's logits.
+    pub engine: bool,
+}
+
+impl Paths {
+    /// Both paths, alternated within each round.
+    pub const BOTH: Self = Self {
+        llama: true,
+        engine: true,
+    };
+}
+
+/// One point of a verification cost curve (`None`: that path was not timed).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostPoint {
     /// Rows in the target call.
     pub rows: usize,
     /// Median seconds with logits for every row.
-    pub all_logits: f64,
+    pub all_logits: Option<f64>,
     /// Median seconds with logits for the last row only.
-    pub last_logits: f64,
+    pub last_logits: Option<f64>,
     /// With an on-demand projection: median seconds of the call cut at the hidden states (every
     /// row's), and of projecting all k rows in one pass afterwards.
     pub cut: Option<(f64, f64)>,
@@ -438,8 +456,8 @@ impl CostPoint {
     /// Seconds of the engine's path with an on-demand projection (the call cut at the hidden
     /// states, then every row projected), else of the call with every row's logits.
     #[must_use]
-    pub fn engine(&self) -> f64 {
-        self.cut.map_or(self.all_logits, |(c, p)| c + p)
+    pub fn engine(&self) -> Option<f64> {
+        self.cut.map(|(c, p)| c + p).or(self.all_logits)
     }
 }
 
@@ -456,8 +474,8 @@ pub fn median(xs: &mut [f64]) -> f64 {
 }
 
 /// Measure what a target call of `k` rows costs on this machine, for each `k` in `rows`,
-/// after `context` tokens are in the KV cache (sequence 0 of an empty context). Each call is
-/// rolled back, so every measurement sees the same cache.
+/// after `context` tokens are in the KV cache (sequence 0 of an empty context), on the `paths`
+/// asked for. Each call is rolled back, so every measurement sees the same cache.
 ///
 /// The measurements are taken in `reps` rounds, each round timing every row count and variant
 /// once, and each point reports the median over the rounds: a shared machine's slow spell (a
@@ -472,6 +490,7 @@ pub fn measure_cost_curve(
     context: &[crate::sam::Token],
     rows: &[usize],
     reps: usize,
+    paths: Paths,
 ) -> leap_host::Result<Vec<CostPoint>> {
     ctx.clear(false);
     crate::plain::prefill(ctx, context, 512)?;
@@ -496,6 +515,9 @@ pub fn measure_cost_curve(
             ctx.seq_rm(0, pos0, -1);
             Ok(s)
         };
+    // The engine's path without an on-demand projection is the call with every row's logits.
+    let cut_od = od.filter(|_| paths.engine);
+    let all = paths.llama || (paths.engine && od.is_none());
     // A warm-up call, then per row count: all logits, last logits, cut, projection.
     once(ctx, 1, true, false)?;
     let mut samples = vec![[(); 4].map(|()| Vec::with_capacity(reps.max(1))); rows.len()];
@@ -503,9 +525,13 @@ pub fn measure_cost_curve(
     let mut outs = vec![Vec::new(); max_rows];
     for _ in 0..reps.max(1) {
         for (&k, s) in rows.iter().zip(&mut samples) {
-            s[0].push(once(ctx, k, true, false)?);
-            s[1].push(once(ctx, k, false, false)?);
-            if let Some(od) = od {
+            if all {
+                s[0].push(once(ctx, k, true, false)?);
+            }
+            if paths.llama {
+                s[1].push(once(ctx, k, false, false)?);
+            }
+            if let Some(od) = cut_od {
                 od.arm(true);
                 let t = once(ctx, k, true, true);
                 od.disarm();
@@ -518,14 +544,15 @@ pub fn measure_cost_curve(
             }
         }
     }
+    let timed = |xs: &mut Vec<f64>| (!xs.is_empty()).then(|| median(xs));
     Ok(rows
         .iter()
         .zip(&mut samples)
         .map(|(&k, [all, last, cut, proj])| CostPoint {
             rows: k,
-            all_logits: median(all),
-            last_logits: median(last),
-            cut: od.map(|_| (median(cut), median(proj))),
+            all_logits: timed(all),
+            last_logits: timed(last),
+            cut: timed(cut).zip(timed(proj)),
         })
         .collect())
 }

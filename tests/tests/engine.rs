@@ -213,13 +213,28 @@ fn cost_curve_measures_every_requested_row_count() {
     let m = model(SMOLLM);
     let toks = m.tokenize(&long_prompt(), true, false).unwrap();
     let mut c = ctx(SMOLLM, 1);
-    let curve =
-        leap_spec::control::measure_cost_curve(&mut c, None, &toks[..200], &[1, 3, 5], 2).unwrap();
+    let measure = |c: &mut leap_host::Context, paths| {
+        leap_spec::control::measure_cost_curve(c, None, &toks[..200], &[1, 3, 5], 2, paths).unwrap()
+    };
+    let curve = measure(&mut c, leap_spec::control::Paths::BOTH);
     assert_eq!(curve.iter().map(|p| p.rows).collect::<Vec<_>>(), [1, 3, 5]);
-    assert!(curve
-        .iter()
-        .all(|p| p.all_logits > 0.0 && p.last_logits > 0.0));
+    assert!(curve.iter().all(|p| p.all_logits.is_some_and(|s| s > 0.0)
+        && p.last_logits.is_some_and(|s| s > 0.0)
+        && p.cut.is_none()));
     // Every measurement was rolled back: the cache holds exactly the context again.
+    assert_eq!(c.seq_pos_max(0), 199);
+    // The engine's path alone: without an on-demand projection it is the call with every
+    // row's logits, and llama.cpp's last-row call is not timed.
+    let engine = measure(
+        &mut c,
+        leap_spec::control::Paths {
+            llama: false,
+            engine: true,
+        },
+    );
+    assert!(engine
+        .iter()
+        .all(|p| p.all_logits.is_some() && p.last_logits.is_none() && p.engine() == p.all_logits));
     assert_eq!(c.seq_pos_max(0), 199);
 }
 

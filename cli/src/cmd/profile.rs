@@ -24,6 +24,12 @@ pub struct ProfileArgs {
     /// rounds is reported (so a busy moment on a shared machine moves no figure much).
     #[arg(long, default_value_t = 10)]
     reps: usize,
+    /// Which paths to time, comma separated: `llama` (llama.cpp's call with every row's logits,
+    /// and with the last row's only) and `engine` (Leap's: the call cut before the output
+    /// projection, then every row projected in one pass). One path alone takes about half
+    /// the time of both.
+    #[arg(long, value_delimiter = ',', default_value = "llama,engine", value_parser = ["llama", "engine"])]
+    paths: Vec<String>,
     #[command(flatten)]
     runtime: RuntimeArgs,
 }
@@ -58,10 +64,26 @@ pub fn profile(a: ProfileArgs) -> Result<()> {
         tokens = model.tokenize(&text, true, false)?;
     }
     tokens.truncate(a.context.max(1));
-    let curve =
-        leap_spec::control::measure_cost_curve(&mut ctx, od.as_ref(), &tokens, &a.rows, a.reps)?;
+    let paths = leap_spec::control::Paths {
+        llama: a.paths.iter().any(|p| p == "llama"),
+        engine: a.paths.iter().any(|p| p == "engine"),
+    };
+    let curve = leap_spec::control::measure_cost_curve(
+        &mut ctx,
+        od.as_ref(),
+        &tokens,
+        &a.rows,
+        a.reps,
+        paths,
+    )?;
     let one = curve.iter().find(|p| p.rows == 1).unwrap_or(&curve[0]);
     let (base, engine_base) = (one.all_logits, one.engine());
+    // A figure and its ratio to the one-row call's, or dashes for a path not timed.
+    let cell = |x: Option<f64>, base: Option<f64>| match (x, base) {
+        (Some(x), Some(b)) => (format!("{:.2} ms", x * 1e3), format!("{:.2}x", x / b)),
+        (Some(x), None) => (format!("{:.2} ms", x * 1e3), "-".into()),
+        _ => ("-".into(), "-".into()),
+    };
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -85,29 +107,22 @@ pub fn profile(a: ProfileArgs) -> Result<()> {
         "vs 1 row"
     )?;
     for p in &curve {
-        let (cut, proj, engine) = p
-            .cut
-            .map_or(("-".into(), "-".into(), "-".into()), |(c, j)| {
-                (
-                    format!("{:.2} ms", c * 1e3),
-                    format!("{:.2} ms", j * 1e3),
-                    format!("{:.2}x", p.engine() / engine_base),
-                )
-            });
+        let (all, all_x) = cell(p.all_logits, base);
+        let (last, last_x) = cell(p.last_logits, base);
+        let (cut, proj) = p.cut.map_or(("-".into(), "-".into()), |(c, j)| {
+            (format!("{:.2} ms", c * 1e3), format!("{:.2} ms", j * 1e3))
+        });
+        let engine = match p.cut {
+            Some(_) => cell(p.engine(), engine_base).1,
+            None => "-".into(),
+        };
         writeln!(
             out,
-            "{:>5} {:>9.2} ms {:>9.2}x {:>9.2} ms {:>9.2}x {:>12} {:>12} {:>10}",
-            p.rows,
-            p.all_logits * 1e3,
-            p.all_logits / base,
-            p.last_logits * 1e3,
-            p.last_logits / base,
-            cut,
-            proj,
-            engine
+            "{:>5} {:>12} {:>10} {:>12} {:>10} {:>12} {:>12} {:>10}",
+            p.rows, all, all_x, last, last_x, cut, proj, engine
         )?;
     }
-    if od.is_some() {
+    if od.is_some() && paths.engine {
         writeln!(
         out,
             "hidden only: the call cut before the output projection (Leap's on-demand projection); \
