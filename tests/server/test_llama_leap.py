@@ -14,6 +14,7 @@ drafting changes how many calls, not which tokens); bad combinations stop the se
 with a message, not mid-request."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -109,6 +110,19 @@ def test_llama_cli_with_spec_type_leap_writes_plain_decodings_text(llama_bin, sm
     assert "cherry" in plain, plain
     assert leap == plain
     assert "leap-cpu computed" in err
+
+
+@pytest.mark.parametrize("args, ubatch", [([], 64), (["-ub", "128"], 128)])
+def test_spec_type_leap_prefills_in_64_row_batches_unless_told(llama_bin, smollm, args, ubatch):
+    # The greedy tests above prefill their long prompt so against the plain anchor's 512.
+    r = subprocess.run([str(llama_bin / "llama-cli"), "-m", smollm, "-t", "2", "-c", "512",
+                        "-p", PROMPTS[0], "-n", "1", "-st", "--simple-io", "-v",
+                        "--spec-type", "leap", *args],
+                       env=clean_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = re.findall(r"n_ubatch\s*=\s*(\d+)", r.stderr)
+    assert found and all(int(n) == ubatch for n in found), found
 
 
 @pytest.mark.parametrize("args, message", [
