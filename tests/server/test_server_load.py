@@ -161,10 +161,13 @@ def test_load_nothing_lost_rss_flat(leap, smollm):
         assert after["leap:requests_processing"] == 0 and after["leap:requests_deferred"] == 0, after
         # Memory: after the warm-up round, each round serves the same 48 requests. What may grow
         # is each slot's drafter history (by design, up to 65536 tokens a slot: 2 rounds add
-        # about 4,000 tokens, measured at about 0.15 MB a round) and allocator noise; 3 MB over
-        # 96 requests is a leak of 32 KB a request (a context's buffers, a dropped response).
-        grown = rss[-1] - rss[1]
-        assert grown < 3.0, f"VmRSS grew {grown:.1f} MB from round 1 to round {ROUNDS - 1}: {rss}"
+        # about 4,000 tokens, measured at about 0.15 MB a round) and the allocator, which can
+        # step up once (a 3.2 MB step in one round and 0.02 MB in the next was seen). A leak of
+        # 32 KB a request (a context's buffers, a dropped response) grows every round by 1.5 MB:
+        # some round after the first must grow less, and all of them together by under 6 MB.
+        steps = [b - a for a, b in zip(rss[1:], rss[2:])]
+        assert min(steps) < 1.5 and rss[-1] - rss[1] < 6.0, \
+            f"VmRSS grew by {', '.join(f'{x:.2f}' for x in steps)} MB a round after round 1: {rss}"
         s.stop_and_check()
     finally:
         s.kill()
