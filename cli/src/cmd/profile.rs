@@ -81,7 +81,7 @@ pub fn profile(a: ProfileArgs) -> Result<()> {
     // A figure and its ratio to the one-row call's, or dashes for a path not timed.
     let cell = |x: Option<f64>, base: Option<f64>| match (x, base) {
         (Some(x), Some(b)) => (format!("{:.2} ms", x * 1e3), format!("{:.2}x", x / b)),
-        (Some(x), None) => (format!("{:.2} ms", x * 1e3), "-".into()),
+        // A path not timed at one row is timed at none.
         _ => ("-".into(), "-".into()),
     };
     let mut out = std::io::stdout().lock();

@@ -170,7 +170,7 @@ impl<'a> Rounds<'a> {
             && !self.model.is_eog(self.next)
             && self.state.guess_pays(self.cfg.always_guess)
         {
-            if let Some(g) = self.guess(usize::MAX, self.next) {
+            if let Some(g) = self.guess(None, self.next) {
                 chain.push(g);
                 guessed = true;
             }
@@ -262,7 +262,7 @@ impl<'a> Rounds<'a> {
                 && self.g.tokens.len() + self.drafts.len() + 1 < self.max_tokens
                 && self.state.guess_pays(self.cfg.always_guess)
             {
-                self.guess(self.hs.len() / n - 1, d)
+                self.guess(Some(self.hs.len() / n - 1), d)
             } else {
                 None
             };
@@ -312,16 +312,15 @@ impl<'a> Rounds<'a> {
         Ok(())
     }
 
-    /// The head's guess at the token after `d`, chosen after state `row` of `hs`
-    /// (`usize::MAX`: `prev`, the last round's): the resident token that scores best against
-    /// the head's query ([`crate::ahead::Ahead::query`]). Into buffers kept for it, no
-    /// allocation a step.
-    fn guess(&mut self, row: usize, d: Token) -> Option<Token> {
+    /// The head's guess at the token after `d`, chosen after state `row` of `hs` (`None`:
+    /// `prev`, the last round's): the resident token that scores best against the head's
+    /// query ([`crate::ahead::Ahead::query`]). Into buffers kept for it, no allocation a step.
+    fn guess(&mut self, row: Option<usize>, d: Token) -> Option<Token> {
         let head = self.state.ahead.as_ref()?;
         let n = self.n;
         let h = match row {
-            usize::MAX => &self.prev[..],
-            r => &self.hs[r * n..(r + 1) * n],
+            None => &self.prev[..],
+            Some(r) => &self.hs[r * n..(r + 1) * n],
         };
         self.guess_buf.resize(4 * n, 0.0);
         let (e, rest) = self.guess_buf.split_at_mut(n);
