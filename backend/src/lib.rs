@@ -27,6 +27,11 @@
 //! when its estimate is to run on OpenCL ([`opencl`]). On a phone with Qualcomm's QNN
 //! (feature `qnn`), `leap-cpu`'s estimate runs on the NPU ([`qnn`]).
 //!
+//! [`lone`] computes a query row of ggml's dense flash attention as ggml computes a lone row
+//! (checked bit for bit against the loaded ggml): the arithmetic verification rows need for
+//! speculation to stay exact with flash attention on. The device does not take those nodes
+//! yet.
+//!
 //! Two ways in: [`register`] in-process (what `leap` does), or the cdylib of `backend/plugin`
 //! (`libggml_leap.so`), which exports `ggml_backend_init` for an unmodified llama.cpp that
 //! loads it through `GGML_BACKEND_PATH`.
@@ -40,6 +45,7 @@ pub mod ffi;
 pub mod glu;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub mod kqmm;
+pub mod lone;
 mod matmul;
 #[cfg(feature = "opencl")]
 pub mod opencl;

@@ -3,7 +3,7 @@
 //! ([`qdot`]), attention's f16 products ([`kq`]) and Gemma's GELU-gated unit ([`geglu`]) under
 //! the same contract, sparse attention's int8 estimate ([`est`]) and exact inner loops
 //! ([`f16`]), the half-precision conversion they share, and the move of a result tile into
-//! ggml's rows ([`transpose`]).
+//! ggml's rows ([`transpose`]), and ggml's flash attention for a lone query row ([`lone`]).
 //!
 //! No FFI and no dependencies: the checks against the ggml a process actually loaded live with
 //! the callers (`leap_host::qdot::agrees_with_ggml`, `leap_backend`). Here each architecture's
@@ -16,6 +16,7 @@ pub mod est;
 pub mod f16;
 pub mod geglu;
 pub mod kq;
+pub mod lone;
 pub mod qdot;
 pub mod reference;
 pub mod rng;

@@ -1,0 +1,358 @@
+//! ggml's CPU flash attention for a query row computed alone (`FLASH_ATTN_EXT` on an f16 KV
+//! cache), in portable scalar code: the arithmetic a verification row must repeat for
+//! speculation to give plain decoding's tokens with flash attention on.
+//!
+//! ggml computes a row one of three ways, by the shape of the call
+//! (`ggml_compute_forward_flash_attn_ext_f16`, ggml-cpu `ops.cpp`):
+//!
+//! - a lone row (decoding) over a key view of [`SPLIT_FROM`] cells or more: **split over the
+//!   keys**, one chunk of `ceil(n_kv / threads)` cells per thread, each chunk an online softmax
+//!   of its own, the chunks' partial results then merged in chunk order;
+//! - a few rows (verification, up to the tile's 32): **one chunk** over every cell, per row;
+//! - more rows (prefill): tiled.
+//!
+//! So a row's output depends on how many rows came with it, on the key view's length and on the
+//! thread count. [`row`] computes a row the lone way for a given view length and thread count,
+//! from its key dot products (ggml's `vec_dot_f16` of the query rounded to f16, as [`crate::kq`]
+//! reproduces), libm's `expf`, the value accumulator kept in f16 and rounded after every fused
+//! multiply-add (ggml's `ggml_vec_mad_f16` and `ggml_vec_scale_f16` are element-wise: every SIMD
+//! width gives the same numbers), and the chunks merged as ggml merges them.
+//!
+//! Two steps are scalar C whose rounding the compiler chooses: the running sum `S = S*ms + vs`
+//! and the merge `a*so + b*sn` may each be contracted to fused multiply-adds. [`Rounding`] names
+//! the choices; the caller finds the one the loaded ggml made (`leap_backend::lone`).
+//!
+//! AArch64 with FP16 vector arithmetic (ARMv8.2-A) accumulates in half precision natively,
+//! which this does not reproduce; a check against such a ggml fails.
+
+use crate::f16::{from_f32, to_f32};
+
+/// The smallest key view ggml splits a lone row's keys over its threads for.
+pub const SPLIT_FROM: usize = 512;
+
+/// How the loaded ggml's compiler rounded its two scalar updates (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rounding {
+    /// `S = S*ms + vs` as one fused multiply-add.
+    pub sum_fused: bool,
+    /// The merge of chunk partials `a*so + b*sn`: unfused, `fma(a, so, b*sn)` or
+    /// `fma(b, sn, a*so)`.
+    pub merge: Merge,
+}
+
+/// See [`Rounding::merge`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Merge {
+    /// Two products rounded, then added.
+    Plain,
+    /// The first product fused with the rounded second.
+    FirstFused,
+    /// The second product fused with the rounded first.
+    SecondFused,
+}
+
+impl Merge {
+    fn apply(self, a: f32, so: f32, b: f32, sn: f32) -> f32 {
+        match self {
+            Merge::Plain => a * so + b * sn,
+            Merge::FirstFused => a.mul_add(so, b * sn),
+            Merge::SecondFused => b.mul_add(sn, a * so),
+        }
+    }
+}
+
+/// Every [`Rounding`], the likeliest (GCC's default contraction) first.
+pub fn roundings() -> impl Iterator<Item = Rounding> {
+    [true, false].into_iter().flat_map(|sum_fused| {
+        [Merge::FirstFused, Merge::SecondFused, Merge::Plain]
+            .into_iter()
+            .map(move |merge| Rounding { sum_fused, merge })
+    })
+}
+
+/// One chunk's online softmax: (M, S, the value accumulator widened to f32).
+struct Partial {
+    m: f32,
+    s: f32,
+    acc: Vec<f32>,
+}
+
+/// `acc[i] = f16(f32(v[i]) * w + f32(acc[i]))`, one rounding for the product and sum: ggml's
+/// `ggml_vec_mad_f16` over whole SIMD steps (fused on every x86-64 build with FMA and on
+/// AArch64 without FP16 arithmetic).
+pub fn mad_f16(acc: &mut [u16], v: &[u16], w: f32) {
+    assert!(v.len() >= acc.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd::ok() {
+        // SAFETY: the CPU has the features; `v` is at least as long as `acc`.
+        return unsafe { simd::mad(acc, v, w) };
+    }
+    for (a, &v) in acc.iter_mut().zip(v) {
+        *a = from_f32(to_f32(v).mul_add(w, to_f32(*a)));
+    }
+}
+
+/// `acc[i] = f16(f32(acc[i]) * w)`: ggml's `ggml_vec_scale_f16`.
+pub fn scale_f16(acc: &mut [u16], w: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::ok() {
+        // SAFETY: the CPU has the features.
+        return unsafe { simd::scale(acc, w) };
+    }
+    for a in acc.iter_mut() {
+        *a = from_f32(to_f32(*a) * w);
+    }
+}
+
+/// The two f16 accumulator updates with F16C's conversions (nearest-even, as ggml's
+/// `_mm256_cvtps_ph(x, 0)`), eight halves a step, the rest one at a time with the same
+/// arithmetic.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    pub(super) fn ok() -> bool {
+        use std::sync::OnceLock;
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+        })
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn half(x: f32) -> u16 {
+        _mm_extract_epi16::<0>(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x))) as u16
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn single(h: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mad(acc: &mut [u16], v: &[u16], w: f32) {
+        let n8 = acc.len() / 8 * 8;
+        let (a, x) = (acc.as_mut_ptr(), v.as_ptr());
+        let ww = _mm256_set1_ps(w);
+        for i in (0..n8).step_by(8) {
+            let y = _mm256_cvtph_ps(_mm_loadu_si128(a.add(i).cast()));
+            let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.add(i).cast()));
+            let r = _mm256_fmadd_ps(xv, ww, y);
+            _mm_storeu_si128(
+                a.add(i).cast(),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r),
+            );
+        }
+        for i in n8..acc.len() {
+            *a.add(i) = half(single(*x.add(i)).mul_add(w, single(*a.add(i))));
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scale(acc: &mut [u16], w: f32) {
+        let n8 = acc.len() / 8 * 8;
+        let a = acc.as_mut_ptr();
+        let ww = _mm256_set1_ps(w);
+        for i in (0..n8).step_by(8) {
+            let y = _mm256_cvtph_ps(_mm_loadu_si128(a.add(i).cast()));
+            _mm_storeu_si128(
+                a.add(i).cast(),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(y, ww)),
+            );
+        }
+        for i in n8..acc.len() {
+            *a.add(i) = half(single(*a.add(i)) * w);
+        }
+    }
+}
+
+/// One query row of one head computed as ggml computes a lone row: `scores[c]` is the row's
+/// rounded-query dot product with key cell `c` (ggml's `vec_dot_f16`), `mask[c]` its f16 mask
+/// value (`-inf` hides the cell), `values` the `n_kv` value rows of `dv` halves, `stride`
+/// halves apart. `n_kv` is the key view a lone call would have had, `threads` its thread
+/// count. Writes `dv` outputs to `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn row(
+    scores: &[f32],
+    mask: &[u16],
+    scale: f32,
+    values: &[u16],
+    stride: usize,
+    dv: usize,
+    threads: usize,
+    rounding: Rounding,
+    out: &mut [f32],
+) {
+    let n_kv = scores.len();
+    assert!(mask.len() >= n_kv && out.len() == dv && threads >= 1);
+    assert!(n_kv == 0 || values.len() >= (n_kv - 1) * stride + dv);
+    let chunk = |c0: usize, c1: usize| -> Partial {
+        let mut m = f32::NEG_INFINITY;
+        let mut s = 0.0f32;
+        let mut acc = vec![0u16; dv];
+        for c in c0..c1 {
+            let mv = to_f32(mask[c]);
+            if mv == f32::NEG_INFINITY {
+                continue;
+            }
+            let x = scores[c] * scale + mv;
+            let (mut ms, mut vs) = (1.0f32, 1.0f32);
+            if x > m {
+                let old = m;
+                m = x;
+                ms = (old - m).exp();
+                scale_f16(&mut acc, ms);
+            } else {
+                vs = (x - m).exp();
+            }
+            mad_f16(&mut acc, &values[c * stride..c * stride + dv], vs);
+            s = if rounding.sum_fused {
+                s.mul_add(ms, vs)
+            } else {
+                s * ms + vs
+            };
+        }
+        Partial {
+            m,
+            s,
+            acc: acc.into_iter().map(to_f32).collect(),
+        }
+    };
+    if n_kv < SPLIT_FROM {
+        let p = chunk(0, n_kv);
+        let inv = if p.s == 0.0 { 0.0 } else { 1.0 / p.s };
+        for (o, a) in out.iter_mut().zip(&p.acc) {
+            *o = a * inv;
+        }
+        return;
+    }
+    let size = n_kv.div_ceil(threads);
+    let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
+    out.fill(0.0);
+    for t in 0..threads {
+        let c0 = t * size;
+        if c0 >= n_kv {
+            continue;
+        }
+        let p = chunk(c0, (c0 + size).min(n_kv));
+        if p.s == 0.0 {
+            continue;
+        }
+        let mn = m.max(p.m);
+        let (so, sn) = ((m - mn).exp(), (p.m - mn).exp());
+        for (o, a) in out.iter_mut().zip(&p.acc) {
+            *o = rounding.merge.apply(*o, so, *a, sn);
+        }
+        s = rounding.merge.apply(s, so, p.s, sn);
+        m = mn;
+    }
+    if s != 0.0 {
+        let inv = 1.0 / s;
+        for o in out.iter_mut() {
+            *o *= inv;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::XorShift;
+
+    /// Softmax-weighted values in f64 from the same scores: what every rounding approximates.
+    fn exact(scores: &[f32], mask: &[u16], scale: f32, values: &[u16], dv: usize) -> Vec<f64> {
+        let vis: Vec<usize> = (0..scores.len())
+            .filter(|&c| to_f32(mask[c]) != f32::NEG_INFINITY)
+            .collect();
+        let m = vis
+            .iter()
+            .map(|&c| f64::from(scores[c] * scale))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let mut out = vec![0f64; dv];
+        let mut s = 0f64;
+        for &c in &vis {
+            let w = (f64::from(scores[c] * scale) - m).exp();
+            s += w;
+            for (o, &v) in out.iter_mut().zip(&values[c * dv..(c + 1) * dv]) {
+                *o += w * f64::from(to_f32(v));
+            }
+        }
+        out.iter().map(|o| o / s).collect()
+    }
+
+    /// The accumulator updates give the scalar arithmetic's halves (on x86-64 the F16C path
+    /// against the portable one), ties and subnormals included.
+    #[test]
+    fn f16_updates_match_the_scalar_arithmetic() {
+        let mut rng = XorShift::new(11);
+        for n in [1usize, 8, 13, 64, 256] {
+            for w in [0.0f32, 1.0, 0.3, 1e-5, 0.999_999, 37.5] {
+                let acc0: Vec<u16> = (0..n)
+                    .map(|i| from_f32(rng.centered() * if i % 3 == 0 { 1e-4 } else { 4.0 }))
+                    .collect();
+                let v: Vec<u16> = (0..n).map(|_| from_f32(rng.centered() * 2.0)).collect();
+                let mut got = acc0.clone();
+                mad_f16(&mut got, &v, w);
+                let want: Vec<u16> = acc0
+                    .iter()
+                    .zip(&v)
+                    .map(|(&a, &v)| from_f32(to_f32(v).mul_add(w, to_f32(a))))
+                    .collect();
+                assert_eq!(got, want, "mad, {n} halves, w {w}");
+                let mut got = acc0.clone();
+                scale_f16(&mut got, w);
+                let want: Vec<u16> = acc0.iter().map(|&a| from_f32(to_f32(a) * w)).collect();
+                assert_eq!(got, want, "scale, {n} halves, w {w}");
+            }
+        }
+    }
+
+    /// Lone rows, split or not, stay within the f16 accumulator's precision of exact
+    /// attention; a row whose every cell is masked gives zeros; splitting over threads changes
+    /// the bits (the reason a verification row must know the lone call's thread count).
+    #[test]
+    fn lone_rows_approximate_attention_and_split_changes_bits() {
+        let mut rng = XorShift::new(7);
+        let dv = 64;
+        let r = Rounding {
+            sum_fused: true,
+            merge: Merge::FirstFused,
+        };
+        let mut split_differs = false;
+        for n_kv in [100usize, 511, 512, 1000] {
+            let scores: Vec<f32> = (0..n_kv).map(|_| rng.centered() * 8.0).collect();
+            let mask: Vec<u16> = (0..n_kv)
+                .map(|c| from_f32(if c % 11 == 3 { f32::NEG_INFINITY } else { 0.0 }))
+                .collect();
+            let values: Vec<u16> = (0..n_kv * dv).map(|_| from_f32(rng.centered())).collect();
+            let want = exact(&scores, &mask, 0.125, &values, dv);
+            let mut one = vec![0f32; dv];
+            row(&scores, &mask, 0.125, &values, dv, dv, 1, r, &mut one);
+            for threads in [1usize, 2, 3] {
+                let mut got = vec![0f32; dv];
+                row(&scores, &mask, 0.125, &values, dv, dv, threads, r, &mut got);
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        (f64::from(*g) - w).abs() < 2e-3,
+                        "{n_kv} cells, {threads}: {g} vs {w}"
+                    );
+                }
+                if n_kv < SPLIT_FROM {
+                    assert_eq!(got, one, "under {SPLIT_FROM} cells a row is one chunk");
+                } else if threads > 1 {
+                    split_differs |= got
+                        .iter()
+                        .zip(&one)
+                        .any(|(a, b)| a.to_bits() != b.to_bits());
+                }
+            }
+            let hidden = vec![from_f32(f32::NEG_INFINITY); n_kv];
+            let mut got = vec![1f32; dv];
+            row(&scores, &hidden, 0.125, &values, dv, dv, 2, r, &mut got);
+            assert!(got.iter().all(|&g| g == 0.0));
+        }
+        assert!(split_differs);
+    }
+}
