@@ -45,6 +45,13 @@ pub struct DeviceConfig {
     /// Profiling: the device takes every flash-attention node (dense unless sparse attention
     /// is on), so that [`Device::ablate`] reaches every layer. Affects graphs built afterwards.
     pub take_all: bool,
+    /// Dense flash attention's calls of 1 to 63 query rows (decoding, verification, a prompt's
+    /// last rows) computed row by row as ggml computes a lone row ([`crate::lone`]), so that a
+    /// verification row rounds as plain decoding's row with flash attention on. On by default;
+    /// the plugin for an unmodified llama.cpp leaves it off (there the device taking the node
+    /// would turn llama.cpp's automatic flash attention off: its check wants the node on the
+    /// layer's own device).
+    pub lone_attention: bool,
 }
 
 impl Default for DeviceConfig {
@@ -54,6 +61,7 @@ impl Default for DeviceConfig {
             take_output: false,
             sparse: None,
             take_all: false,
+            lone_attention: true,
         }
     }
 }

@@ -173,7 +173,8 @@ fn plugin() -> &'static Plugin {
 /// With `LEAP_STATS=1` (not `0`, `off` or empty), print at exit how many graph nodes
 /// `leap-cpu` computed, how many of them were attention, how many query rows attended
 /// sparsely: `WHO: leap-cpu computed N nodes (A attention nodes, S query rows sparse)`, the
-/// way to see on any CPU that the device ran. Once per process (the first `who` wins).
+/// way to see on any CPU that the device ran; and, where it computed any ([`lone`]), `WHO:
+/// leap-cpu computed L flash-attention query rows as ggml computes a lone row`. Once per process (the first `who` wins).
 pub fn stats_at_exit_from_env(who: &'static str) {
     static WHO: OnceLock<&'static str> = OnceLock::new();
     extern "C" fn report() {
@@ -187,6 +188,13 @@ pub fn stats_at_exit_from_env(who: &'static str) {
                 a.nodes,
                 a.sparse_rows
             );
+            let lone = lone::rows_computed();
+            if lone > 0 {
+                eprintln!(
+                    "{}: leap-cpu computed {lone} flash-attention query rows as ggml computes a lone row",
+                    WHO.get().copied().unwrap_or("leap"),
+                );
+            }
         });
     }
     if std::env::var("LEAP_STATS").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "off")) {
@@ -490,7 +498,9 @@ fn supports(
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         (Kind::Cpu, g::GGML_OP_GLU) => glu::supports(op),
         // Attention goes to the device its estimate runs on.
-        (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => !on_opencl() && fa(),
+        (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => {
+            (!on_opencl() && fa()) || lone::supports(op, cfg, inst.is_some_and(|i| i.capturing()))
+        }
         (Kind::OpenCl, g::GGML_OP_FLASH_ATTN_EXT) => on_opencl() && fa(),
         _ => false,
     }
@@ -561,6 +571,12 @@ unsafe extern "C" fn backend_graph_compute(
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_GLU => {
                     glu::compute(node, threads);
+                    0
+                }
+                g::GGML_OP_FLASH_ATTN_EXT
+                    if lone::supports(node, inst.config(), inst.capturing()) =>
+                {
+                    lone::compute(node, threads);
                     0
                 }
                 g::GGML_OP_FLASH_ATTN_EXT => {

@@ -77,6 +77,83 @@ struct Partial {
     acc: Vec<f32>,
 }
 
+/// How the loaded ggml's `vec_dot_f16` sums a key row with a query: its build's SIMD width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dot {
+    /// 256-bit builds (AVX2/F16C, and AArch64's): [`crate::kq`]'s kernels.
+    Kq,
+    /// AVX-512 builds without FP16 arithmetic (`-march=native` on such a CPU, llama.cpp's
+    /// default): four 16-lane sums over steps of 64, reduced pairwise and then as GCC's
+    /// `_mm512_reduce_add_ps`, leftovers added in f64 ([`dot_zmm`]).
+    Zmm,
+}
+
+/// The arithmetic of one loaded ggml: its dot product and its compiler's roundings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arith {
+    pub dot: Dot,
+    pub rounding: Rounding,
+}
+
+/// Every [`Arith`] this CPU can compute, the likeliest first.
+pub fn ariths() -> impl Iterator<Item = Arith> {
+    let dots: &[Dot] = if zmm_ok() {
+        &[Dot::Kq, Dot::Zmm]
+    } else {
+        &[Dot::Kq]
+    };
+    dots.iter()
+        .flat_map(|&dot| roundings().map(move |rounding| Arith { dot, rounding }))
+}
+
+/// Whether [`dot_zmm`] runs its AVX-512 kernel here (it computes the same numbers anywhere).
+pub fn zmm_ok() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        simd::zmm_ok()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// ggml's `vec_dot_f16` as an AVX-512 build computes it (without FP16 arithmetic): f16 key
+/// row `k` times the query `q` (already rounded to f16 values), `q.len()` elements.
+pub fn dot_zmm(k: &[u16], q: &[f32]) -> f32 {
+    assert!(k.len() >= q.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd::zmm_ok() {
+        // SAFETY: the CPU has AVX-512F; `k` is at least as long as `q`.
+        return unsafe { simd::dot_zmm(k, q) };
+    }
+    let n = q.len();
+    let np = n / 64 * 64;
+    let mut sum = [[0f32; 16]; 4];
+    for i in (0..np).step_by(64) {
+        for (j, s) in sum.iter_mut().enumerate() {
+            for (l, s) in s.iter_mut().enumerate() {
+                let e = i + 16 * j + l;
+                *s = to_f32(k[e]).mul_add(q[e], *s);
+            }
+        }
+    }
+    let x0: [f32; 16] = std::array::from_fn(|l| (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]));
+    let mut sumf = f64::from(reduce_add_16(&x0));
+    for e in np..n {
+        sumf += f64::from(to_f32(k[e]) * q[e]);
+    }
+    sumf as f32
+}
+
+/// GCC's `_mm512_reduce_add_ps`: halves, then quarters, then lanes (0, 2) and (1, 3), then
+/// the two.
+fn reduce_add_16(x: &[f32; 16]) -> f32 {
+    let t3: [f32; 8] = std::array::from_fn(|i| x[i + 8] + x[i]);
+    let t6: [f32; 4] = std::array::from_fn(|j| t3[j + 4] + t3[j]);
+    (t6[0] + t6[2]) + (t6[1] + t6[3])
+}
+
 /// `acc[i] = f16(f32(v[i]) * w + f32(acc[i]))`, one rounding for the product and sum: ggml's
 /// `ggml_vec_mad_f16` over whole SIMD steps (fused on every x86-64 build with FMA and on
 /// AArch64 without FP16 arithmetic).
@@ -119,6 +196,35 @@ mod simd {
                 && std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("f16c")
         })
+    }
+
+    pub(super) fn zmm_ok() -> bool {
+        use std::sync::OnceLock;
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
+    }
+
+    /// [`super::dot_zmm`] in 512-bit registers (the same lanes, the same additions).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot_zmm(k: &[u16], q: &[f32]) -> f32 {
+        let n = q.len();
+        let np = n / 64 * 64;
+        let (kp, qp) = (k.as_ptr(), q.as_ptr());
+        let mut sum = [_mm512_setzero_ps(); 4];
+        for i in (0..np).step_by(64) {
+            for (j, s) in sum.iter_mut().enumerate() {
+                let x = _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(i + 16 * j).cast()));
+                *s = _mm512_fmadd_ps(x, _mm512_loadu_ps(qp.add(i + 16 * j)), *s);
+            }
+        }
+        let x0 = _mm512_add_ps(_mm512_add_ps(sum[0], sum[2]), _mm512_add_ps(sum[1], sum[3]));
+        let mut lanes = [0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), x0);
+        let mut sumf = f64::from(super::reduce_add_16(&lanes));
+        for e in np..n {
+            sumf += f64::from(super::to_f32(*kp.add(e)) * *qp.add(e));
+        }
+        sumf as f32
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -306,6 +412,45 @@ mod tests {
                 let want: Vec<u16> = acc0.iter().map(|&a| from_f32(to_f32(a) * w)).collect();
                 assert_eq!(got, want, "scale, {n} halves, w {w}");
             }
+        }
+    }
+
+    /// The AVX-512 build's dot product: the kernel gives the portable arithmetic's sums (with
+    /// leftovers past the last step of 64), and both approximate the exact product.
+    #[test]
+    fn zmm_dot_matches_its_reference() {
+        let mut rng = XorShift::new(13);
+        for n in [64usize, 100, 256] {
+            let k: Vec<u16> = (0..n).map(|_| from_f32(rng.centered() * 4.0)).collect();
+            let q: Vec<f32> = (0..n)
+                .map(|_| to_f32(from_f32(rng.centered() * 4.0)))
+                .collect();
+            let got = dot_zmm(&k, &q);
+            let exact: f64 = k
+                .iter()
+                .zip(&q)
+                .map(|(&a, &b)| f64::from(to_f32(a)) * f64::from(b))
+                .sum();
+            assert!(
+                (f64::from(got) - exact).abs() < 1e-3 * (1.0 + exact.abs()),
+                "{got} vs {exact}"
+            );
+            let np = n / 64 * 64;
+            let mut sum = [[0f32; 16]; 4];
+            for i in (0..np).step_by(64) {
+                for (j, s) in sum.iter_mut().enumerate() {
+                    for (l, s) in s.iter_mut().enumerate() {
+                        *s = to_f32(k[i + 16 * j + l]).mul_add(q[i + 16 * j + l], *s);
+                    }
+                }
+            }
+            let x0: [f32; 16] =
+                std::array::from_fn(|l| (sum[0][l] + sum[2][l]) + (sum[1][l] + sum[3][l]));
+            let mut want = f64::from(reduce_add_16(&x0));
+            for e in np..n {
+                want += f64::from(to_f32(k[e]) * q[e]);
+            }
+            assert_eq!(got.to_bits(), (want as f32).to_bits(), "{n} elements");
         }
     }
 

@@ -211,7 +211,7 @@ impl Operands {
     ///
     /// # Safety
     /// `op` is a valid FLASH_ATTN_EXT node that passed [`supports_fa`].
-    unsafe fn of(op: &g::ggml_tensor) -> Self {
+    pub(crate) unsafe fn of(op: &g::ggml_tensor) -> Self {
         let (q, k, v, mask) = (&*op.src[0], &*op.src[1], &*op.src[2], op.src[3]);
         Operands {
             d: q.ne[0] as usize,
