@@ -4,14 +4,16 @@ There `--spec-type leap` drafts with Leap (libleap.so's leap_drafter_*) and Leap
 registered like llama.cpp's own, without GGML_BACKEND_PATH.
 
 Checked: the device is listed; greedy completions with --spec-type leap are those of
---spec-type none of the same binary with the kernels --spec-type leap turns on (flash attention,
-weight repacking and the tiled product off, a full sliding-window cache), on prompts where Leap's
-drafts are taken, so the verified batches really differ from plain steps, and on a prompt past
-Gemma's sliding window (where the default kernels, flash attention on and repacked weights, give
-another text); sampled completions with a seed are the same text too (the server samples every
-position of a draft from the target's own distribution with the seed's random stream, so
-drafting changes how many calls, not which tokens); bad combinations stop the server at start-up
-with a message, not mid-request."""
+--spec-type none of the same binary with the settings --spec-type leap turns on (weight repacking
+and the tiled product off, a full sliding-window cache) and llama.cpp's default flash attention
+(auto: on), on prompts where Leap's drafts are taken, so the verified batches really differ from
+plain steps, and on a prompt past Gemma's sliding window and past 512 cells (where ggml splits a
+lone row's keys over its threads and computes a few-row batch in one chunk a row: Leap's device
+computes the verification rows as the lone row, and says so); with -fa off as well (then in
+64-row prefill batches unless -ub says otherwise); sampled completions with a seed are the same
+text too (the server samples every position of a draft from the target's own distribution with
+the seed's random stream, so drafting changes how many calls, not which tokens); bad
+combinations stop the server at start-up with a message, not mid-request."""
 
 import os
 import re
@@ -34,8 +36,10 @@ PROMPTS = [
 # ggml's attention over 512+ cells are where a batch's rows would round otherwise.
 LONG = (Path(__file__).resolve().parents[1] / "data" / "attention-notes.txt").read_text() + \
     "\nIn one paragraph, what do these notes say about the two places a phone spends its time?\n"
-# The kernels --spec-type leap runs with, for the plain anchor of the same binary.
-INVARIANT = ["-fa", "off", "--no-repack", "--swa-full"]
+# The settings --spec-type leap turns on, for the plain anchor of the same binary (flash
+# attention left at llama.cpp's default, auto: on).
+INVARIANT = ["--no-repack", "--swa-full"]
+LONE = "flash-attention query rows as ggml computes a lone row"
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +93,13 @@ def test_spec_type_leap_gives_plain_decodings_tokens(llama_bin, model, request):
     drafted = sum(t.get("draft_n", 0) for _, t in leap + leap_sampled)
     accepted = sum(t.get("draft_n_accepted", 0) for _, t in leap + leap_sampled)
     assert drafted > 0 and accepted > 10, (drafted, accepted)
-    # Leap's device computed in it.
+    # Leap's device computed in it, the verification rows' attention included.
     assert "leap-cpu computed" in err, err[-2000:]
+    assert LONE in err, err[-2000:]
 
 
-def test_llama_cli_with_spec_type_leap_writes_plain_decodings_text(llama_bin, smollm):
+@pytest.mark.parametrize("fa", [[], ["-fa", "off"]])
+def test_llama_cli_with_spec_type_leap_writes_plain_decodings_text(llama_bin, smollm, fa):
     def cli(args, env):
         r = subprocess.run([str(llama_bin / "llama-cli"), "-m", smollm, "-t", "2", "-c", "1024",
                             "-p", PROMPTS[0], "-n", "40", "--temp", "0", "-st", "--simple-io",
@@ -105,16 +111,19 @@ def test_llama_cli_with_spec_type_leap_writes_plain_decodings_text(llama_bin, sm
         text = "\n".join(l for l in r.stdout.splitlines() if not l.startswith("[ Prompt:"))
         return text, r.stderr
 
-    plain, _ = cli(INVARIANT + ["--spec-type", "none"], clean_env(GGML_CPU_TILED_MM="0"))
-    leap, err = cli(["--spec-type", "leap"], clean_env(LEAP_STATS="1"))
+    plain, _ = cli(INVARIANT + fa + ["--spec-type", "none"], clean_env(GGML_CPU_TILED_MM="0"))
+    leap, err = cli(fa + ["--spec-type", "leap"], clean_env(LEAP_STATS="1"))
     assert "cherry" in plain, plain
     assert leap == plain
     assert "leap-cpu computed" in err
+    assert (LONE in err) == (not fa), err[-2000:]
 
 
-@pytest.mark.parametrize("args, ubatch", [([], 64), (["-ub", "128"], 128)])
-def test_spec_type_leap_prefills_in_64_row_batches_unless_told(llama_bin, smollm, args, ubatch):
-    # The greedy tests above prefill their long prompt so against the plain anchor's 512.
+@pytest.mark.parametrize("args, ubatch", [
+    ([], 512), (["-fa", "off"], 64), (["-fa", "off", "-ub", "128"], 128)])
+def test_spec_type_leap_prefills_in_64_row_batches_without_flash_attention(llama_bin, smollm, args,
+                                                                           ubatch):
+    # The -fa off greedy test above prefills its prompt so against the plain anchor's 512.
     r = subprocess.run([str(llama_bin / "llama-cli"), "-m", smollm, "-t", "2", "-c", "512",
                         "-p", PROMPTS[0], "-n", "1", "-st", "--simple-io", "-v",
                         "--spec-type", "leap", *args],
@@ -127,7 +136,6 @@ def test_spec_type_leap_prefills_in_64_row_batches_unless_told(llama_bin, smollm
 
 @pytest.mark.parametrize("args, message", [
     (["--spec-type", "leap,ngram-mod"], "cannot be combined with 'ngram-mod'"),
-    (["--spec-type", "leap", "-fa", "on"], "needs flash attention off"),
     (["--spec-type", "nonsense"], "unknown speculative type"),
 ])
 def test_a_bad_combination_stops_at_start_up(llama_bin, smollm, args, message):
