@@ -27,10 +27,9 @@
 //! when its estimate is to run on OpenCL ([`opencl`]). On a phone with Qualcomm's QNN
 //! (feature `qnn`), `leap-cpu`'s estimate runs on the NPU ([`qnn`]).
 //!
-//! [`lone`] computes a query row of ggml's dense flash attention as ggml computes a lone row
-//! (checked bit for bit against the loaded ggml): the arithmetic verification rows need for
-//! speculation to stay exact with flash attention on. The device does not take those nodes
-//! yet.
+//! With flash attention on and no sparse attention, it takes dense `FLASH_ATTN_EXT` of 1 to 63
+//! query rows and computes each row as ggml computes a lone row ([`lone`], checked bit for
+//! bit against the loaded ggml), so that a verification row rounds as plain decoding's.
 //!
 //! Two ways in: [`register`] in-process (what `leap` does), or the cdylib of `backend/plugin`
 //! (`libggml_leap.so`), which exports `ggml_backend_init` for an unmodified llama.cpp that

@@ -1,8 +1,8 @@
-//! The check that [`leap_kernels::lone`] gives the loaded ggml's flash attention for a lone
-//! query row bit for bit, and the [`Rounding`] under which it does: the ground a verification
-//! row must stand on for `--spec-type leap` to keep llama.cpp's default flags (flash attention
-//! on) and still give plain decoding's tokens (issue 35). The device does not take those
-//! nodes yet.
+//! Dense flash attention of 1 to 63 query rows on the device, each row computed as ggml
+//! computes a lone row ([`leap_kernels::lone`]), so that `--spec-type leap` keeps llama.cpp's
+//! default flash attention and still gives plain decoding's tokens (issue 35); and the check
+//! that this gives the loaded ggml's output bit for bit, which finds the [`Arith`] (the build's
+//! dot product, its compiler's roundings) under which it does.
 
 use leap_kernels::f16::from_f32;
 

@@ -8,7 +8,7 @@
 //! - a lone row (decoding) over a key view of [`SPLIT_FROM`] cells or more: **split over the
 //!   keys**, one chunk of `ceil(n_kv / threads)` cells per thread, each chunk an online softmax
 //!   of its own, the chunks' partial results then merged in chunk order;
-//! - a few rows (verification, up to the tile's 32): **one chunk** over every cell, per row;
+//! - a few rows (verification; 2 to 63, ggml's tile is 64): **one chunk** over every cell, per row;
 //! - more rows (prefill): tiled.
 //!
 //! So a row's output depends on how many rows came with it, on the key view's length and on the
