@@ -47,10 +47,11 @@ pub struct DeviceConfig {
     pub take_all: bool,
     /// Dense flash attention's calls of 1 to 63 query rows (decoding, verification, a prompt's
     /// last rows) computed row by row as ggml computes a lone row ([`crate::lone`]), so that a
-    /// verification row rounds as plain decoding's row with flash attention on. On by default;
-    /// the plugin for an unmodified llama.cpp leaves it off (there the device taking the node
-    /// would turn llama.cpp's automatic flash attention off: its check wants the node on the
-    /// layer's own device).
+    /// verification row rounds as plain decoding's row with flash attention on. Off by
+    /// default: an unmodified llama.cpp's automatic flash attention (`auto`) wants the node on
+    /// the layer's own device and turns flash attention off when the device takes it.
+    /// `leap_backend_register` (the C API call of llama.cpp with Leap's patches, whose
+    /// patches/0003 keeps `auto` on) turns it on.
     pub lone_attention: bool,
 }
 
@@ -61,7 +62,7 @@ impl Default for DeviceConfig {
             take_output: false,
             sparse: None,
             take_all: false,
-            lone_attention: true,
+            lone_attention: false,
         }
     }
 }

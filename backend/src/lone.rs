@@ -561,7 +561,12 @@ mod tests {
                 };
                 let (mine, theirs) = (fa(ctx), fa(ctx));
                 let node = &mut *mine.cast::<g::ggml_tensor>();
-                assert!(supports(node, &crate::DeviceConfig::default(), false));
+                let cfg = crate::DeviceConfig {
+                    lone_attention: true,
+                    ..crate::DeviceConfig::default()
+                };
+                assert!(supports(node, &cfg, false));
+                assert!(!supports(node, &crate::DeviceConfig::default(), false));
                 compute(node, threads);
                 let gf = sys::ggml_new_graph(ctx);
                 sys::ggml_build_forward_expand(gf, theirs);

@@ -271,11 +271,14 @@ pub extern "C" fn leap_backend_register() -> leap_status {
         ONCE.call_once(|| {
             crate::logging::init();
             // Such a host computes every row's logits itself (no on-demand projection here);
-            // the environment may say otherwise (LEAP_OUTPUT=ggml).
+            // the environment may say otherwise (LEAP_OUTPUT=ggml). It is llama.cpp with
+            // Leap's patches, whose automatic flash attention stays on with the device taking
+            // attention (patches/0003): decoding's and verification's rows as lone rows.
             leap_backend::use_by_default(leap_backend::configure_from_env(
                 "leap",
                 leap_backend::DeviceConfig {
                     take_output: true,
+                    lone_attention: true,
                     ..Default::default()
                 },
             ));

@@ -44,14 +44,9 @@ fn configure() {
     if log::set_logger(&Stderr).is_ok() {
         log::set_max_level(log::LevelFilter::Warn);
     }
-    // Not the lone-row flash attention: an unmodified llama.cpp's automatic flash attention
-    // would see the node on another device than its layer and turn flash attention off.
     leap_backend::use_by_default(leap_backend::configure_from_env(
         "libggml_leap",
-        leap_backend::DeviceConfig {
-            lone_attention: false,
-            ..leap_backend::DeviceConfig::default()
-        },
+        leap_backend::DeviceConfig::default(),
     ));
 }
 
