@@ -27,9 +27,10 @@
 //! when its estimate is to run on OpenCL ([`opencl`]). On a phone with Qualcomm's QNN
 //! (feature `qnn`), `leap-cpu`'s estimate runs on the NPU ([`qnn`]).
 //!
-//! With flash attention on and no sparse attention, it takes dense `FLASH_ATTN_EXT` of 1 to 63
-//! query rows and computes each row as ggml computes a lone row ([`lone`], checked bit for
-//! bit against the loaded ggml), so that a verification row rounds as plain decoding's.
+//! With [`DeviceConfig::lone_attention`] (llama.cpp with Leap's patches turns it on through
+//! the C API), flash attention on and no sparse attention, it takes dense `FLASH_ATTN_EXT` of
+//! 1 to 63 query rows and computes each row as ggml computes a lone row ([`lone`], checked bit
+//! for bit against the loaded ggml), so that a verification row rounds as plain decoding's.
 //!
 //! Two ways in: [`register`] in-process (what `leap` does), or the cdylib of `backend/plugin`
 //! (`libggml_leap.so`), which exports `ggml_backend_init` for an unmodified llama.cpp that
