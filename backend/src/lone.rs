@@ -77,22 +77,8 @@ pub(crate) fn supports(op: &g::ggml_tensor, cfg: &crate::DeviceConfig, capturing
         && param(1) == 0.0
         && param(2) == 0.0
         && ROWS.contains(&q.ne[1])
-        && q.type_ == g::GGML_TYPE_F32
-        && k.type_ == g::GGML_TYPE_F16
-        && v.type_ == g::GGML_TYPE_F16
-        && q.ne[3] == 1
-        && k.ne[3] == 1
-        && v.ne[3] == 1
-        && q.nb[0] == 4
-        && k.nb[0] == 2
-        && v.nb[0] == 2
-        && op.nb[0] == 4
-        && q.ne[0] == k.ne[0]
+        && crate::attn::f16_cache_shape(op, q, k, v)
         && v.ne[0] % 64 == 0
-        && k.ne[1] == v.ne[1]
-        && k.ne[2] > 0
-        && q.ne[2] % k.ne[2] == 0
-        && v.ne[2] == k.ne[2]
         && checked().is_some()
 }
 

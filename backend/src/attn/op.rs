@@ -143,7 +143,21 @@ pub(crate) fn supports_fa(op: &g::ggml_tensor, cfg: &DeviceConfig, capturing: bo
     taken
         && mask_ok
         && max_bias == 0.0
-        && q.type_ == g::GGML_TYPE_F32
+        && f16_cache_shape(op, q, k, v)
+        && k.nb[1] == root.nb[1]
+        && (q.ne[0] as usize).is_multiple_of(QK)
+}
+
+/// A flash-attention node's operands as the device's attention reads them: f32 queries, f16
+/// keys and values with contiguous rows, three dimensions, grouped-query heads, an f32 output
+/// with contiguous rows (shared by sparse attention and [`crate::lone`]).
+pub(crate) fn f16_cache_shape(
+    op: &g::ggml_tensor,
+    q: &g::ggml_tensor,
+    k: &g::ggml_tensor,
+    v: &g::ggml_tensor,
+) -> bool {
+    q.type_ == g::GGML_TYPE_F32
         && k.type_ == g::GGML_TYPE_F16
         && v.type_ == g::GGML_TYPE_F16
         && q.ne[3] == 1
@@ -152,9 +166,7 @@ pub(crate) fn supports_fa(op: &g::ggml_tensor, cfg: &DeviceConfig, capturing: bo
         && q.nb[0] == 4
         && k.nb[0] == 2
         && v.nb[0] == 2
-        && k.nb[1] == root.nb[1]
         && q.ne[0] == k.ne[0]
-        && (q.ne[0] as usize).is_multiple_of(QK)
         && k.ne[1] == v.ne[1]
         && k.ne[2] > 0
         && q.ne[2] % k.ne[2] == 0
