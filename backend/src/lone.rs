@@ -4,11 +4,11 @@
 //! that this gives the loaded ggml's output bit for bit, which finds the [`Arith`] (the build's
 //! dot product, its compiler's roundings) under which it does.
 
-use leap_kernels::f16::from_f32;
+use leap_kernels::f16::{from_f32, to_f32};
 
 use crate::ffi as g;
 pub use leap_kernels::lone::{
-    ariths, dot_zmm, roundings, row, Arith, Dot, Merge, Rounding, SPLIT_FROM,
+    ariths, dot_zmm, roundings, row, Arith, Dot, Keys, Merge, Rounding, Values, SPLIT_FROM,
 };
 
 /// Query rows of a flash-attention node the device computes the lone way. ggml's CPU backend
@@ -160,27 +160,24 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
             );
         }
     });
-    let (scores, masks, views) = (&scores, &masks, &views);
+    // Each row's mask as f32 over its view, shared by its heads (zeros where there is none).
+    let masks: Vec<Vec<f32>> = masks
+        .iter()
+        .zip(&views)
+        .map(|(mk, &view)| match mk {
+            Some(mk) => mk[..view].iter().map(|&h| to_f32(h)).collect(),
+            None => vec![0f32; view],
+        })
+        .collect();
+    let (scores, masks) = (&scores, &masks);
     let dst = Ptr(op.dst);
     let tasks = n_q * op.n_head;
     let stride = op.v_row / 2;
     parallel(threads.min(tasks), &|t, nth| {
-        let mut s = Vec::new();
         for task in (t..tasks).step_by(nth) {
             let (i, h) = (task / op.n_head, task % op.n_head);
             let (hk, j) = (h / per, h % per);
-            let view = views[i];
-            let col = i * per + j;
-            s.clear();
-            s.extend((0..view).map(|c| scores[(hk * n + c) * m + col]));
-            let hidden;
-            let mask = match masks[i] {
-                Some(mk) => &mk[..view],
-                None => {
-                    hidden = vec![0u16; view];
-                    &hidden[..]
-                }
-            };
+            let view = masks[i].len();
             let values = std::slice::from_raw_parts(
                 op.v.add(hk * op.v_head).cast::<u16>(),
                 if view == 0 {
@@ -194,17 +191,18 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
                 dst.at(i * op.dst_row + h * op.dst_head).cast::<f32>(),
                 dv,
             );
-            row(
-                &s,
-                mask,
-                op.scale,
-                values,
+            let keys = Keys {
+                // Row i, head j's scores: every m-th from its first (`[hk][cell][query]`).
+                scores: &scores[hk * n * m + i * per + j..(hk + 1) * n * m],
+                stride: m,
+                mask: &masks[i],
+            };
+            let vals = Values {
+                data: values,
                 stride,
                 dv,
-                threads,
-                arith.rounding,
-                o,
-            );
+            };
+            row(keys, op.scale, vals, threads, arith.rounding, o);
         }
     });
 }
@@ -349,6 +347,7 @@ impl Case {
         let stride = self.kv_heads * d;
         let mut out = vec![0f32; self.heads * d];
         let mut s = vec![0f32; self.n_kv];
+        let mask: Vec<f32> = self.mask.iter().map(|&h| to_f32(h)).collect();
         for h in 0..self.heads {
             let kvh = h / per;
             // SAFETY: the caller checked the CPU; n_kv rows of `stride` halves from kvh * d.
@@ -362,13 +361,20 @@ impl Case {
                     &mut s,
                 )
             };
-            row(
-                &s,
-                &self.mask,
-                self.scale,
-                &self.v[kvh * d..],
+            let keys = Keys {
+                scores: &s,
+                stride: 1,
+                mask: &mask,
+            };
+            let vals = Values {
+                data: &self.v[kvh * d..],
                 stride,
-                d,
+                dv: d,
+            };
+            row(
+                keys,
+                self.scale,
+                vals,
                 self.threads,
                 a.rounding,
                 &mut out[h * d..(h + 1) * d],

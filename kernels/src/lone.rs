@@ -70,13 +70,6 @@ pub fn roundings() -> impl Iterator<Item = Rounding> {
     })
 }
 
-/// One chunk's online softmax: (M, S, the value accumulator widened to f32).
-struct Partial {
-    m: f32,
-    s: f32,
-    acc: Vec<f32>,
-}
-
 /// How the loaded ggml's `vec_dot_f16` sums a key row with a query: its build's SIMD width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dot {
@@ -274,84 +267,67 @@ mod simd {
     }
 }
 
-/// One query row of one head computed as ggml computes a lone row: `scores[c]` is the row's
-/// rounded-query dot product with key cell `c` (ggml's `vec_dot_f16`), `mask[c]` its f16 mask
-/// value (`-inf` hides the cell), `values` the `n_kv` value rows of `dv` halves, `stride`
-/// halves apart. `n_kv` is the key view a lone call would have had, `threads` its thread
-/// count. Writes `dv` outputs to `out`.
-#[allow(clippy::too_many_arguments)]
+/// A row's keys as [`row`] reads them: `scores[c * stride]` is the row's rounded-query dot
+/// product with key cell `c` (ggml's `vec_dot_f16`), `mask[c]` its mask value (an f16's, as
+/// f32; `-inf` hides the cell). The view is `mask.len()` cells.
+#[derive(Clone, Copy)]
+pub struct Keys<'a> {
+    pub scores: &'a [f32],
+    pub stride: usize,
+    pub mask: &'a [f32],
+}
+
+/// The value rows: cell `c`'s `dv` halves at `data[c * stride..]`.
+#[derive(Clone, Copy)]
+pub struct Values<'a> {
+    pub data: &'a [u16],
+    pub stride: usize,
+    pub dv: usize,
+}
+
+/// One query row of one head computed as ggml computes a lone row over the key view
+/// `keys.mask.len()` a lone call would have had, with `threads` for its thread count. Writes
+/// `dv` outputs to `out`.
 pub fn row(
-    scores: &[f32],
-    mask: &[u16],
+    keys: Keys<'_>,
     scale: f32,
-    values: &[u16],
-    stride: usize,
-    dv: usize,
+    values: Values<'_>,
     threads: usize,
     rounding: Rounding,
     out: &mut [f32],
 ) {
-    let n_kv = scores.len();
-    assert!(mask.len() >= n_kv && out.len() == dv && threads >= 1);
-    assert!(n_kv == 0 || values.len() >= (n_kv - 1) * stride + dv);
-    let chunk = |c0: usize, c1: usize| -> Partial {
-        let mut m = f32::NEG_INFINITY;
-        let mut s = 0.0f32;
-        let mut acc = vec![0u16; dv];
-        for c in c0..c1 {
-            let mv = to_f32(mask[c]);
-            if mv == f32::NEG_INFINITY {
-                continue;
-            }
-            let x = scores[c] * scale + mv;
-            let (mut ms, mut vs) = (1.0f32, 1.0f32);
-            if x > m {
-                let old = m;
-                m = x;
-                ms = (old - m).exp();
-                scale_f16(&mut acc, ms);
-            } else {
-                vs = (x - m).exp();
-            }
-            mad_f16(&mut acc, &values[c * stride..c * stride + dv], vs);
-            s = if rounding.sum_fused {
-                s.mul_add(ms, vs)
-            } else {
-                s * ms + vs
-            };
-        }
-        Partial {
-            m,
-            s,
-            acc: acc.into_iter().map(to_f32).collect(),
-        }
-    };
+    let (n_kv, dv) = (keys.mask.len(), values.dv);
+    assert!(out.len() == dv && threads >= 1);
+    assert!(n_kv == 0 || keys.scores.len() > (n_kv - 1) * keys.stride);
+    assert!(n_kv == 0 || values.data.len() >= (n_kv - 1) * values.stride + dv);
     if n_kv < SPLIT_FROM {
-        let p = chunk(0, n_kv);
-        let inv = if p.s == 0.0 { 0.0 } else { 1.0 / p.s };
-        for (o, a) in out.iter_mut().zip(&p.acc) {
-            *o = a * inv;
+        let (_, s) = chunk(keys, scale, values, 0, n_kv, rounding.sum_fused, out);
+        let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+        for o in out.iter_mut() {
+            *o *= inv;
         }
         return;
     }
     let size = n_kv.div_ceil(threads);
     let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
     out.fill(0.0);
+    let mut acc = vec![0f32; dv];
     for t in 0..threads {
         let c0 = t * size;
         if c0 >= n_kv {
             continue;
         }
-        let p = chunk(c0, (c0 + size).min(n_kv));
-        if p.s == 0.0 {
+        let c1 = (c0 + size).min(n_kv);
+        let (pm, ps) = chunk(keys, scale, values, c0, c1, rounding.sum_fused, &mut acc);
+        if ps == 0.0 {
             continue;
         }
-        let mn = m.max(p.m);
-        let (so, sn) = ((m - mn).exp(), (p.m - mn).exp());
-        for (o, a) in out.iter_mut().zip(&p.acc) {
+        let mn = m.max(pm);
+        let (so, sn) = ((m - mn).exp(), (pm - mn).exp());
+        for (o, a) in out.iter_mut().zip(&acc) {
             *o = rounding.merge.apply(*o, so, *a, sn);
         }
-        s = rounding.merge.apply(s, so, p.s, sn);
+        s = rounding.merge.apply(s, so, ps, sn);
         m = mn;
     }
     if s != 0.0 {
@@ -362,15 +338,236 @@ pub fn row(
     }
 }
 
+/// One chunk's online softmax over cells `c0..c1`: returns its running maximum M and sum S and
+/// writes its value accumulator (f16 values, widened) to `acc`. With AVX-512 (or AVX2) and a
+/// head size the registers hold, the accumulator stays in registers as f32 values rounded
+/// through f16 after every update ([`regs`]); elsewhere [`chunk_scalar`].
+fn chunk(
+    keys: Keys<'_>,
+    scale: f32,
+    values: Values<'_>,
+    c0: usize,
+    c1: usize,
+    sum_fused: bool,
+    acc: &mut [f32],
+) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(r) = regs::chunk(keys, scale, values, c0, c1, sum_fused, acc, simd::zmm_ok()) {
+        return r;
+    }
+    chunk_scalar(keys, scale, values, c0, c1, sum_fused, acc)
+}
+
+/// [`chunk`] with the accumulator in halves, updated by [`mad_f16`] and [`scale_f16`] (ggml's
+/// own steps, one cell at a time).
+pub fn chunk_scalar(
+    keys: Keys<'_>,
+    scale: f32,
+    values: Values<'_>,
+    c0: usize,
+    c1: usize,
+    sum_fused: bool,
+    out: &mut [f32],
+) -> (f32, f32) {
+    let dv = values.dv;
+    let mut m = f32::NEG_INFINITY;
+    let mut s = 0.0f32;
+    let mut acc = vec![0u16; dv];
+    for c in c0..c1 {
+        let mv = keys.mask[c];
+        if mv == f32::NEG_INFINITY {
+            continue;
+        }
+        let x = keys.scores[c * keys.stride] * scale + mv;
+        let (mut ms, mut vs) = (1.0f32, 1.0f32);
+        if x > m {
+            let old = m;
+            m = x;
+            ms = (old - m).exp();
+            scale_f16(&mut acc, ms);
+        } else {
+            vs = (x - m).exp();
+        }
+        let v = c * values.stride;
+        mad_f16(&mut acc, &values.data[v..v + dv], vs);
+        s = if sum_fused {
+            s.mul_add(ms, vs)
+        } else {
+            s * ms + vs
+        };
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = to_f32(a);
+    }
+    (m, s)
+}
+
+/// A chunk with the value accumulator in vector registers: `N` registers of 16 lanes
+/// (AVX-512) or of 8 (AVX2), each update rounded to f16 and back as ggml's stores and loads of
+/// its f16 accumulator round it. The same arithmetic as [`chunk_scalar`], element for element,
+/// without the accumulator's trip through memory and with AVX-512's twice-as-wide
+/// conversions.
+#[cfg(target_arch = "x86_64")]
+mod regs {
+    use super::{Keys, Values};
+    use std::arch::x86_64::*;
+
+    /// With `wide`, the AVX-512 kernel where the CPU has it; else AVX2's. `None`: neither
+    /// runs here, or not this head size.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn chunk(
+        keys: Keys<'_>,
+        scale: f32,
+        values: Values<'_>,
+        c0: usize,
+        c1: usize,
+        sum_fused: bool,
+        acc: &mut [f32],
+        wide: bool,
+    ) -> Option<(f32, f32)> {
+        assert!(acc.len() >= values.dv);
+        macro_rules! go {
+            ($f:ident, $n:literal) => {
+                // SAFETY: the CPU has the kernel's features (checked by the match); `row`
+                // checked the slices' lengths for cells below `mask.len()`, and `acc` holds dv.
+                Some(unsafe { $f::<$n>(keys, scale, values, c0, c1, sum_fused, acc) })
+            };
+        }
+        if wide && super::simd::zmm_ok() {
+            return match values.dv {
+                64 => go!(zmm, 4),
+                128 => go!(zmm, 8),
+                256 => go!(zmm, 16),
+                _ => None,
+            };
+        }
+        if super::simd::ok() {
+            return match values.dv {
+                64 => go!(ymm, 8),
+                128 => go!(ymm, 16),
+                256 => go!(ymm, 32),
+                _ => None,
+            };
+        }
+        None
+    }
+
+    macro_rules! kernel {
+        ($name:ident, $feat:literal, $v:ty, $lanes:literal, $zero:ident, $set1:ident,
+         $mul:ident, $fma:ident, $load:expr, $round:expr, $store:ident) => {
+            #[target_feature(enable = $feat)]
+            unsafe fn $name<const N: usize>(
+                keys: Keys<'_>,
+                scale: f32,
+                values: Values<'_>,
+                c0: usize,
+                c1: usize,
+                sum_fused: bool,
+                out: &mut [f32],
+            ) -> (f32, f32) {
+                let mut acc: [$v; N] = [$zero(); N];
+                let mut m = f32::NEG_INFINITY;
+                let mut s = 0.0f32;
+                let (sc, mk, vp) = (
+                    keys.scores.as_ptr(),
+                    keys.mask.as_ptr(),
+                    values.data.as_ptr(),
+                );
+                for c in c0..c1 {
+                    let mv = *mk.add(c);
+                    if mv == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let x = *sc.add(c * keys.stride) * scale + mv;
+                    let (mut ms, mut vs) = (1.0f32, 1.0f32);
+                    if x > m {
+                        let old = m;
+                        m = x;
+                        ms = (old - m).exp();
+                        let w = $set1(ms);
+                        for a in acc.iter_mut() {
+                            *a = $round($mul(*a, w));
+                        }
+                    } else {
+                        vs = (x - m).exp();
+                    }
+                    let w = $set1(vs);
+                    let v = vp.add(c * values.stride);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = $round($fma($load(v.add($lanes * j)), w, *a));
+                    }
+                    s = if sum_fused {
+                        s.mul_add(ms, vs)
+                    } else {
+                        s * ms + vs
+                    };
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    $store(out.as_mut_ptr().add($lanes * j), *a);
+                }
+                (m, s)
+            }
+        };
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const u16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn round16(x: __m512) -> __m512 {
+        _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn round8(x: __m256) -> __m256 {
+        _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
+    }
+
+    kernel!(
+        zmm,
+        "avx512f",
+        __m512,
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_mul_ps,
+        _mm512_fmadd_ps,
+        load16,
+        round16,
+        _mm512_storeu_ps
+    );
+    kernel!(
+        ymm,
+        "avx2,fma,f16c",
+        __m256,
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_mul_ps,
+        _mm256_fmadd_ps,
+        load8,
+        round8,
+        _mm256_storeu_ps
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rng::XorShift;
 
     /// Softmax-weighted values in f64 from the same scores: what every rounding approximates.
-    fn exact(scores: &[f32], mask: &[u16], scale: f32, values: &[u16], dv: usize) -> Vec<f64> {
+    fn exact(scores: &[f32], mask: &[f32], scale: f32, values: &[u16], dv: usize) -> Vec<f64> {
         let vis: Vec<usize> = (0..scores.len())
-            .filter(|&c| to_f32(mask[c]) != f32::NEG_INFINITY)
+            .filter(|&c| mask[c] != f32::NEG_INFINITY)
             .collect();
         let m = vis
             .iter()
@@ -468,16 +665,26 @@ mod tests {
         let mut split_differs = false;
         for n_kv in [100usize, 511, 512, 1000] {
             let scores: Vec<f32> = (0..n_kv).map(|_| rng.centered() * 8.0).collect();
-            let mask: Vec<u16> = (0..n_kv)
-                .map(|c| from_f32(if c % 11 == 3 { f32::NEG_INFINITY } else { 0.0 }))
+            let mask: Vec<f32> = (0..n_kv)
+                .map(|c| if c % 11 == 3 { f32::NEG_INFINITY } else { 0.0 })
                 .collect();
+            let keys = Keys {
+                scores: &scores,
+                stride: 1,
+                mask: &mask,
+            };
             let values: Vec<u16> = (0..n_kv * dv).map(|_| from_f32(rng.centered())).collect();
+            let vals = Values {
+                data: &values,
+                stride: dv,
+                dv,
+            };
             let want = exact(&scores, &mask, 0.125, &values, dv);
             let mut one = vec![0f32; dv];
-            row(&scores, &mask, 0.125, &values, dv, dv, 1, r, &mut one);
+            row(keys, 0.125, vals, 1, r, &mut one);
             for threads in [1usize, 2, 3] {
                 let mut got = vec![0f32; dv];
-                row(&scores, &mask, 0.125, &values, dv, dv, threads, r, &mut got);
+                row(keys, 0.125, vals, threads, r, &mut got);
                 for (g, w) in got.iter().zip(&want) {
                     assert!(
                         (f64::from(*g) - w).abs() < 2e-3,
@@ -493,11 +700,66 @@ mod tests {
                         .any(|(a, b)| a.to_bits() != b.to_bits());
                 }
             }
-            let hidden = vec![from_f32(f32::NEG_INFINITY); n_kv];
+            let hidden = vec![f32::NEG_INFINITY; n_kv];
             let mut got = vec![1f32; dv];
-            row(&scores, &hidden, 0.125, &values, dv, dv, 2, r, &mut got);
+            let keys = Keys {
+                mask: &hidden,
+                ..keys
+            };
+            row(keys, 0.125, vals, 2, r, &mut got);
             assert!(got.iter().all(|&g| g == 0.0));
         }
         assert!(split_differs);
+    }
+
+    /// The register kernels give the halves-in-memory arithmetic's bits: head sizes the
+    /// registers hold and one they do not, scores read with a stride, masked cells, and keys
+    /// rising so that the maximum moves (the rescaling steps) all along a chunk.
+    #[test]
+    fn register_chunks_match_the_scalar_arithmetic() {
+        let mut rng = XorShift::new(17);
+        for dv in [64usize, 128, 256, 48] {
+            for (n, rising) in [(300usize, false), (300, true), (37, true)] {
+                let stride = 3;
+                let scores: Vec<f32> = (0..n * stride)
+                    .map(|i| rng.centered() * 6.0 + if rising { i as f32 * 0.02 } else { 0.0 })
+                    .collect();
+                let mask: Vec<f32> = (0..n)
+                    .map(|c| if c % 13 == 5 { f32::NEG_INFINITY } else { 0.0 })
+                    .collect();
+                let values: Vec<u16> = (0..n * (dv + 8))
+                    .map(|_| from_f32(rng.centered() * 3.0))
+                    .collect();
+                let keys = Keys {
+                    scores: &scores,
+                    stride,
+                    mask: &mask,
+                };
+                let vals = Values {
+                    data: &values,
+                    stride: dv + 8,
+                    dv,
+                };
+                for (fused, wide) in [(true, true), (false, true), (true, false), (false, false)] {
+                    let (mut a, mut b) = (vec![0f32; dv], vec![0f32; dv]);
+                    #[cfg(target_arch = "x86_64")]
+                    let got = regs::chunk(keys, 0.09, vals, 2, n, fused, &mut a, wide);
+                    #[cfg(not(target_arch = "x86_64"))]
+                    let got: Option<(f32, f32)> = None;
+                    let Some(got) = got else {
+                        eprintln!("no register kernel for {dv} (wide {wide}) here");
+                        continue;
+                    };
+                    let want = chunk_scalar(keys, 0.09, vals, 2, n, fused, &mut b);
+                    assert_eq!(got.0.to_bits(), want.0.to_bits(), "{dv} {n} M");
+                    assert_eq!(got.1.to_bits(), want.1.to_bits(), "{dv} {n} S");
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{dv} {n} {rising} {fused} {wide}"
+                    );
+                    assert!(a.iter().any(|&x| x != 0.0));
+                }
+            }
+        }
     }
 }
