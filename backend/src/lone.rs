@@ -137,18 +137,16 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         .collect();
     let views: Vec<usize> = masks.iter().map(|m| lone_view(*m, n_kv)).collect();
     let n = views.iter().copied().max().unwrap_or(0);
-    // Scores of every cell a row's view holds, `[hk][cell][query]`, the cells cut over the
-    // threads.
+    // Scores of every cell a row's view holds, `[hk][query][cell]` (each row's contiguous for
+    // its chunks' pass), the cells cut over the threads: each computes its cells' `[cell][query]`
+    // block and writes it across.
     let mut scores = vec![0f32; op.n_head_kv * n * m];
     let out = Ptr(scores.as_mut_ptr().cast());
     let qs = &qs;
     parallel(threads, &|t, nth| {
         let (c0, c1) = (t * n / nth, (t + 1) * n / nth);
+        let mut sums = vec![0f32; (c1 - c0) * m];
         for hk in 0..op.n_head_kv {
-            let sums = std::slice::from_raw_parts_mut(
-                out.at(((hk * n + c0) * m) * 4).cast::<f32>(),
-                (c1 - c0) * m,
-            );
             dots(
                 arith.dot,
                 op.k.add(hk * op.k_head + c0 * op.k_row),
@@ -156,8 +154,18 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
                 c1 - c0,
                 &qs[hk * m * d..(hk + 1) * m * d],
                 d,
-                sums,
+                &mut sums,
             );
+            for col in 0..m {
+                // SAFETY: cells c0..c1 of each query row of kv head hk: this thread's only.
+                let dst = std::slice::from_raw_parts_mut(
+                    out.at(((hk * m + col) * n + c0) * 4).cast::<f32>(),
+                    c1 - c0,
+                );
+                for (c, v) in dst.iter_mut().enumerate() {
+                    *v = sums[c * m + col];
+                }
+            }
         }
     });
     // Each row's mask as f32 over its view, shared by its heads (zeros where there is none).
@@ -191,10 +199,10 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
                 dst.at(i * op.dst_row + h * op.dst_head).cast::<f32>(),
                 dv,
             );
+            let at = (hk * m + i * per + j) * n;
             let keys = Keys {
-                // Row i, head j's scores: every m-th from its first (`[hk][cell][query]`).
-                scores: &scores[hk * n * m + i * per + j..(hk + 1) * n * m],
-                stride: m,
+                scores: &scores[at..at + n],
+                stride: 1,
                 mask: &masks[i],
             };
             let vals = Values {

@@ -300,8 +300,36 @@ pub fn row(
     assert!(out.len() == dv && threads >= 1);
     assert!(n_kv == 0 || keys.scores.len() > (n_kv - 1) * keys.stride);
     assert!(n_kv == 0 || values.data.len() >= (n_kv - 1) * values.stride + dv);
+    STEPS.with(|st| {
+        row_with(
+            keys,
+            scale,
+            values,
+            threads,
+            rounding,
+            out,
+            &mut st.borrow_mut(),
+        )
+    });
+}
+
+thread_local! {
+    /// [`row`]'s chunk steps, reused from row to row on each thread.
+    static STEPS: std::cell::RefCell<Steps> = std::cell::RefCell::new(Steps::default());
+}
+
+fn row_with(
+    keys: Keys<'_>,
+    scale: f32,
+    values: Values<'_>,
+    threads: usize,
+    rounding: Rounding,
+    out: &mut [f32],
+    steps: &mut Steps,
+) {
+    let (n_kv, dv) = (keys.mask.len(), values.dv);
     if n_kv < SPLIT_FROM {
-        let (_, s) = chunk(keys, scale, values, 0, n_kv, rounding.sum_fused, out);
+        let (_, s) = chunk(keys, scale, values, 0, n_kv, rounding.sum_fused, out, steps);
         let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
         for o in out.iter_mut() {
             *o *= inv;
@@ -318,7 +346,16 @@ pub fn row(
             continue;
         }
         let c1 = (c0 + size).min(n_kv);
-        let (pm, ps) = chunk(keys, scale, values, c0, c1, rounding.sum_fused, &mut acc);
+        let (pm, ps) = chunk(
+            keys,
+            scale,
+            values,
+            c0,
+            c1,
+            rounding.sum_fused,
+            &mut acc,
+            steps,
+        );
         if ps == 0.0 {
             continue;
         }
@@ -338,10 +375,67 @@ pub fn row(
     }
 }
 
+/// A chunk's visible cells in order, each with the one exponential its update takes: where
+/// the cell raised the running maximum, the accumulator's rescaling `ms = exp(old - M)` (the
+/// cell's own weight is then 1), else the cell's weight `vs = exp(x - M)`. The maxima are a
+/// scalar pass (the same comparisons as ggml's loop); the exponentials (libm's `expf`, as
+/// ggml's) then follow in a loop of their own, where no call waits for the one before: in
+/// ggml's loop each waits on the running maximum and the accumulator's update.
+#[derive(Default)]
+pub struct Steps {
+    cells: Vec<u32>,
+    e: Vec<f32>,
+    raised: Vec<bool>,
+    m: f32,
+}
+
+impl Steps {
+    /// The steps of cells `c0..c1` of `keys` at `scale`.
+    pub fn of(&mut self, keys: Keys<'_>, scale: f32, c0: usize, c1: usize) {
+        self.cells.clear();
+        self.e.clear();
+        self.raised.clear();
+        let mut m = f32::NEG_INFINITY;
+        for c in c0..c1 {
+            let mv = keys.mask[c];
+            if mv == f32::NEG_INFINITY {
+                continue;
+            }
+            let x = keys.scores[c * keys.stride] * scale + mv;
+            self.cells.push(c as u32);
+            if x > m {
+                self.e.push(m - x);
+                self.raised.push(true);
+                m = x;
+            } else {
+                self.e.push(x - m);
+                self.raised.push(false);
+            }
+        }
+        for e in self.e.iter_mut() {
+            *e = e.exp();
+        }
+        self.m = m;
+    }
+
+    /// Step `k`: its cell, and `(ms, vs)`.
+    #[inline]
+    fn at(&self, k: usize) -> (usize, f32, f32) {
+        let e = self.e[k];
+        let c = self.cells[k] as usize;
+        if self.raised[k] {
+            (c, e, 1.0)
+        } else {
+            (c, 1.0, e)
+        }
+    }
+}
+
 /// One chunk's online softmax over cells `c0..c1`: returns its running maximum M and sum S and
 /// writes its value accumulator (f16 values, widened) to `acc`. With AVX-512 (or AVX2) and a
 /// head size the registers hold, the accumulator stays in registers as f32 values rounded
 /// through f16 after every update ([`regs`]); elsewhere [`chunk_scalar`].
+#[allow(clippy::too_many_arguments)]
 fn chunk(
     keys: Keys<'_>,
     scale: f32,
@@ -350,43 +444,26 @@ fn chunk(
     c1: usize,
     sum_fused: bool,
     acc: &mut [f32],
+    steps: &mut Steps,
 ) -> (f32, f32) {
+    steps.of(keys, scale, c0, c1);
     #[cfg(target_arch = "x86_64")]
-    if let Some(r) = regs::chunk(keys, scale, values, c0, c1, sum_fused, acc, simd::zmm_ok()) {
-        return r;
+    if let Some(s) = regs::chunk(steps, values, sum_fused, acc, simd::zmm_ok()) {
+        return (steps.m, s);
     }
-    chunk_scalar(keys, scale, values, c0, c1, sum_fused, acc)
+    (steps.m, chunk_scalar(steps, values, sum_fused, acc))
 }
 
-/// [`chunk`] with the accumulator in halves, updated by [`mad_f16`] and [`scale_f16`] (ggml's
-/// own steps, one cell at a time).
-pub fn chunk_scalar(
-    keys: Keys<'_>,
-    scale: f32,
-    values: Values<'_>,
-    c0: usize,
-    c1: usize,
-    sum_fused: bool,
-    out: &mut [f32],
-) -> (f32, f32) {
+/// [`chunk`]'s updates with the accumulator in halves, by [`mad_f16`] and [`scale_f16`]
+/// (ggml's own steps, one cell at a time); returns S.
+fn chunk_scalar(steps: &Steps, values: Values<'_>, sum_fused: bool, out: &mut [f32]) -> f32 {
     let dv = values.dv;
-    let mut m = f32::NEG_INFINITY;
     let mut s = 0.0f32;
     let mut acc = vec![0u16; dv];
-    for c in c0..c1 {
-        let mv = keys.mask[c];
-        if mv == f32::NEG_INFINITY {
-            continue;
-        }
-        let x = keys.scores[c * keys.stride] * scale + mv;
-        let (mut ms, mut vs) = (1.0f32, 1.0f32);
-        if x > m {
-            let old = m;
-            m = x;
-            ms = (old - m).exp();
+    for k in 0..steps.cells.len() {
+        let (c, ms, vs) = steps.at(k);
+        if steps.raised[k] {
             scale_f16(&mut acc, ms);
-        } else {
-            vs = (x - m).exp();
         }
         let v = c * values.stride;
         mad_f16(&mut acc, &values.data[v..v + dv], vs);
@@ -399,38 +476,38 @@ pub fn chunk_scalar(
     for (o, a) in out.iter_mut().zip(acc) {
         *o = to_f32(a);
     }
-    (m, s)
+    s
 }
 
-/// A chunk with the value accumulator in vector registers: `N` registers of 16 lanes
-/// (AVX-512) or of 8 (AVX2), each update rounded to f16 and back as ggml's stores and loads of
-/// its f16 accumulator round it. The same arithmetic as [`chunk_scalar`], element for element,
-/// without the accumulator's trip through memory and with AVX-512's twice-as-wide
-/// conversions.
+/// [`chunk`]'s updates with the value accumulator in vector registers: `N` registers of 16
+/// lanes (AVX-512) or of 8 (AVX2), each update rounded to f16 and back as ggml's stores and
+/// loads of its f16 accumulator round it. The same arithmetic as [`chunk_scalar`], element
+/// for element, without the accumulator's trip through memory and with AVX-512's
+/// twice-as-wide conversions.
 #[cfg(target_arch = "x86_64")]
 mod regs {
-    use super::{Keys, Values};
+    use super::{Steps, Values};
     use std::arch::x86_64::*;
 
     /// With `wide`, the AVX-512 kernel where the CPU has it; else AVX2's. `None`: neither
     /// runs here, or not this head size.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn chunk(
-        keys: Keys<'_>,
-        scale: f32,
+        steps: &Steps,
         values: Values<'_>,
-        c0: usize,
-        c1: usize,
         sum_fused: bool,
         acc: &mut [f32],
         wide: bool,
-    ) -> Option<(f32, f32)> {
+    ) -> Option<f32> {
         assert!(acc.len() >= values.dv);
+        if let Some(&c) = steps.cells.last() {
+            assert!(values.data.len() >= c as usize * values.stride + values.dv);
+        }
         macro_rules! go {
             ($f:ident, $n:literal) => {
-                // SAFETY: the CPU has the kernel's features (checked by the match); `row`
-                // checked the slices' lengths for cells below `mask.len()`, and `acc` holds dv.
-                Some(unsafe { $f::<$n>(keys, scale, values, c0, c1, sum_fused, acc) })
+                // SAFETY: the CPU has the kernel's features (checked by the match); every
+                // step's value row is inside `values.data` (its last is, checked above), and
+                // `acc` holds dv.
+                Some(unsafe { $f::<$n>(steps, values, sum_fused, acc) })
             };
         }
         if wide && super::simd::zmm_ok() {
@@ -457,39 +534,21 @@ mod regs {
          $mul:ident, $fma:ident, $load:expr, $round:expr, $store:ident) => {
             #[target_feature(enable = $feat)]
             unsafe fn $name<const N: usize>(
-                keys: Keys<'_>,
-                scale: f32,
+                steps: &Steps,
                 values: Values<'_>,
-                c0: usize,
-                c1: usize,
                 sum_fused: bool,
                 out: &mut [f32],
-            ) -> (f32, f32) {
+            ) -> f32 {
                 let mut acc: [$v; N] = [$zero(); N];
-                let mut m = f32::NEG_INFINITY;
                 let mut s = 0.0f32;
-                let (sc, mk, vp) = (
-                    keys.scores.as_ptr(),
-                    keys.mask.as_ptr(),
-                    values.data.as_ptr(),
-                );
-                for c in c0..c1 {
-                    let mv = *mk.add(c);
-                    if mv == f32::NEG_INFINITY {
-                        continue;
-                    }
-                    let x = *sc.add(c * keys.stride) * scale + mv;
-                    let (mut ms, mut vs) = (1.0f32, 1.0f32);
-                    if x > m {
-                        let old = m;
-                        m = x;
-                        ms = (old - m).exp();
+                let vp = values.data.as_ptr();
+                for k in 0..steps.cells.len() {
+                    let (c, ms, vs) = steps.at(k);
+                    if steps.raised[k] {
                         let w = $set1(ms);
                         for a in acc.iter_mut() {
                             *a = $round($mul(*a, w));
                         }
-                    } else {
-                        vs = (x - m).exp();
                     }
                     let w = $set1(vs);
                     let v = vp.add(c * values.stride);
@@ -505,7 +564,7 @@ mod regs {
                 for (j, a) in acc.iter().enumerate() {
                     $store(out.as_mut_ptr().add($lanes * j), *a);
                 }
-                (m, s)
+                s
             }
         };
     }
@@ -742,17 +801,18 @@ mod tests {
                 };
                 for (fused, wide) in [(true, true), (false, true), (true, false), (false, false)] {
                     let (mut a, mut b) = (vec![0f32; dv], vec![0f32; dv]);
+                    let mut steps = Steps::default();
+                    steps.of(keys, 0.09, 2, n);
                     #[cfg(target_arch = "x86_64")]
-                    let got = regs::chunk(keys, 0.09, vals, 2, n, fused, &mut a, wide);
+                    let got = regs::chunk(&steps, vals, fused, &mut a, wide);
                     #[cfg(not(target_arch = "x86_64"))]
-                    let got: Option<(f32, f32)> = None;
+                    let got: Option<f32> = None;
                     let Some(got) = got else {
                         eprintln!("no register kernel for {dv} (wide {wide}) here");
                         continue;
                     };
-                    let want = chunk_scalar(keys, 0.09, vals, 2, n, fused, &mut b);
-                    assert_eq!(got.0.to_bits(), want.0.to_bits(), "{dv} {n} M");
-                    assert_eq!(got.1.to_bits(), want.1.to_bits(), "{dv} {n} S");
+                    let want = chunk_scalar(&steps, vals, fused, &mut b);
+                    assert_eq!(got.to_bits(), want.to_bits(), "{dv} {n} S");
                     assert!(
                         a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
                         "{dv} {n} {rising} {fused} {wide}"
