@@ -105,6 +105,27 @@ fn lone_view(mask: Option<&[u16]>, n_kv: usize) -> usize {
 /// # Safety
 /// `node` is a valid FLASH_ATTN_EXT node that passed [`supports`], its sources holding data.
 pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
+    SCRATCH.with(|s| {
+        let (qs, scores) = &mut *s.borrow_mut();
+        compute_with(node, threads, qs, scores)
+    })
+}
+
+thread_local! {
+    /// [`compute`]'s rounded query rows and scores, reused from node to node on the calling
+    /// thread (a layer's scores are ~100 KB: an allocation that size can be a fresh mapping
+    /// every time).
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// [`compute`] with its buffers.
+unsafe fn compute_with(
+    node: &mut g::ggml_tensor,
+    threads: usize,
+    qs: &mut Vec<f32>,
+    scores: &mut Vec<f32>,
+) {
     use crate::par::{parallel, Ptr};
     let arith = checked().expect("supports checked the arithmetic");
     let op = &crate::attn::Operands::of(node);
@@ -114,7 +135,8 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     // Query rows of a KV head `hk`, in the order (row i, head j of the group), rounded to f16
     // as ggml's `from_float`.
     let m = n_q * per;
-    let mut qs = vec![0f32; op.n_head_kv * m * d];
+    qs.clear();
+    qs.resize(op.n_head_kv * m * d, 0.0);
     for hk in 0..op.n_head_kv {
         for i in 0..n_q {
             for j in 0..per {
@@ -140,9 +162,10 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     // Scores of every cell a row's view holds, `[hk][query][cell]` (each row's contiguous for
     // its chunks' pass), the cells cut over the threads: each computes its cells' `[cell][query]`
     // block and writes it across.
-    let mut scores = vec![0f32; op.n_head_kv * n * m];
+    scores.clear();
+    scores.resize(op.n_head_kv * n * m, 0.0);
     let out = Ptr(scores.as_mut_ptr().cast());
-    let qs = &qs;
+    let qs = &*qs;
     parallel(threads, &|t, nth| {
         let (c0, c1) = (t * n / nth, (t + 1) * n / nth);
         let mut sums = vec![0f32; (c1 - c0) * m];
@@ -177,7 +200,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
             None => vec![0f32; view],
         })
         .collect();
-    let (scores, masks) = (&scores, &masks);
+    let (scores, masks) = (&*scores, &masks);
     let dst = Ptr(op.dst);
     let tasks = n_q * op.n_head;
     let stride = op.v_row / 2;
@@ -202,7 +225,6 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
             let at = (hk * m + i * per + j) * n;
             let keys = Keys {
                 scores: &scores[at..at + n],
-                stride: 1,
                 mask: &masks[i],
             };
             let vals = Values {
@@ -371,7 +393,6 @@ impl Case {
             };
             let keys = Keys {
                 scores: &s,
-                stride: 1,
                 mask: &mask,
             };
             let vals = Values {

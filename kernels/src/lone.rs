@@ -267,13 +267,12 @@ mod simd {
     }
 }
 
-/// A row's keys as [`row`] reads them: `scores[c * stride]` is the row's rounded-query dot
+/// A row's keys as [`row`] reads them: `scores[c]` is the row's rounded-query dot
 /// product with key cell `c` (ggml's `vec_dot_f16`), `mask[c]` its mask value (an f16's, as
 /// f32; `-inf` hides the cell). The view is `mask.len()` cells.
 #[derive(Clone, Copy)]
 pub struct Keys<'a> {
     pub scores: &'a [f32],
-    pub stride: usize,
     pub mask: &'a [f32],
 }
 
@@ -298,7 +297,7 @@ pub fn row(
 ) {
     let (n_kv, dv) = (keys.mask.len(), values.dv);
     assert!(out.len() == dv && threads >= 1);
-    assert!(n_kv == 0 || keys.scores.len() > (n_kv - 1) * keys.stride);
+    assert!(keys.scores.len() >= n_kv);
     assert!(n_kv == 0 || values.data.len() >= (n_kv - 1) * values.stride + dv);
     STEPS.with(|st| {
         row_with(
@@ -339,7 +338,9 @@ fn row_with(
     let size = n_kv.div_ceil(threads);
     let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
     out.fill(0.0);
-    let mut acc = vec![0f32; dv];
+    // A chunk's accumulator, kept with the steps from row to row.
+    let mut acc = std::mem::take(&mut steps.partial);
+    acc.resize(dv, 0.0);
     for t in 0..threads {
         let c0 = t * size;
         if c0 >= n_kv {
@@ -367,6 +368,7 @@ fn row_with(
         s = rounding.merge.apply(s, so, ps, sn);
         m = mn;
     }
+    steps.partial = acc;
     if s != 0.0 {
         let inv = 1.0 / s;
         for o in out.iter_mut() {
@@ -382,16 +384,18 @@ fn row_with(
 /// ggml's) then follow in a loop of their own, where no call waits for the one before: in
 /// ggml's loop each waits on the running maximum and the accumulator's update.
 #[derive(Default)]
-pub struct Steps {
+struct Steps {
     cells: Vec<u32>,
     e: Vec<f32>,
     raised: Vec<bool>,
     m: f32,
+    /// Scratch for a split row's chunk accumulator ([`row_with`]).
+    partial: Vec<f32>,
 }
 
 impl Steps {
     /// The steps of cells `c0..c1` of `keys` at `scale`.
-    pub fn of(&mut self, keys: Keys<'_>, scale: f32, c0: usize, c1: usize) {
+    fn of(&mut self, keys: Keys<'_>, scale: f32, c0: usize, c1: usize) {
         self.cells.clear();
         self.e.clear();
         self.raised.clear();
@@ -401,7 +405,7 @@ impl Steps {
             if mv == f32::NEG_INFINITY {
                 continue;
             }
-            let x = keys.scores[c * keys.stride] * scale + mv;
+            let x = keys.scores[c] * scale + mv;
             self.cells.push(c as u32);
             if x > m {
                 self.e.push(m - x);
@@ -729,7 +733,6 @@ mod tests {
                 .collect();
             let keys = Keys {
                 scores: &scores,
-                stride: 1,
                 mask: &mask,
             };
             let values: Vec<u16> = (0..n_kv * dv).map(|_| from_f32(rng.centered())).collect();
@@ -772,16 +775,15 @@ mod tests {
     }
 
     /// The register kernels give the halves-in-memory arithmetic's bits: head sizes the
-    /// registers hold and one they do not, scores read with a stride, masked cells, and keys
-    /// rising so that the maximum moves (the rescaling steps) all along a chunk.
+    /// registers hold and one they do not, value rows apart by more than their length, masked
+    /// cells, and keys rising so that the maximum moves (the rescaling steps) all along a chunk.
     #[test]
     fn register_chunks_match_the_scalar_arithmetic() {
         let mut rng = XorShift::new(17);
         for dv in [64usize, 128, 256, 48] {
             for (n, rising) in [(300usize, false), (300, true), (37, true)] {
-                let stride = 3;
-                let scores: Vec<f32> = (0..n * stride)
-                    .map(|i| rng.centered() * 6.0 + if rising { i as f32 * 0.02 } else { 0.0 })
+                let scores: Vec<f32> = (0..n)
+                    .map(|i| rng.centered() * 6.0 + if rising { i as f32 * 0.06 } else { 0.0 })
                     .collect();
                 let mask: Vec<f32> = (0..n)
                     .map(|c| if c % 13 == 5 { f32::NEG_INFINITY } else { 0.0 })
@@ -791,7 +793,6 @@ mod tests {
                     .collect();
                 let keys = Keys {
                     scores: &scores,
-                    stride,
                     mask: &mask,
                 };
                 let vals = Values {
