@@ -109,6 +109,17 @@ mod neon_k;
 #[path = "x86_64/qdot.rs"]
 mod x86;
 
+/// How far ahead of the weight block being read the x86-64 kernels (k-quants too) ask for the
+/// weights, in bytes: each block's loop prefetches the lines this far on, so a matrix streamed
+/// from DRAM (a projection many times the caches) arrives before it is needed. On the AMD EPYC
+/// (Zen 5) VM the hardware prefetchers alone left the 512-bit two-row kernel waiting on
+/// memory: Gemma 3's 262144 x 640 `Q8_0` projection, one thread's half, went 10.2 -> 1.9 ms at
+/// one row and 17.7 -> 5.7 ms at eight (4 KB ahead: 3.8 and 6.2 ms; 8 KB: 2.5 and 6.2; 32 KB:
+/// as 16 KB). `leap profile` there: `docs/measurements.md`, "Prefetching the weights". The
+/// NEON kernels do not prefetch yet; emulated ARM gives no timing to tune it by.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const AHEAD: usize = 16384;
+
 /// Rows per pass over a weight block: enough to amortise the unpacking, few enough to keep
 /// every accumulator in a register.
 const GROUP: usize = 4;

@@ -74,6 +74,16 @@ unsafe fn half_shuffle(i: usize) -> __m128i {
     _mm_loadu_si128(HALF[i].as_ptr().cast())
 }
 
+/// Asks for the super-block [`crate::qdot::AHEAD`] bytes past the one at `x` (`bytes` long,
+/// every cache line of it), so a matrix streamed from DRAM arrives before it is read.
+#[inline(always)]
+unsafe fn prefetch(x: *const u8, bytes: usize) {
+    let at = x.wrapping_add(crate::qdot::AHEAD);
+    for l in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(l).cast());
+    }
+}
+
 /// A `Q4_K` super-block's (at `x`) eight 6-bit sub-block scales and eight minima, each
 /// widened to 16 bits (ggml's `utmp` unpacking).
 #[inline(always)]
@@ -180,6 +190,7 @@ unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
     let mut acc_m = [_mm_setzero_ps(); R];
     for sb in 0..nb {
         let x = x.add(sb * Q4K_BYTES);
+        prefetch(x, Q4K_BYTES);
         let (xd, xdmin) = (f16_at(x), f16_at(x.add(2)));
         let (sc, mins) = q4k_scales_mins(x);
         let scales = _mm256_set_m128i(sc, sc);
@@ -225,6 +236,7 @@ unsafe fn q6k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
     let mut acc = [_mm256_setzero_ps(); R];
     for sb in 0..nb {
         let x = x.add(sb * Q6K_BYTES);
+        prefetch(x, Q6K_BYTES);
         let (ql, qhp) = (x, x.add(128));
         let xd = f16_at(x.add(208));
         let scales = _mm_loadu_si128(x.add(192).cast());
@@ -352,6 +364,7 @@ pub(super) mod zmm {
         let mut acc_m = [_mm_setzero_ps(); R];
         for sb in 0..nb {
             let x = x.add(sb * Q4K_BYTES);
+            prefetch(x, Q4K_BYTES);
             let (xd, xdmin) = (f16_at(x), f16_at(x.add(2)));
             let (sc, mins) = q4k_scales_mins(x);
             let scales = _mm512_broadcast_i32x4(sc);
@@ -406,6 +419,7 @@ pub(super) mod zmm {
         let mut acc = [_mm256_setzero_ps(); R];
         for sb in 0..nb {
             let x = x.add(sb * Q6K_BYTES);
+            prefetch(x, Q6K_BYTES);
             let (ql, qhp) = (x, x.add(128));
             let xd = f16_at(x.add(208));
             let scales = _mm_loadu_si128(x.add(192).cast());

@@ -10,6 +10,7 @@
 macro_rules! kernels {
     ($name:ident, $feat:literal, $lanes:ident) => {
         pub(super) mod $name {
+            use super::super::AHEAD;
             use super::super::{Acts, Kind, GROUP};
             use std::arch::x86_64::*;
 
@@ -86,6 +87,7 @@ macro_rules! kernels {
                     Kind::Q8_0 | Kind::Q5_0 => {
                         for b in 0..nb {
                             let xb = x.add(b * wb);
+                            _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
                             let qx = if kind == Kind::Q8_0 {
                                 _mm256_loadu_si256(xb.add(2).cast())
                             } else {
@@ -115,6 +117,7 @@ macro_rules! kernels {
                         let mut summs = _mm_setzero_ps();
                         for b in 0..nb {
                             let xb = x.add(b * wb);
+                            _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
                             // [d, m] in one conversion (`f16`'s instruction), then spread.
                             let dm =
                                 _mm_cvtph_ps(_mm_cvtsi32_si128(xb.cast::<i32>().read_unaligned()));
@@ -193,6 +196,7 @@ unsafe fn dpbusd(ax: __m256i, sy: __m256i) -> __m256i {
 /// integer lane sums come from one `vpdpbusd` a row: for signed weights x and activations
 /// y, `sum (y + 128) x - sum 128 x = sum x y` (the second sum once per weight block).
 pub(super) mod zmm {
+    use super::super::AHEAD;
     use super::super::{Acts, Kind, GROUP};
     use std::arch::x86_64::*;
 
@@ -318,6 +322,8 @@ pub(super) mod zmm {
         let mut summs4 = [[_mm_setzero_ps(); 2]; 2];
         for b in 0..nb {
             let (xa, xb) = (x0.add(b * wb), x1.add(b * wb));
+            _mm_prefetch::<_MM_HINT_T0>(xa.wrapping_add(AHEAD).cast());
+            _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
             let qx = match kind {
                 Kind::Q5_0 => q5_0_pair(xa, xb),
                 Kind::Q4_1 => nibbles_pair(xa.add(4), xb.add(4)),
