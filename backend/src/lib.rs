@@ -51,6 +51,8 @@ mod matmul;
 pub mod opencl;
 mod par;
 pub mod qnn;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub mod softmax;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::Ordering;
@@ -497,6 +499,8 @@ fn supports(
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op, cfg),
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         (Kind::Cpu, g::GGML_OP_GLU) => glu::supports(op),
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        (Kind::Cpu, g::GGML_OP_SOFT_MAX) => softmax::supports(op),
         // Attention goes to the device its estimate runs on.
         (Kind::Cpu, g::GGML_OP_FLASH_ATTN_EXT) => {
             (!on_opencl() && fa()) || lone::supports(op, cfg, inst.is_some_and(|i| i.capturing()))
@@ -571,6 +575,11 @@ unsafe extern "C" fn backend_graph_compute(
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_GLU => {
                     glu::compute(node, threads);
+                    0
+                }
+                #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+                g::GGML_OP_SOFT_MAX => {
+                    softmax::compute(node, threads);
                     0
                 }
                 g::GGML_OP_FLASH_ATTN_EXT

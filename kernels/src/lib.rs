@@ -20,4 +20,5 @@ pub mod lone;
 pub mod qdot;
 pub mod reference;
 pub mod rng;
+pub mod softmax;
 pub mod transpose;

@@ -1,0 +1,259 @@
+//! x86-64 softmax rows (see `softmax.rs`): the scaled and masked row and its maximum 8 lanes
+//! at a time, then the exponentials in the width and arithmetic of ggml's build, then the
+//! normalization.
+
+use super::{ggml_max, Exp, Mask};
+use std::arch::x86_64::*;
+
+pub(super) fn cpu_ok(exp: Exp) -> bool {
+    let base = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    match exp {
+        Exp::Ymm => base,
+        Exp::Zmm => {
+            base && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")
+        }
+    }
+}
+
+/// # Safety
+/// The CPU runs `exp` ([`cpu_ok`]); equal lengths.
+pub(super) unsafe fn row(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) {
+    let max = scaled(x, mask, scale, y);
+    let sum = match exp {
+        Exp::Zmm => exps_zmm(y, max),
+        Exp::Ymm => exps_ymm(y, max),
+    };
+    normalize(y, (1.0 / sum) as f32);
+}
+
+/// `y = x * scale + mask` (ggml's `wp`), returning its maximum as ggml's comparisons give it.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scaled(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> f32 {
+    let n = x.len();
+    let (xp, yp) = (x.as_ptr(), y.as_mut_ptr());
+    let vs = _mm256_set1_ps(scale);
+    let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut nan = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        let mut w = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), vs);
+        match mask {
+            Mask::None => {}
+            Mask::F16(m) => {
+                let h = _mm_loadu_si128(m.as_ptr().add(i).cast());
+                w = _mm256_add_ps(w, _mm256_cvtph_ps(h));
+            }
+            Mask::F32(m) => w = _mm256_add_ps(w, _mm256_loadu_ps(m.as_ptr().add(i))),
+        }
+        _mm256_storeu_ps(yp.add(i), w);
+        vmax = _mm256_max_ps(vmax, w);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(w, w));
+        i += 8;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
+    let mut max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut has_nan = _mm256_movemask_ps(nan) != 0;
+    for i in i..n {
+        let mut w = x[i] * scale;
+        match mask {
+            Mask::None => {}
+            Mask::F16(m) => w += crate::f16::to_f32(m[i]),
+            Mask::F32(m) => w += m[i],
+        }
+        y[i] = w;
+        has_nan |= w.is_nan();
+        max = max.max(w);
+    }
+    if has_nan {
+        // ggml's left-to-right `a > b ? a : b` keeps or drops a NaN by where it stands.
+        ggml_max(y)
+    } else {
+        max
+    }
+}
+
+/// `y = x * s`, in place.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn normalize(y: &mut [f32], s: f32) {
+    let n = y.len();
+    let p = y.as_mut_ptr();
+    let vs = _mm256_set1_ps(s);
+    let mut i = 0;
+    while i + 8 <= n {
+        _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), vs));
+        i += 8;
+    }
+    for v in &mut y[i..] {
+        *v *= s;
+    }
+}
+
+/// The constants of `ggml_v_expf` (read off ggml's hexadecimal literals).
+mod c {
+    pub(super) const ROUND: u32 = 0x4b40_0000; // 0x1.8p23
+    pub(super) const LOG2E: u32 = 0x3fb8_aa3b; // 0x1.715476p+0
+    pub(super) const LN2_LO: u32 = 0x35bf_be8e; // 0x1.7f7d1cp-20
+    pub(super) const LN2_HI: u32 = 0x3f31_7200; // 0x1.62e4p-1
+    pub(super) const P5: u32 = 0x3c07_2010; // 0x1.0e4020p-7
+    pub(super) const P4: u32 = 0x3d2b_9f17; // 0x1.573e2ep-5
+    pub(super) const P3: u32 = 0x3e2a_af33; // 0x1.555e66p-3
+    pub(super) const P2: u32 = 0x3eff_fedb; // 0x1.fffdb6p-2
+    pub(super) const P1: u32 = 0x3f7f_fff6; // 0x1.ffffecp-1
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn k16(bits: u32) -> __m512 {
+    _mm512_set1_ps(f32::from_bits(bits))
+}
+
+/// ggml's AVX-512 `ggml_v_expf`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn exp16(x: __m512) -> __m512 {
+    let r = k16(c::ROUND);
+    let z = _mm512_fmadd_ps(x, k16(c::LOG2E), r);
+    let n = _mm512_sub_ps(z, r);
+    let b = _mm512_fnmadd_ps(n, k16(c::LN2_LO), _mm512_fnmadd_ps(n, k16(c::LN2_HI), x));
+    let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+    let u = _mm512_mul_ps(b, b);
+    let j = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(
+            _mm512_fmadd_ps(k16(c::P5), b, k16(c::P4)),
+            u,
+            _mm512_fmadd_ps(k16(c::P3), b, k16(c::P2)),
+        ),
+        u,
+        _mm512_fmadd_ps(k16(c::P1), b, _mm512_set1_ps(1.0)),
+    );
+    let res = _mm512_scalef_ps(j, n);
+    if d == 0 {
+        return res;
+    }
+    let zero = _mm512_setzero_ps();
+    let alt = _mm512_mask_blend_ps(
+        _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, zero),
+        _mm512_set1_ps(f32::INFINITY),
+        zero,
+    );
+    _mm512_mask_blend_ps(d, res, alt)
+}
+
+/// GCC's `_mm512_reduce_add_ps`: 256-bit halves, 128-bit halves, then the pairs.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn reduce16(v: __m512) -> f32 {
+    let t3 = _mm256_add_ps(_mm512_extractf32x8_ps::<1>(v), _mm512_castps512_ps256(v));
+    let t6 = _mm_add_ps(_mm256_extractf128_ps::<1>(t3), _mm256_castps256_ps128(t3));
+    let t8 = _mm_add_ps(t6, _mm_shuffle_ps::<0b01_00_11_10>(t6, t6));
+    _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_movehdup_ps(t8))
+}
+
+/// `y = exp(y - max)` as ggml's AVX-512 build, returning the sum.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn exps_zmm(y: &mut [f32], max: f32) -> f64 {
+    let n = y.len();
+    let p = y.as_mut_ptr();
+    let vm = _mm512_set1_ps(max);
+    let mut sum = 0f64;
+    let mut i = 0;
+    while i + 16 <= n {
+        let v = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vm));
+        _mm512_storeu_ps(p.add(i), v);
+        sum += f64::from(reduce16(v));
+        i += 16;
+    }
+    tail(&mut y[i..], max, sum)
+}
+
+/// ggml's scalar tail: libm's `expf`, each value added to the sum.
+fn tail(y: &mut [f32], max: f32, mut sum: f64) -> f64 {
+    for v in y {
+        *v = (*v - max).exp();
+        sum += f64::from(*v);
+    }
+    sum
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k8(bits: u32) -> __m256 {
+    _mm256_set1_ps(f32::from_bits(bits))
+}
+
+/// ggml's AVX2 `ggml_v_expf`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let r = k8(c::ROUND);
+    let z = _mm256_fmadd_ps(x, k8(c::LOG2E), r);
+    let n = _mm256_sub_ps(z, r);
+    let b = _mm256_fnmadd_ps(n, k8(c::LN2_LO), _mm256_fnmadd_ps(n, k8(c::LN2_HI), x));
+    let e = _mm256_slli_epi32::<23>(_mm256_castps_si256(z));
+    let k = _mm256_castsi256_ps(_mm256_add_epi32(
+        e,
+        _mm256_castps_si256(_mm256_set1_ps(1.0)),
+    ));
+    let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+    let c = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(126.0)));
+    let u = _mm256_mul_ps(b, b);
+    let j = _mm256_fmadd_ps(
+        _mm256_fmadd_ps(
+            _mm256_fmadd_ps(k8(c::P5), b, k8(c::P4)),
+            u,
+            _mm256_fmadd_ps(k8(c::P3), b, k8(c::P2)),
+        ),
+        u,
+        _mm256_mul_ps(k8(c::P1), b),
+    );
+    if _mm256_movemask_ps(_mm256_castsi256_ps(c)) == 0 {
+        return _mm256_fmadd_ps(j, k, k);
+    }
+    let g = _mm256_and_si256(
+        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps())),
+        _mm256_set1_epi32(0x8200_0000u32 as i32),
+    );
+    let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f00_0000)));
+    let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+    let d = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, _mm256_set1_ps(192.0)));
+    let (c, d) = (_mm256_castsi256_ps(c), _mm256_castsi256_ps(d));
+    _mm256_or_ps(
+        _mm256_and_ps(d, _mm256_mul_ps(s1, s1)),
+        _mm256_andnot_ps(
+            d,
+            _mm256_or_ps(
+                _mm256_and_ps(c, _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1)),
+                _mm256_andnot_ps(c, _mm256_fmadd_ps(k, j, k)),
+            ),
+        ),
+    )
+}
+
+/// ggml's AVX2 lane sum: 128-bit halves, then `movehl`, then `movehdup`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn reduce8(v: __m256) -> f32 {
+    let r = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
+    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
+}
+
+/// `y = exp(y - max)` as ggml's AVX2 build, returning the sum.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exps_ymm(y: &mut [f32], max: f32) -> f64 {
+    let n = y.len();
+    let p = y.as_mut_ptr();
+    let vm = _mm256_set1_ps(max);
+    let mut sum = 0f64;
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+        _mm256_storeu_ps(p.add(i), v);
+        sum += f64::from(reduce8(v));
+        i += 8;
+    }
+    tail(&mut y[i..], max, sum)
+}
