@@ -51,6 +51,7 @@ mod matmul;
 pub mod opencl;
 mod par;
 pub mod qnn;
+mod rows;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub mod softmax;
 
@@ -496,7 +497,7 @@ fn supports(
         }
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op, cfg.take_output),
-        (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op, cfg),
+        (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op, cfg) || rows::supports(op),
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         (Kind::Cpu, g::GGML_OP_GLU) => glu::supports(op),
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
@@ -592,8 +593,12 @@ unsafe extern "C" fn backend_graph_compute(
                     attn::flash_attn(node, threads, inst);
                     0
                 }
-                g::GGML_OP_SET_ROWS => {
+                g::GGML_OP_SET_ROWS if attn::supports_set_rows(node, inst.config()) => {
                     attn::set_rows(node);
+                    0
+                }
+                g::GGML_OP_SET_ROWS => {
+                    rows::compute(node);
                     0
                 }
                 _ => {
