@@ -84,6 +84,8 @@ pub fn row(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) {
     unsafe {
         x86::row(exp, x, mask, scale, y)
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (scale, y);
 }
 
 /// ggml's `MAX(max, v)` from the left over `w`, starting at `-inf`.
