@@ -801,6 +801,7 @@ mod tests {
                     dv,
                 };
                 for (fused, wide) in [(true, true), (false, true), (true, false), (false, false)] {
+                    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
                     let (mut a, mut b) = (vec![0f32; dv], vec![0f32; dv]);
                     let mut steps = Steps::default();
                     steps.of(keys, 0.09, 2, n);
