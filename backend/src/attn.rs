@@ -35,6 +35,7 @@ pub use estimate::{opencl_calls, qnn_calls};
 pub use kernel::{compute, Chosen};
 pub use op::Operands;
 pub(crate) use op::{f16_cache_shape, flash_attn, set_rows, supports_fa, supports_set_rows};
+pub(crate) use shadow::quantizer;
 pub use shadow::{q8_row_bytes, quantize_f16_rows, Keys8};
 
 use std::sync::Arc;

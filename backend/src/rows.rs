@@ -36,16 +36,6 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
         && s1.ne[2] >= 1
         && s0.ne[2] % s1.ne[1] == 0
         && s0.ne[3] % s1.ne[2] == 0
-        && from_float().is_some()
-}
-
-/// ggml's f32-to-f16 conversion (its CPU traits' `from_float`).
-fn from_float() -> Option<unsafe extern "C" fn(*const f32, *mut std::ffi::c_void, i64)> {
-    // SAFETY: static traits table; idempotent init.
-    unsafe {
-        g::ggml_cpu_init();
-        (*g::ggml_get_type_traits_cpu(g::GGML_TYPE_F16)).from_float
-    }
 }
 
 thread_local! {
@@ -60,7 +50,7 @@ thread_local! {
 /// inside the destination (ggml asserts that; here it panics).
 pub(crate) unsafe fn compute(node: &mut g::ggml_tensor) {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
-    let convert = from_float().expect("checked in supports");
+    let convert = crate::attn::quantizer(g::GGML_TYPE_F16);
     let (nc, nr) = (s0.ne[0] as usize, s0.ne[1] as usize);
     let index = |i: usize, i02: usize, i03: usize| -> usize {
         let p = (s1.data as *const u8).add(

@@ -20,7 +20,8 @@ fn cpu_traits(t: g::ggml_type) -> &'static g::ggml_type_traits_cpu {
 
 type FromFloat = unsafe extern "C" fn(*const f32, *mut std::ffi::c_void, i64);
 
-pub(super) fn quantizer(t: g::ggml_type) -> FromFloat {
+/// ggml's CPU conversion of f32 rows to type `t` (its traits' `from_float`).
+pub(crate) fn quantizer(t: g::ggml_type) -> FromFloat {
     cpu_traits(t).from_float.expect("ggml quantizes this type")
 }
 
