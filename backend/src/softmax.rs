@@ -25,8 +25,6 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
     // SAFETY: ggml's sources of a node are valid tensors or null.
     let (s0, mask, sinks) = unsafe { (op.src[0].as_ref(), op.src[1].as_ref(), op.src[2]) };
     let Some(s0) = s0 else { return false };
-    let dense =
-        |t: &g::ggml_tensor, size: usize| t.nb[0] == size && t.nb[1] == t.ne[0] as usize * size;
     let mask_ok = mask.is_none_or(|m| {
         let size = match m.type_ {
             g::GGML_TYPE_F16 => 2,
@@ -45,12 +43,8 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
         && sinks.is_null()
         && s0.type_ == g::GGML_TYPE_F32
         && op.ne == s0.ne
-        && dense(s0, 4)
-        && dense(op, 4)
-        && s0.nb[2] == s0.nb[1] * s0.ne[1] as usize
-        && op.nb[2] == op.nb[1] * op.ne[1] as usize
-        && s0.nb[3] == s0.nb[2] * s0.ne[2] as usize
-        && op.nb[3] == op.nb[2] * op.ne[2] as usize
+        // SAFETY: valid tensors.
+        && unsafe { g::ggml_is_contiguous(s0) && g::ggml_is_contiguous(op) }
         && mask_ok
         && exp().is_some()
 }
