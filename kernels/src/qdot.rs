@@ -115,7 +115,8 @@ mod x86;
 /// (Zen 5) VM the hardware prefetchers alone left the 512-bit two-row kernel waiting on
 /// memory: Gemma 3's 262144 x 640 `Q8_0` projection, one thread's half, went 10.2 -> 1.9 ms at
 /// one row and 17.7 -> 5.7 ms at eight (4 KB ahead: 3.8 and 6.2 ms; 8 KB: 2.5 and 6.2; 32 KB:
-/// as 16 KB). `leap profile` there: `docs/measurements.md`, "Prefetching the weights". The
+/// as 16 KB; the kernels bench's `stream/` group times it). `leap profile` there:
+/// `docs/measurements.md`, "Prefetched weights, softmax and cache writes on the device". The
 /// NEON kernels do not prefetch yet; emulated ARM gives no timing to tune it by.
 #[cfg(target_arch = "x86_64")]
 pub(crate) const AHEAD: usize = 16384;

@@ -3,6 +3,10 @@
 //! - `qdot/KIND/VARIANT/ROWS`: the multi-row quantized dot products of every type the device
 //!   takes, each kernel variant this CPU runs, over 1024 weight rows of 2048 against 1 to 8
 //!   activation rows; `qdot/KIND/ggml/1`: ggml's own one-row `vec_dot` over the same rows.
+//! - `stream/Q8_0/VARIANT/ROWS`: one thread's half of Gemma 3's 262144 x 640 `Q8_0` output
+//!   projection (89 MB, far past the caches), in tiles of 256 weight rows as the projection
+//!   runs them: the weights come from DRAM, which is what the kernels' prefetch
+//!   (`leap_kernels::qdot`'s `AHEAD`) is for.
 //! - `kq/SHAPE/ROWS`: attention's f16 products in Gemma 3 270M's and SmolLM2-135M's shapes
 //!   over 1024 cache cells, each kernel this CPU runs, and ggml's `vec_dot_f16` pair by pair.
 //!
@@ -118,6 +122,50 @@ fn qdot(c: &mut Criterion) {
     }
 }
 
+/// The `stream/` group (see the top of the file).
+fn stream(c: &mut Criterion) {
+    let Some(k0) = Kernel::new(Kind::Q8_0) else {
+        eprintln!("no Q8_0 kernel on this CPU");
+        return;
+    };
+    let (n, rows_w) = (640usize, 262144usize / 2);
+    let row = n / 32 * Kind::Q8_0.weight_block();
+    let w = patterned(
+        rows_w * n / 32,
+        Kind::Q8_0.weight_block(),
+        (31, 7, 251),
+        Scales::F16At(&[0]),
+    );
+    let a = patterned(
+        n / 32,
+        Kind::Q8_0.act_block(),
+        (13, 5, 200),
+        Scales::F16At(&[0]),
+    );
+    let mut g = c.benchmark_group("stream/Q8_0");
+    g.sample_size(10);
+    let mut seen = Vec::new();
+    for k in [k0.with_zmm(), k0.without_zmm(), k0.without_vnni()] {
+        if seen.contains(&k.variant()) {
+            continue;
+        }
+        seen.push(k.variant());
+        for rows in [1usize, 2, 4, 8] {
+            let acts_v: Vec<&[u8]> = (0..rows).map(|_| a.as_slice()).collect();
+            let acts = k.prepare(n, &acts_v);
+            let mut out = vec![0f32; 256 * rows];
+            g.bench_with_input(BenchmarkId::new(k.variant(), rows), &rows, |b, _| {
+                b.iter(|| {
+                    for t in w.chunks(256 * row) {
+                        k.dot_many(&acts, t, &mut out[..t.len() / row * rows]);
+                    }
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 fn attention(c: &mut Criterion) {
     if !kq::cpu_ok() {
         eprintln!("the CPU does not run Leap's f16 attention kernels");
@@ -184,6 +232,6 @@ fn attention(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(300)).measurement_time(std::time::Duration::from_secs(1));
-    targets = qdot, attention
+    targets = qdot, stream, attention
 }
 criterion_main!(benches);
