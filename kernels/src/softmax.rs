@@ -36,7 +36,8 @@ pub enum Exp {
 
 impl Exp {
     /// Elements a vector step takes.
-    pub fn lanes(self) -> usize {
+    #[cfg(test)]
+    fn lanes(self) -> usize {
         match self {
             Exp::Zmm => 16,
             Exp::Ymm => 8,
@@ -89,14 +90,16 @@ pub fn row(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) {
 }
 
 /// ggml's `MAX(max, v)` from the left over `w`, starting at `-inf`.
-pub(crate) fn ggml_max(w: &[f32]) -> f32 {
+#[cfg(any(test, target_arch = "x86_64"))]
+fn ggml_max(w: &[f32]) -> f32 {
     w.iter()
         .fold(f32::NEG_INFINITY, |m, &v| if m > v { m } else { v })
 }
 
 /// The scalar transcription of one `ggml_v_expf` lane of build `exp` (its fused steps as
 /// `mul_add`): what the kernels' tests hold the vector code to.
-pub fn exp_lane(exp: Exp, x: f32) -> f32 {
+#[cfg(test)]
+fn exp_lane(exp: Exp, x: f32) -> f32 {
     let c = |b: u32| f32::from_bits(b);
     let r = c(0x4b40_0000); // 0x1.8p23
     let z = x.mul_add(c(0x3fb8_aa3b), r); // log2(e)
@@ -135,7 +138,8 @@ pub fn exp_lane(exp: Exp, x: f32) -> f32 {
 }
 
 /// ggml's reduction of one vector of `exp`'s width to a single f32.
-pub fn reduce_lanes(exp: Exp, v: &[f32]) -> f32 {
+#[cfg(test)]
+fn reduce_lanes(exp: Exp, v: &[f32]) -> f32 {
     match exp {
         Exp::Zmm => {
             let t3: Vec<f32> = (0..8).map(|i| v[i + 8] + v[i]).collect();
@@ -150,7 +154,8 @@ pub fn reduce_lanes(exp: Exp, v: &[f32]) -> f32 {
 }
 
 /// [`row`] one element at a time, in ggml's order: what the kernels are tested against.
-pub fn row_scalar(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) {
+#[cfg(test)]
+fn row_scalar(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) {
     let mut w: Vec<f32> = x.iter().map(|&v| v * scale).collect();
     match mask {
         Mask::None => {}
