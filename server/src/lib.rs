@@ -338,9 +338,28 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
         // Kept rather than made again for each burst of requests.
         .thread_keep_alive(Duration::from_secs(3600))
         .build()?;
+    let held = Arc::downgrade(&state);
     let r = tokio.block_on(serve(model, args, opts, state));
     // A tokenization still running for a client that is gone is not waited for.
     tokio.shutdown_timeout(Duration::from_secs(1));
+    if held.strong_count() > 0 {
+        // That tokenization holds the state, and with it the model: an ordinary exit would
+        // run llama.cpp's static destructors under it (a SIGSEGV, not an exit status). The
+        // process ends here instead, its status as `leap` would give it.
+        eprintln!("leap serve: not waiting for a tokenization still running");
+        let code = match &r {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("leap: error: {e:#}");
+                1
+            }
+        };
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        let _ = std::io::stderr().flush();
+        // SAFETY: ends the process at once, with nothing left to flush.
+        unsafe { libc::_exit(code) }
+    }
     r
 }
 

@@ -159,6 +159,8 @@ class Server:
         if rc is None:
             self.kill()
         assert rc == 0, f"`leap serve` exited with {rc} on SIGTERM:\n{self.stderr()}"
+        # Nothing was left running: the slots were joined and the model freed.
+        assert "not waiting for a tokenization" not in self.stderr(), self.stderr()
 
 
 def request(port, method, path, body=None, headers=None, timeout=HTTP_TIMEOUT):
