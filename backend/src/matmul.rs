@@ -142,11 +142,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
     let row_bytes = s0.nb[1];
     let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
     let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);
-    // Weight rows per task: at most 64 (the tile stays in cache for every chunk of batch
-    // rows), and at least 4 tiles per thread (with 64, SmolLM2's 192-row K and V products made
-    // 3 tasks for 2 threads).
-    let tile = n_w.div_ceil(4 * threads.max(1)).clamp(4, 64);
-    let tasks = n_w.div_ceil(tile);
+    let (tile, tasks) = tiles(n_w, threads);
     let work = |task: usize, tmp: &mut Vec<f32>| {
         let i0 = task * tile;
         let len = tile.min(n_w - i0);
@@ -172,8 +168,38 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
     (m - sel.len()) as u64
 }
 
+/// Weight rows per task, and tasks, for `n_w` rows on `threads` threads: at most 64 rows a
+/// task (the tile stays in cache for every chunk of batch rows), at least 4 tasks per thread
+/// (with 64, SmolLM2's 192-row K and V products made 3 tasks for 2 threads), and as many tasks
+/// for each thread, tiles of an even count (the kernels take weight rows in pairs). With 64
+/// rows, SmolLM2's 576-row products made 9 tasks, 4 and 5: the second thread worked 24% longer
+/// and the first waited for it.
+fn tiles(n_w: usize, threads: usize) -> (usize, usize) {
+    let t = threads.max(1);
+    let tasks = n_w
+        .div_ceil(n_w.div_ceil(4 * t).clamp(4, 64))
+        .next_multiple_of(t);
+    let tile = n_w.div_ceil(tasks).next_multiple_of(2).max(4);
+    (tile, n_w.div_ceil(tile))
+}
+
 #[cfg(test)]
 mod tests {
+    /// Tasks come in equal numbers per thread for the models' matrix heights, and cover the
+    /// rows.
+    #[test]
+    fn tiles_share_the_rows_evenly() {
+        for n_w in [192, 256, 576, 640, 1024, 1536, 2048, 49152, 262144] {
+            for threads in [1, 2, 4] {
+                let (tile, tasks) = super::tiles(n_w, threads);
+                assert!(tile * tasks >= n_w && tile * (tasks - 1) < n_w, "{n_w} {threads}");
+                assert!(tile <= 64 && tile % 2 == 0, "{n_w} {threads}: {tile}");
+                assert_eq!(tasks % threads, 0, "{n_w} {threads}: {tasks} tasks of {tile}");
+            }
+        }
+        assert_eq!(super::tiles(576, 2), (58, 10));
+    }
+
     #[test]
     fn weight_names_give_their_layer() {
         use super::layer_of;
