@@ -402,19 +402,27 @@ impl Kernel {
         }
         assert_eq!(n % 32, 0, "row length not a multiple of 32");
         let (nb, ab) = (n / 32, self.kind.act_block());
+        // A call of a few rows prepares its activations once per weight matrix (hundreds of
+        // times a model call), so nothing here goes an element at a time where a block's
+        // bytes can be copied whole.
+        let wide = self.wide(acts.len());
+        let q4_1 = self.kind == Kind::Q4_1;
         let mut scales = Vec::with_capacity(acts.len() * nb);
-        let mut qs = Vec::new();
-        let mut sums = Vec::new();
+        let mut qs = Vec::with_capacity(if wide { acts.len() * nb * 32 } else { 0 });
+        let mut sums = Vec::with_capacity(if q4_1 { acts.len() * nb } else { 0 });
         let f16 = |a: &[u8], at: usize| crate::f16::to_f32(u16::from_le_bytes([a[at], a[at + 1]]));
         // Where a block's 32 quants start (after d, and s for Q8_1).
         let q_at = ab - 32;
         for a in acts {
             assert!(a.len() >= nb * ab, "activation row too short");
-            scales.extend((0..nb).map(|b| f16(a, b * ab)));
-            if self.wide(acts.len()) {
-                let flip = if self.kind == Kind::Q4_1 { 0 } else { 0x80 };
-                for b in 0..nb {
-                    qs.extend(a[b * ab + q_at..(b + 1) * ab].iter().map(|&q| q ^ flip));
+            for block in a[..nb * ab].chunks_exact(ab) {
+                scales.push(f16(block, 0));
+                // `Q8_1`'s block sums as `f32`, converted once here rather than per weight row.
+                if q4_1 {
+                    sums.push(f16(block, 2));
+                }
+                if wide {
+                    qs.extend_from_slice(&block[q_at..]);
                 }
             }
             // NEON: the quants permuted where the kernel's integer lanes differ from the
@@ -429,10 +437,11 @@ impl Kernel {
                     );
                 }
             }
-            // `Q8_1`'s block sums as `f32`, converted once here rather than per weight row.
-            if self.kind == Kind::Q4_1 {
-                sums.extend((0..nb).map(|b| f16(a, b * ab + 2)));
-            }
+        }
+        // The AVX-512 kernels' signed-weight types take the quants with the sign bit flipped
+        // (`q + 128` as unsigned).
+        if wide && !q4_1 {
+            qs.iter_mut().for_each(|q| *q ^= 0x80);
         }
         // (The AVX-512 kernels take a last odd weight row with the 256-bit ones.)
         #[cfg(target_arch = "x86_64")]
