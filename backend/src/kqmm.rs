@@ -350,7 +350,7 @@ pub fn agrees_with_ggml() -> bool {
         let x: Vec<u16> = (0..ROWS * n)
             .map(|i| crate::f16::from_f32(rnd(1.0 + (i % 7) as f32)))
             .collect();
-        let raw: Vec<f32> = (0..9 * n)
+        let raw: Vec<f32> = (0..33 * n)
             .map(|i| rnd(if i % 5 == 0 { 30.0 } else { 0.3 }))
             .collect();
         let mut qs = vec![0f32; raw.len()];
@@ -366,7 +366,9 @@ pub fn agrees_with_ggml() -> bool {
         {
             return false;
         }
-        for m in 1..=9 {
+        // Query rows past the wide kernel's groups of four and six too: the groups of a
+        // 8-row call's 24 (SmolLM2) and 32 (Gemma) query rows a cache row, and a lone last one.
+        for m in (1..=9).chain([16, 17, 24, 32, 33]) {
             for dots in kq::kernels() {
                 let mut got = vec![0f32; ROWS * m];
                 // SAFETY: the CPU runs the kernels; ROWS rows of n f16 at x.
