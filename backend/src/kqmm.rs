@@ -366,7 +366,7 @@ pub fn agrees_with_ggml() -> bool {
         {
             return false;
         }
-        // Query rows past the wide kernel's groups of four and six too: the groups of a
+        // Query rows past the wide kernel's groups of four and six too: the groups of an
         // 8-row call's 24 (SmolLM2) and 32 (Gemma) query rows a cache row, and a lone last one.
         for m in (1..=9).chain([16, 17, 24, 32, 33]) {
             for dots in kq::kernels() {
