@@ -117,7 +117,11 @@ fn nonzero(row: &[f32]) -> (usize, usize) {
     let last = row.rchunks(W).position(any).unwrap_or(0);
     let end = row.len() - last * W;
     let start = end.saturating_sub(W);
-    let hi = start + row[start..end].iter().rposition(|&v| v != 0.0).map_or(0, |h| h + 1);
+    let hi = start
+        + row[start..end]
+            .iter()
+            .rposition(|&v| v != 0.0)
+            .map_or(0, |h| h + 1);
     (lo, hi)
 }
 

@@ -192,9 +192,16 @@ mod tests {
         for n_w in [192, 256, 576, 640, 1024, 1536, 2048, 49152, 262144] {
             for threads in [1, 2, 4] {
                 let (tile, tasks) = super::tiles(n_w, threads);
-                assert!(tile * tasks >= n_w && tile * (tasks - 1) < n_w, "{n_w} {threads}");
+                assert!(
+                    tile * tasks >= n_w && tile * (tasks - 1) < n_w,
+                    "{n_w} {threads}"
+                );
                 assert!(tile <= 64 && tile % 2 == 0, "{n_w} {threads}: {tile}");
-                assert_eq!(tasks % threads, 0, "{n_w} {threads}: {tasks} tasks of {tile}");
+                assert_eq!(
+                    tasks % threads,
+                    0,
+                    "{n_w} {threads}: {tasks} tasks of {tile}"
+                );
             }
         }
         assert_eq!(super::tiles(576, 2), (58, 10));
