@@ -105,23 +105,29 @@ struct Chunk {
 ///
 /// Sixteen terms at a time without stopping inside them, so that the test is vector code: a
 /// sliding-window row leads with hundreds of zeros and a cache longer than the context ends
-/// with them (Gemma's 8-row `kqv`: 32 such rows a layer, about 12 us a node a term at a time).
+/// with them (Gemma's 8-row `kqv`: 32 such rows a layer).
 fn nonzero(row: &[f32]) -> (usize, usize) {
     const W: usize = 16;
     let any = |c: &[f32]| c.iter().fold(false, |a, &v| a | (v != 0.0));
     let Some(first) = row.chunks(W).position(any) else {
         return (0, 0);
     };
-    let lo = first * W + row[first * W..].iter().position(|&v| v != 0.0).unwrap_or(0);
+    let nonzero = "the chunk has a nonzero term";
+    let lo = first * W
+        + row[first * W..]
+            .iter()
+            .position(|&v| v != 0.0)
+            .expect(nonzero);
     // `rchunks` counts from the end: chunk k ends at `len - k * W`.
-    let last = row.rchunks(W).position(any).unwrap_or(0);
+    let last = row.rchunks(W).position(any).expect(nonzero);
     let end = row.len() - last * W;
     let start = end.saturating_sub(W);
     let hi = start
         + row[start..end]
             .iter()
             .rposition(|&v| v != 0.0)
-            .map_or(0, |h| h + 1);
+            .expect(nonzero)
+        + 1;
     (lo, hi)
 }
 
