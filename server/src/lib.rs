@@ -343,24 +343,28 @@ pub fn run(model: &Path, args: &ServeArgs) -> Result<()> {
     // A tokenization still running for a client that is gone is not waited for.
     tokio.shutdown_timeout(Duration::from_secs(1));
     if held.strong_count() > 0 {
-        // That tokenization holds the state, and with it the model: an ordinary exit would
-        // run llama.cpp's static destructors under it (a SIGSEGV, not an exit status). The
-        // process ends here instead, its status as `leap` would give it.
-        eprintln!("leap serve: not waiting for a tokenization still running");
-        let code = match &r {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("leap: error: {e:#}");
-                1
-            }
-        };
-        use std::io::Write as _;
-        let _ = std::io::stdout().flush();
-        let _ = std::io::stderr().flush();
-        // SAFETY: ends the process at once, with nothing left to flush.
-        unsafe { libc::_exit(code) }
+        end_now(&r);
     }
     r
+}
+
+/// End the process at once with the status `leap` gives `r`: a tokenization still running
+/// holds the server's state, and with it the model, and an ordinary exit would run
+/// llama.cpp's static destructors under it (a SIGSEGV, not an exit status).
+fn end_now(r: &Result<()>) -> ! {
+    eprintln!("leap serve: not waiting for a tokenization still running");
+    let code = match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("leap: error: {e:#}");
+            1
+        }
+    };
+    use std::io::Write as _;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    // SAFETY: ends the process at once, with nothing left to flush.
+    unsafe { libc::_exit(code) }
 }
 
 /// The open-file limit (soft), if it can be read.
