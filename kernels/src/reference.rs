@@ -35,3 +35,29 @@ pub fn dot(kind: Kind, order: Order, n: usize, w: &[u8], a: &[u8]) -> f32 {
         blocks::dot(kind, order, nb, w, a)
     }
 }
+
+/// One `Q4_K` weight row (`n` values) against one `Q8_K` row as ggml's one-row product over
+/// *repacked* `Q4_K` weights rounds it on x86-64 (`ggml_gemv_q4_K_8x8_q8_K`: llama.cpp repacks
+/// `Q4_K` there by default).
+///
+/// # Panics
+/// When the rows are shorter than `n` needs, or `n` is not a whole number of super-blocks.
+pub fn q4k_repacked(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    assert_eq!(n % Kind::Q4K.block_len(), 0, "not whole blocks");
+    let nb = n / Kind::Q4K.block_len();
+    assert!(
+        w.len() >= nb * Kind::Q4K.weight_block(),
+        "weight row too short"
+    );
+    assert!(
+        a.len() >= nb * Kind::Q4K.act_block(),
+        "activation row too short"
+    );
+    kquant::q4k_repacked(nb, w, a)
+}
+
+/// A `Q4_K` block's 8 six-bit scales and 8 six-bit mins from their 12 packed bytes (ggml's
+/// `get_scale_min_k4`; repacked `Q4_K` packs each sub-block's 8 rows' scales the same way).
+pub fn q4k_scales_of(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
+    kquant::q4k_scales(&packed[..12])
+}

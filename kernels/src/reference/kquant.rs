@@ -169,6 +169,22 @@ fn q6k(x: &[u8], y: &[u8]) -> Block {
     }
 }
 
+/// One `Q4_K` weight row of `nb` super-blocks against one `Q8_K` row as ggml's one-row
+/// product over repacked `Q4_K` weights computes its column (x86's
+/// `ggml_gemv_q4_K_8x8_q8_K`): per super-block the whole integer sum and the whole minimum
+/// term, each one fused multiply-add into its own accumulator, and their difference.
+pub(crate) fn q4k_repacked(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    let (mut acc, mut acc_m) = (0.0f32, 0.0f32);
+    for b in 0..nb {
+        let blk = q4k(&w[b * Q4K_BYTES..], &a[b * Q8K_BYTES..]);
+        let isum: i32 = blk.lanes.iter().sum();
+        let imin: i32 = blk.mins.iter().sum();
+        acc = (isum as f32).mul_add(blk.d, acc);
+        acc_m = (imin as f32).mul_add(blk.dmin, acc_m);
+    }
+    acc - acc_m
+}
+
 #[cfg(test)]
 mod tests {
     use super::{q4k_scales, Order};
@@ -406,5 +422,98 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The repacked-`Q4_K` rounding kernel gives every weight row and activation row (1 to 9
+    /// at a time) the reference's bits; the reference is not the one-row `vec_dot`'s (so the
+    /// comparison tells the two roundings apart).
+    #[test]
+    fn repacked_kernel_matches_its_reference_bitwise() {
+        let mut rng = Rng(0x5555_aaaa_1234_5678);
+        let Some(k) = Kernel::new(Kind::Q4K).filter(Kernel::has_repacked) else {
+            eprintln!("no repacked Q4_K kernel here: skipped");
+            return;
+        };
+        let mut differs = 0;
+        for nb in 1..=4 {
+            let n = nb * QK_K;
+            let w: Vec<u8> = rows(nb, 6, || weight_block(Kind::Q4K, &mut rng)).concat();
+            for m in 1..=9 {
+                let a = rows(nb, m, || q8k_block(&mut rng));
+                let a: Vec<&[u8]> = a.iter().map(Vec::as_slice).collect();
+                let acts = k.prepare(n, &a);
+                let mut out = vec![f32::NAN; 6 * m];
+                k.dot_many_repacked(&acts, &w, &mut out);
+                for (i, x) in w.chunks_exact(nb * Q4K_BYTES).enumerate() {
+                    for (r, y) in a.iter().enumerate() {
+                        let want = super::q4k_repacked(nb, x, y);
+                        assert_eq!(
+                            out[i * m + r].to_bits(),
+                            want.to_bits(),
+                            "nb {nb}, {m} rows, weight row {i}, row {r}"
+                        );
+                        let one_row = super::super::dot(Kind::Q4K, Order::X86Avx2, n, x, y);
+                        differs += usize::from(one_row.to_bits() != want.to_bits());
+                    }
+                }
+            }
+        }
+        assert!(
+            differs > 0,
+            "the two roundings never differed: the test tells nothing"
+        );
+    }
+
+    /// `unrepack_q4k_x8` inverts ggml's `make_block_q4_Kx8` (transcribed here as the test's
+    /// model of it, 8-byte interleave).
+    #[test]
+    fn unrepacking_inverts_the_repacking() {
+        let mut rng = Rng(0x0f0f_1234_dead_beef);
+        let (rows_n, nb) = (16, 3);
+        let src: Vec<u8> = rows(nb, rows_n, || weight_block(Kind::Q4K, &mut rng)).concat();
+        let mut packed = Vec::new();
+        for g in 0..rows_n / 8 {
+            for x in 0..nb {
+                let blk: Vec<&[u8]> = (0..8)
+                    .map(|j| &src[((g * 8 + j) * nb + x) * Q4K_BYTES..][..Q4K_BYTES])
+                    .collect();
+                for b in &blk {
+                    packed.extend_from_slice(&b[0..2]);
+                }
+                for b in &blk {
+                    packed.extend_from_slice(&b[2..4]);
+                }
+                let mut scales = [0u8; 96];
+                for half in 0..2 {
+                    for i in 0..4 {
+                        let (mut s, mut m) = ([0u8; 8], [0u8; 8]);
+                        for j in 0..8 {
+                            let q = &blk[j][4..16];
+                            if half == 0 {
+                                s[j] = q[i] & 63;
+                                m[j] = q[i + 4] & 63;
+                            } else {
+                                s[j] = ((q[i] & 192) >> 2) | (q[i + 8] & 15);
+                                m[j] = ((q[i + 4] & 192) >> 2) | ((q[i + 8] & 240) >> 4);
+                            }
+                        }
+                        let o = &mut scales[48 * half + 12 * i..][..12];
+                        for c in 0..4 {
+                            o[c] = (s[c] & 63) + ((s[c + 4] & 48) << 2);
+                            o[c + 4] = (m[c] & 63) + ((m[c + 4] & 48) << 2);
+                            o[c + 8] = (s[c + 4] & 15) + ((m[c + 4] & 15) << 4);
+                        }
+                    }
+                }
+                packed.extend_from_slice(&scales);
+                for i in 0..128 {
+                    let (id, off) = (i % 8, (i / 8) * 8);
+                    packed.extend_from_slice(&blk[id][16 + off..16 + off + 8]);
+                }
+            }
+        }
+        assert_eq!(packed.len(), src.len());
+        assert_ne!(packed, src);
+        assert_eq!(crate::qdot::unrepack_q4k_x8(&packed, rows_n, nb), src);
     }
 }

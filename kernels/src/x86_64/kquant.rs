@@ -227,6 +227,88 @@ unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
     }
 }
 
+/// As the `Q4_K` kernel beside it, with the rounding of ggml's one-row product over
+/// *repacked* `Q4_K` weights (x86's `ggml_gemv_q4_K_8x8_q8_K`, which ggml runs for a lone row
+/// when llama.cpp repacks, its default): the same integer sums, combined as that function does.
+///
+/// # Safety
+/// As that kernel.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4k_repacked(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
+    super::by_groups::<{ super::GROUP }>(rows, nb, w, Q4K_BYTES, out, |ys, x, o| {
+        by_count!(q4k_repacked_rows, ys, nb, x, o, [1, 2, 3], 4)
+    })
+}
+
+/// The sum of the eight 32-bit lanes of `v` (exact: the callers' sums fit in 32 bits).
+#[inline(always)]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// One `Q4_K` weight row against `R` activation rows, each as ggml's repacked one-row product
+/// computes its column: per super-block the whole integer sum `Σ scale_j · (q4 · q8)_j` and the
+/// minimum term `Σ min_j · (block sums)_j`, each converted to `f32` and accumulated with one
+/// fused multiply-add by `d_w · d_a` and `dmin_w · d_a`; the result is their difference. (The
+/// integer sums are exact in any order, so the weight unpacking is [`q4k_rows`]'.)
+#[inline(always)]
+unsafe fn q4k_repacked_rows<const R: usize>(
+    ys: &[*const u8],
+    nb: usize,
+    x: *const u8,
+    out: &mut [f32],
+) {
+    let m4 = _mm256_set1_epi8(0xF);
+    let ys: [*const u8; R] = std::array::from_fn(|r| ys[r]);
+    let mut acc = [0.0f32; R];
+    let mut acc_m = [0.0f32; R];
+    for sb in 0..nb {
+        let x = x.add(sb * Q4K_BYTES);
+        prefetch(x, Q4K_BYTES);
+        let (xd, xdmin) = (f16_at(x), f16_at(x.add(2)));
+        let (sc, mins) = q4k_scales_mins(x);
+        let scales = _mm256_set_m128i(sc, sc);
+        let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
+        let q4 = x.add(16);
+        let mut sumi = [_mm256_setzero_si256(); R];
+        for j in 0..4 {
+            let bits = _mm256_loadu_si256(q4.add(32 * j).cast());
+            let ql = _mm256_and_si256(bits, m4);
+            let qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            let sl = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j));
+            let sh = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j + 1));
+            for r in 0..R {
+                let q8 = ys[r].add(4 + 64 * j);
+                let l = _mm256_loadu_si256(q8.cast());
+                let h = _mm256_loadu_si256(q8.add(32).cast());
+                let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(ql, l));
+                let ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(qh, h));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+            }
+        }
+        for r in 0..R {
+            let yd = std::ptr::read_unaligned(ys[r].cast::<f32>());
+            let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
+            let pairs = _mm_hadd_epi16(
+                _mm256_extracti128_si256(q8sums, 0),
+                _mm256_extracti128_si256(q8sums, 1),
+            );
+            let m = _mm_madd_epi16(mins, pairs);
+            let m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0b01_00_11_10));
+            let m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0b10_11_00_01));
+            let imin = _mm_cvtsi128_si32(m);
+            acc[r] = (hsum_i32(sumi[r]) as f32).mul_add(xd * yd, acc[r]);
+            acc_m[r] = (imin as f32).mul_add(xdmin * yd, acc_m[r]);
+        }
+    }
+    for r in 0..R {
+        out[r] = acc[r] - acc_m[r];
+    }
+}
+
 /// As [`q4k_rows`] for `Q6_K` (ggml's AVX2 `vec_dot_q6_K_q8_K`).
 #[inline(always)]
 unsafe fn q6k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, out: &mut [f32]) {
