@@ -2,7 +2,7 @@
 //! loaded: [`agrees_with_ggml`] runs a kernel and ggml's own single-row `vec_dot` on rows ggml
 //! quantized, and [`checked`] keeps a kernel only when every result is the same bit for bit.
 
-pub use leap_kernels::qdot::{Acts, Kernel, Kind};
+pub use leap_kernels::qdot::{unrepack_q4k_x8, Acts, Kernel, Kind, Q4K_X8_BYTES};
 
 /// The ggml type id of a kernel's weight type.
 pub fn ggml_type(kind: Kind) -> llama_cpp_sys_2::ggml_type {
@@ -120,6 +120,162 @@ pub fn agrees_with_ggml(k: &Kernel) -> bool {
     })
 }
 
+/// ggml's buffer type for repacked weights (`CPU_REPACK`, one of the CPU device's extra
+/// buffer types), if this ggml has one.
+fn repack_buft() -> Option<llama_cpp_sys_2::ggml_backend_buffer_type_t> {
+    use llama_cpp_sys_2 as sys;
+    // SAFETY: registry queries; the proc address, when present, has the named signature, and
+    // the list it returns is NULL-terminated.
+    unsafe {
+        let dev = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU);
+        if dev.is_null() {
+            return None;
+        }
+        let reg = sys::ggml_backend_dev_backend_reg(dev);
+        let f = sys::ggml_backend_reg_get_proc_address(
+            reg,
+            c"ggml_backend_dev_get_extra_bufts".as_ptr(),
+        );
+        if f.is_null() {
+            return None;
+        }
+        let get: unsafe extern "C" fn(
+            sys::ggml_backend_dev_t,
+        ) -> *mut sys::ggml_backend_buffer_type_t = std::mem::transmute(f);
+        let mut p = get(dev);
+        while !p.is_null() && !(*p).is_null() {
+            let name = std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(*p));
+            if name.to_bytes() == b"CPU_REPACK" {
+                return Some(*p);
+            }
+            p = p.add(1);
+        }
+        None
+    }
+}
+
+/// Whether `k` (a `Q4_K` kernel) gives what ggml's CPU backend gives a lone row over
+/// *repacked* `Q4_K` weights, bit for bit ([`Kernel::dot_many_repacked`], over the weights
+/// [`unrepack_q4k_x8`] reads back out of ggml's repacked buffer), 1 to 9 rows at once; and
+/// whether ggml's own four-row product over them rounds otherwise (`differs`, for tests).
+/// `None` where this ggml does not repack `Q4_K` (no AVX2, or another architecture).
+pub fn repacked_agrees_with_ggml(k: &Kernel) -> Option<(bool, bool)> {
+    use llama_cpp_sys_2 as sys;
+    if k.kind() != Kind::Q4K || !k.has_repacked() {
+        return None;
+    }
+    let buft = repack_buft()?;
+    let (n, n_w, m) = (768usize, 16usize, 9usize);
+    let mut rng = leap_kernels::rng::XorShift::new(0x9E37_79B9_7F4A_7C15);
+    let w = quantized(sys::GGML_TYPE_Q4_K, n, n_w, &mut rng).concat();
+    let x: Vec<f32> = (0..n * m)
+        .map(|i| rng.centered() * (1 + i % 3) as f32)
+        .collect();
+    // SAFETY: a ggml context of tensor metadata, buffers allocated for its tensors, sizes
+    // from ggml; every pointer is used while its owner lives, and all are freed below.
+    unsafe {
+        sys::ggml_cpu_init();
+        let params = sys::ggml_init_params {
+            mem_size: sys::ggml_tensor_overhead() * 8 + sys::ggml_graph_overhead(),
+            mem_buffer: std::ptr::null_mut(),
+            no_alloc: true,
+        };
+        let wctx = sys::ggml_init(params);
+        let wt = sys::ggml_new_tensor_2d(wctx, sys::GGML_TYPE_Q4_K, n as i64, n_w as i64);
+        let wbuf = sys::ggml_backend_alloc_ctx_tensors_from_buft(wctx, buft);
+        let be = sys::ggml_backend_cpu_init();
+        let mut result = None;
+        if !wbuf.is_null() && !be.is_null() {
+            sys::ggml_backend_buffer_set_usage(wbuf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+            sys::ggml_backend_tensor_set(wt, w.as_ptr().cast(), 0, w.len());
+            // Repacked only where ggml has a kernel for it here (else the bytes are ggml's).
+            let raw = std::slice::from_raw_parts((*wt).data as *const u8, w.len());
+            let unpacked = unrepack_q4k_x8(raw, n_w, n / 256);
+            // ggml's product of `rows` rows at once.
+            let product = |rows: usize| -> Vec<f32> {
+                let gctx = sys::ggml_init(params);
+                let xt = sys::ggml_new_tensor_2d(gctx, sys::GGML_TYPE_F32, n as i64, rows as i64);
+                let yt = sys::ggml_mul_mat(gctx, wt, xt);
+                let graph = sys::ggml_new_graph(gctx);
+                sys::ggml_build_forward_expand(graph, yt);
+                let buf = sys::ggml_backend_alloc_ctx_tensors(gctx, be);
+                let mut out = vec![0f32; n_w * rows];
+                let mut all = Vec::with_capacity(n_w * rows);
+                if rows == 1 {
+                    for r in 0..m {
+                        sys::ggml_backend_tensor_set(xt, x[r * n..].as_ptr().cast(), 0, n * 4);
+                        sys::ggml_backend_graph_compute(be, graph);
+                        sys::ggml_backend_tensor_get(yt, out.as_mut_ptr().cast(), 0, n_w * 4);
+                        all.extend_from_slice(&out);
+                    }
+                } else {
+                    sys::ggml_backend_tensor_set(xt, x.as_ptr().cast(), 0, n * rows * 4);
+                    sys::ggml_backend_graph_compute(be, graph);
+                    sys::ggml_backend_tensor_get(yt, out.as_mut_ptr().cast(), 0, n_w * rows * 4);
+                    all = out;
+                }
+                sys::ggml_backend_buffer_free(buf);
+                sys::ggml_free(gctx);
+                all
+            };
+            if raw != w.as_slice() {
+                let alone = product(1); // row r's n_w results at r * n_w
+                let batch = product(m);
+                let differs = batch != alone;
+                let from = (*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q8_K))
+                    .from_float
+                    .expect("Q8_K has a quantizer");
+                let acts: Vec<Vec<u8>> = (0..m)
+                    .map(|r| {
+                        let mut q = vec![0u8; sys::ggml_row_size(sys::GGML_TYPE_Q8_K, n as i64)];
+                        from(x[r * n..].as_ptr(), q.as_mut_ptr().cast(), n as i64);
+                        q
+                    })
+                    .collect();
+                let agrees = (1..=m).all(|rows| {
+                    let a: Vec<&[u8]> = acts[..rows].iter().map(Vec::as_slice).collect();
+                    let prepared = k.prepare(n, &a);
+                    let mut got = vec![f32::NAN; n_w * rows];
+                    k.dot_many_repacked(&prepared, &unpacked, &mut got);
+                    (0..n_w).all(|i| {
+                        (0..rows)
+                            .all(|r| got[i * rows + r].to_bits() == alone[r * n_w + i].to_bits())
+                    })
+                });
+                result = Some((agrees && unpacked == w, differs));
+            }
+        }
+        if !be.is_null() {
+            sys::ggml_backend_free(be);
+        }
+        if !wbuf.is_null() {
+            sys::ggml_backend_buffer_free(wbuf);
+        }
+        sys::ggml_free(wctx);
+        result
+    }
+}
+
+/// [`checked`]'s `Q4_K` kernel if it also passed [`repacked_agrees_with_ggml`] (once per
+/// process): the kernel for weights llama.cpp repacked.
+pub fn checked_repacked() -> Option<Kernel> {
+    use std::sync::OnceLock;
+    static CHECKED: OnceLock<Option<Kernel>> = OnceLock::new();
+    *CHECKED.get_or_init(|| {
+        let k = checked(Kind::Q4K)?;
+        match repacked_agrees_with_ggml(&k) {
+            Some((true, _)) => Some(k),
+            Some((false, _)) => {
+                log::warn!(
+                    "Leap's repacked-Q4_K kernel differs from ggml's lone row here: not used"
+                );
+                None
+            }
+            None => None,
+        }
+    })
+}
+
 /// The kernel for `kind` if this CPU has one and it passed [`agrees_with_ggml`] (checked once
 /// per process and type).
 pub fn checked(kind: Kind) -> Option<Kernel> {
@@ -184,5 +340,29 @@ mod tests {
                 assert!(agrees_with_ggml(&k), "{k:?}");
             }
         }
+    }
+
+    /// Where ggml repacks `Q4_K` (x86-64 with AVX2), ggml's batch of four rows and more over
+    /// repacked weights rounds otherwise than each row alone, and Leap's repacked-`Q4_K`
+    /// kernel gives every row the lone row's bits, over the weights read back out of ggml's
+    /// repacked buffer (which are ggml's own layout again, byte for byte).
+    #[test]
+    fn the_repacked_kernel_matches_ggmls_lone_row() {
+        let Some(k) = Kernel::new(Kind::Q4K).filter(Kernel::has_repacked) else {
+            eprintln!("no repacked Q4_K kernel here: skipped");
+            return;
+        };
+        #[cfg(target_arch = "x86_64")]
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let (agrees, differs) =
+            super::repacked_agrees_with_ggml(&k).expect("ggml repacks Q4_K with AVX2");
+        assert!(agrees);
+        assert!(
+            differs,
+            "ggml's batch rounded as its lone row: the check tells nothing"
+        );
+        assert!(super::checked_repacked().is_some());
     }
 }
