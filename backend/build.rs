@@ -22,6 +22,8 @@ fn main() {
         .allowlist_type("ggml_type_traits_cpu")
         .allowlist_function("ggml_backend_register")
         .allowlist_function("ggml_backend_buft_is_host")
+        .allowlist_function("ggml_backend_buft_name")
+        .allowlist_function("ggml_backend_buffer_get_type")
         .allowlist_function("ggml_backend_cpu_buffer_type")
         .allowlist_function("ggml_backend_dev_count")
         .allowlist_function("ggml_backend_dev_get")

@@ -177,7 +177,9 @@ fn plugin() -> &'static Plugin {
 /// `leap-cpu` computed, how many of them were attention, how many query rows attended
 /// sparsely: `WHO: leap-cpu computed N nodes (A attention nodes, S query rows sparse)`, the
 /// way to see on any CPU that the device ran; and, where it computed any ([`lone`]), `WHO:
-/// leap-cpu computed L flash-attention query rows as ggml computes a lone row`. Once per process (the first `who` wins).
+/// leap-cpu computed L flash-attention query rows as ggml computes a lone row` (and `R batch
+/// rows over repacked Q4_K weights` likewise, [`matmul`]). Once per process (the first `who`
+/// wins).
 pub fn stats_at_exit_from_env(who: &'static str) {
     static WHO: OnceLock<&'static str> = OnceLock::new();
     extern "C" fn report() {
@@ -191,6 +193,13 @@ pub fn stats_at_exit_from_env(who: &'static str) {
                 a.nodes,
                 a.sparse_rows
             );
+            let repacked = matmul::repacked_rows_computed();
+            if repacked > 0 {
+                eprintln!(
+                    "{}: leap-cpu computed {repacked} batch rows over repacked Q4_K weights as ggml computes a lone row",
+                    WHO.get().copied().unwrap_or("leap"),
+                );
+            }
             let lone = lone::rows_computed();
             if lone > 0 {
                 eprintln!(
@@ -453,7 +462,8 @@ unsafe extern "C" fn dev_supports_buft(
     _: g::ggml_backend_dev_t,
     buft: g::ggml_backend_buffer_type_t,
 ) -> bool {
-    g::ggml_backend_buft_is_host(buft)
+    // Repacked weights too: the device reads repacked `Q4_K` (`matmul::supports`).
+    g::ggml_backend_buft_is_host(buft) || matmul::is_repack_buft(buft)
 }
 
 unsafe extern "C" fn dev_supports_op(

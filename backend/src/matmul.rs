@@ -22,6 +22,39 @@ fn kind_of(t: g::ggml_type) -> Option<Kind> {
     }
 }
 
+/// Batch rows the device takes over repacked `Q4_K` weights. ggml computes one to three rows
+/// each as a lone row (`ggml_gemv_q4_K_8x8_q8_K`), but four and more in blocks of four by
+/// another product that rounds otherwise (measured: 264 of 299 rows of 2- to 24-row batches
+/// differed from the row alone); from 64 rows (prefill's batches) ggml's product stays, the same
+/// in every mode.
+const REPACKED_ROWS: std::ops::RangeInclusive<i64> = 4..=63;
+
+/// Batch rows computed over repacked `Q4_K` weights, for `LEAP_STATS`.
+static REPACKED_ROWS_COMPUTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Batch rows the device computed over repacked `Q4_K` weights in this process.
+pub(crate) fn repacked_rows_computed() -> u64 {
+    REPACKED_ROWS_COMPUTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// ggml's buffer type of weights llama.cpp repacked for the CPU's interleaved kernels.
+pub(crate) const REPACK_BUFT: &[u8] = b"CPU_REPACK";
+
+/// Whether `t`'s data sits in a repacked-weights buffer (ggml's interleaved layout).
+pub(crate) fn is_repacked(t: &g::ggml_tensor) -> bool {
+    // SAFETY: a tensor's buffer is null or valid, and a buffer's type has a name.
+    unsafe { !t.buffer.is_null() && is_repack_buft(g::ggml_backend_buffer_get_type(t.buffer)) }
+}
+
+/// Whether `buft` is ggml's repacked-weights buffer type.
+///
+/// # Safety
+/// `buft` is a valid buffer type.
+pub(crate) unsafe fn is_repack_buft(buft: g::ggml_backend_buffer_type_t) -> bool {
+    !buft.is_null()
+        && std::ffi::CStr::from_ptr(g::ggml_backend_buft_name(buft)).to_bytes() == REPACK_BUFT
+}
+
 /// The output projection's node in llama.cpp's graphs.
 const OUTPUT: &[u8] = b"result_output";
 
@@ -61,6 +94,16 @@ pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
     let Some(kind) = kind_of(s0.type_) else {
         return false;
     };
+    // Weights llama.cpp repacked (its default): the device takes the batches ggml would
+    // compute otherwise than a lone row, and only where its kernel rounds as ggml's lone row.
+    let rows = if is_repacked(s0) {
+        if kind != Kind::Q4K || s0.ne[1] % 8 != 0 || qdot::checked_repacked().is_none() {
+            return false;
+        }
+        REPACKED_ROWS
+    } else {
+        MIN_ROWS..=MAX_ROWS
+    };
     s1.type_ == g::GGML_TYPE_F32
         && s0.ne[2] == 1
         && s0.ne[3] == 1
@@ -68,7 +111,7 @@ pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
         && s1.ne[3] == 1
         && s0.ne[0] == s1.ne[0]
         && (s0.ne[0] as usize).is_multiple_of(kind.block_len())
-        && (MIN_ROWS..=MAX_ROWS).contains(&s1.ne[1])
+        && rows.contains(&s1.ne[1])
         && s1.nb[0] == 4
         && op.nb[0] == 4
         // SAFETY: a valid tensor.
@@ -140,7 +183,21 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
         .map(|s| s.into_inner().expect("every chunk prepared"))
         .collect();
     let row_bytes = s0.nb[1];
-    let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
+    let repacked = is_repacked(s0);
+    let unrepacked;
+    if repacked {
+        REPACKED_ROWS_COMPUTED.fetch_add(sel.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+    let weights: &[u8] = if repacked {
+        unrepacked = inst.unrepacked(
+            s0.data as *const u8,
+            n_w,
+            n / leap_host::qdot::Kind::Q4K.block_len(),
+        );
+        &unrepacked[..]
+    } else {
+        std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes)
+    };
     let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);
     let (tile, tasks) = tiles(n_w, threads);
     let work = |task: usize, tmp: &mut Vec<f32>| {
@@ -150,7 +207,11 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
         for (c, acts) in chunks.iter().enumerate() {
             let cm = acts.len();
             tmp.resize(len * cm, 0.0);
-            k.dot_many(acts, tile, tmp);
+            if repacked {
+                k.dot_many_repacked(acts, tile, tmp);
+            } else {
+                k.dot_many(acts, tile, tmp);
+            }
             // SAFETY: row r of dst holds n_w floats; tasks write disjoint columns.
             leap_kernels::transpose::columns_to(tmp, cm, len, |r| {
                 dst.at(sel[c * CHUNK + r] * dst_row).cast::<f32>().add(i0)
