@@ -4,18 +4,22 @@ There `--spec-type leap` drafts with Leap (libleap.so's leap_drafter_*) and Leap
 registered like llama.cpp's own, without GGML_BACKEND_PATH.
 
 Checked: the device is listed; greedy completions with --spec-type leap are those of
---spec-type none of the same binary with the settings --spec-type leap turns on (weight repacking
-and the tiled product off, a full sliding-window cache) and llama.cpp's default flash attention
-(auto: on), on prompts where Leap's drafts are taken, so the verified batches really differ from
-plain steps, and on a prompt past Gemma's sliding window and past 512 cells (where ggml splits a
+--spec-type none of the same binary with llama.cpp's default settings (flash attention auto: on;
+on x86-64 weight repacking on, whose four-row and larger batches over repacked Q4_K Leap's device
+computes as ggml computes the lone row; Gemma's window-sized sliding-window cache; the one
+setting --spec-type leap still changes, the tiled product off, takes only types the device has no
+kernel for), on prompts where Leap's drafts are taken, so the verified batches really differ
+from plain steps, and on a prompt past Gemma's sliding window and past 512 cells (where ggml splits a
 lone row's keys over its threads and computes a few-row batch in one chunk a row: Leap's device
 computes the verification rows as the lone row, and says so); with -fa off as well (then in
-64-row prefill batches unless -ub says otherwise); sampled completions with a seed are the same
+64-row prefill batches unless -ub says otherwise, and without repacking, against --spec-type none
+-fa off with the settings --spec-type leap turns on then); sampled completions with a seed are the same
 text too (the server samples every position of a draft from the target's own distribution with
 the seed's random stream, so drafting changes how many calls, not which tokens); bad
 combinations stop the server at start-up with a message, not mid-request."""
 
 import os
+import platform
 import re
 import subprocess
 from pathlib import Path
@@ -36,10 +40,13 @@ PROMPTS = [
 # ggml's attention over 512+ cells are where a batch's rows would round otherwise.
 LONG = (Path(__file__).resolve().parents[1] / "data" / "attention-notes.txt").read_text() + \
     "\nIn one paragraph, what do these notes say about the two places a phone spends its time?\n"
-# The settings --spec-type leap turns on, for the plain anchor of the same binary (flash
-# attention left at llama.cpp's default, auto: on).
-INVARIANT = ["--no-repack", "--swa-full"]
+# The setting --spec-type leap turns on with -fa off (and GGML_CPU_TILED_MM=0), for the plain
+# anchor of the same binary there (with flash attention, llama.cpp's default, the anchor is
+# --spec-type none with nothing else said).
+INVARIANT = ["--no-repack"]
+X86 = platform.machine() in ("x86_64", "AMD64")
 LONE = "flash-attention query rows as ggml computes a lone row"
+REPACKED = "batch rows over repacked Q4_K weights as ggml computes a lone row"
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +84,8 @@ def test_llama_cli_lists_leaps_device_without_a_plugin_path(llama_bin):
 @pytest.mark.parametrize("model", ["smollm", "gemma"])
 def test_spec_type_leap_gives_plain_decodings_tokens(llama_bin, model, request):
     path = request.getfixturevalue(model)
-    with LlamaServer(llama_bin, path, INVARIANT + ["--spec-type", "none"],
-                     env=clean_env(GGML_CPU_TILED_MM="0"), ctx=4096) as s:
+    # llama.cpp's defaults: nothing said but the speculative type.
+    with LlamaServer(llama_bin, path, ["--spec-type", "none"], env=clean_env(), ctx=4096) as s:
         plain = texts(s)
         plain_sampled = texts(s, temperature=0.8, seed=1234)
     with LlamaServer(llama_bin, path, ["--spec-type", "leap"],
@@ -96,6 +103,9 @@ def test_spec_type_leap_gives_plain_decodings_tokens(llama_bin, model, request):
     # Leap's device computed in it, the verification rows' attention included.
     assert "leap-cpu computed" in err, err[-2000:]
     assert LONE in err, err[-2000:]
+    # Gemma's Q4_K weights stayed repacked (llama.cpp's default on x86-64), and the device
+    # computed the verification rows over them.
+    assert (REPACKED in err) == (X86 and model == "gemma"), err[-2000:]
 
 
 @pytest.mark.parametrize("fa", [[], ["-fa", "off"]])
@@ -111,7 +121,10 @@ def test_llama_cli_with_spec_type_leap_writes_plain_decodings_text(llama_bin, sm
         text = "\n".join(l for l in r.stdout.splitlines() if not l.startswith("[ Prompt:"))
         return text, r.stderr
 
-    plain, _ = cli(INVARIANT + fa + ["--spec-type", "none"], clean_env(GGML_CPU_TILED_MM="0"))
+    if fa:
+        plain, _ = cli(INVARIANT + fa + ["--spec-type", "none"], clean_env(GGML_CPU_TILED_MM="0"))
+    else:
+        plain, _ = cli(["--spec-type", "none"], clean_env())
     leap, err = cli(fa + ["--spec-type", "leap"], clean_env(LEAP_STATS="1"))
     assert "cherry" in plain, plain
     assert leap == plain
