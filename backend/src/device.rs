@@ -19,7 +19,6 @@
 //! early exit's mask, capture, ablation) is the context's own too.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -103,9 +102,6 @@ pub(crate) struct Instance {
     /// Flash-attention nodes copied while capturing ([`Device::start_capture`]).
     capture: Mutex<Option<Vec<Captured>>>,
     stats: Mutex<Stats>,
-    /// ggml's layout of the repacked `Q4_K` weights the device's products read, by the address
-    /// of the repacked data (the model outlives its contexts, so an address stays one tensor's).
-    unrepacked: Mutex<HashMap<usize, Arc<Vec<u8>>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -118,18 +114,6 @@ impl Instance {
             config,
             ..Self::default()
         }
-    }
-
-    /// The `Q4_K` weights of the repacked tensor at `data` (`rows` rows of `nb` super-blocks)
-    /// in ggml's own layout: made at the first product that needs them, kept for the context.
-    pub(crate) fn unrepacked(&self, data: *const u8, rows: usize, nb: usize) -> Arc<Vec<u8>> {
-        let mut held = lock(&self.unrepacked);
-        Arc::clone(held.entry(data as usize).or_insert_with(|| {
-            let len = rows * nb * leap_host::qdot::Q4K_X8_BYTES / 8;
-            // SAFETY: the caller's tensor holds `rows * nb` repacked super-blocks at `data`.
-            let src = unsafe { std::slice::from_raw_parts(data, len) };
-            Arc::new(leap_host::qdot::unrepack_q4k_x8(src, rows, nb))
-        }))
     }
 
     /// The settings.

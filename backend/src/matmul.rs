@@ -183,23 +183,20 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
         .map(|s| s.into_inner().expect("every chunk prepared"))
         .collect();
     let row_bytes = s0.nb[1];
+    // Repacked weights: 8-row groups of ggml's interleaved blocks, as many bytes as the rows.
     let repacked = is_repacked(s0);
-    let unrepacked;
     if repacked {
         REPACKED_ROWS_COMPUTED.fetch_add(sel.len() as u64, std::sync::atomic::Ordering::Relaxed);
     }
-    let weights: &[u8] = if repacked {
-        unrepacked = inst.unrepacked(
-            s0.data as *const u8,
-            n_w,
-            n / leap_host::qdot::Kind::Q4K.block_len(),
-        );
-        &unrepacked[..]
-    } else {
-        std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes)
-    };
+    let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
     let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);
-    let (tile, tasks) = tiles(n_w, threads);
+    let (tile, tasks) = if repacked {
+        // Tiles of whole 8-row groups.
+        let tile = tiles(n_w, threads).0.next_multiple_of(8);
+        (tile, n_w.div_ceil(tile))
+    } else {
+        tiles(n_w, threads)
+    };
     let work = |task: usize, tmp: &mut Vec<f32>| {
         let i0 = task * tile;
         let len = tile.min(n_w - i0);

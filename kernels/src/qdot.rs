@@ -510,30 +510,32 @@ impl Kernel {
         cfg!(target_arch = "x86_64") && self.kind == Kind::Q4K
     }
 
-    /// As [`Kernel::dot_many`] for `Q4_K` weights (in ggml's own layout: see
-    /// [`unrepack_q4k_x8`]), each result rounded as ggml's one-row product over *repacked*
-    /// `Q4_K` weights rounds it ([`crate::reference::q4k_repacked`]). ggml computes batches of
-    /// four rows and more over repacked weights otherwise (its 4-row product accumulates in
-    /// another order), so a row of a batch gets other bits than the row alone; this gives every
-    /// row the lone row's.
+    /// As [`Kernel::dot_many`] for `Q4_K` weights llama.cpp repacked, read in ggml's repacked
+    /// layout (`w`: whole groups of 8 weight rows, each `nb` `block_q4_Kx8`s, see
+    /// [`Q4K_X8_BYTES`]), each result rounded as ggml's one-row product over them rounds it
+    /// ([`crate::reference::q4k_repacked`] of the row in `Q4_K`'s own layout). ggml computes
+    /// batches of four rows and more over repacked weights otherwise (its 4-row product
+    /// accumulates in another order), so a row of a batch gets other bits than the row alone;
+    /// this gives every row the lone row's.
     ///
     /// # Panics
-    /// When [`Kernel::has_repacked`] is false, or as [`Kernel::dot_many`].
+    /// When [`Kernel::has_repacked`] is false, `w` is not whole 8-row groups, or as
+    /// [`Kernel::dot_many`].
     pub fn dot_many_repacked(&self, acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
         assert!(self.has_repacked(), "no repacked-Q4_K kernel here");
-        let row = acts.nb * self.kind.weight_block();
+        let group = acts.nb * Q4K_X8_BYTES;
         assert!(
-            row > 0 && w.len().is_multiple_of(row),
-            "not whole weight rows"
+            group > 0 && w.len().is_multiple_of(group),
+            "not whole 8-row groups"
         );
-        assert_eq!(out.len(), w.len() / row * acts.len());
+        assert_eq!(out.len(), w.len() / group * 8 * acts.len());
         if acts.is_empty() {
             return;
         }
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `new` checked AVX2, FMA and F16C; lengths checked above and in `prepare`.
         unsafe {
-            kquant::q4k_repacked(&acts.rows, acts.nb, w, out)
+            kquant::q4k_x8(&acts.rows, acts.nb, w, out)
         }
     }
 
@@ -567,57 +569,7 @@ impl Kernel {
 }
 
 /// Bytes of ggml's `block_q4_Kx8`: eight `Q4_K` super-blocks of eight consecutive weight rows,
-/// interleaved (`d[8]`, `dmin[8]`, 96 bytes of scales and mins, 1024 of quants).
+/// interleaved (`d[8]`, `dmin[8]`, 96 bytes of scales and mins, 1024 of quants in chunks of 8
+/// bytes, row j's bytes 8c..8c + 8 at chunk 8c + j). llama.cpp's repacking
+/// (`repack_q4_K_to_q4_K_8_bl`) writes, for each 8 rows, one per super-block.
 pub const Q4K_X8_BYTES: usize = 8 * Q4K_BYTES;
-
-/// ggml's `Q4_K` layout (`rows` rows of `nb` super-blocks) from its repacked one
-/// (`repack_q4_K_to_q4_K_8_bl` with 8-byte interleave: for each 8 rows, for each super-block
-/// `x`, one `block_q4_Kx8` of those rows' block `x`). The inverse of that repacking, byte for
-/// byte.
-///
-/// # Panics
-/// When `rows` is not a multiple of 8 or `src` is not `rows * nb` super-blocks.
-pub fn unrepack_q4k_x8(src: &[u8], rows: usize, nb: usize) -> Vec<u8> {
-    assert!(
-        rows.is_multiple_of(8),
-        "repacked Q4_K comes in 8-row groups"
-    );
-    assert_eq!(
-        src.len(),
-        rows * nb * Q4K_BYTES,
-        "not rows x nb super-blocks"
-    );
-    let mut out = vec![0u8; src.len()];
-    for (i, blk) in src.chunks_exact(Q4K_X8_BYTES).enumerate() {
-        let (group, x) = (i / nb, i % nb);
-        let (d, dmin, scales, qs) = (&blk[0..16], &blk[16..32], &blk[32..128], &blk[128..]);
-        // Sub-block s's 6-bit scales and mins of the 8 rows, from the 12 bytes at 12s (s < 4)
-        // or 48 + 12(s - 4): packed as Q4_K packs a block's 8 scales and 8 mins.
-        let mut sc = [[0u8; 8]; 8];
-        let mut mn = [[0u8; 8]; 8];
-        for s in 0..8 {
-            let b = &scales[if s < 4 { 12 * s } else { 48 + 12 * (s - 4) }..][..12];
-            let (vs, vm) = crate::reference::q4k_scales_of(b);
-            for j in 0..8 {
-                sc[j][s] = vs[j];
-                mn[j][s] = vm[j];
-            }
-        }
-        for j in 0..8 {
-            let o = &mut out[((group * 8 + j) * nb + x) * Q4K_BYTES..][..Q4K_BYTES];
-            o[0..2].copy_from_slice(&d[2 * j..2 * j + 2]);
-            o[2..4].copy_from_slice(&dmin[2 * j..2 * j + 2]);
-            let (s, m) = (&sc[j], &mn[j]);
-            for i in 0..4 {
-                o[4 + i] = (s[i] & 63) | ((s[i + 4] >> 4) << 6);
-                o[4 + i + 4] = (m[i] & 63) | ((m[i + 4] >> 4) << 6);
-                o[4 + i + 8] = (s[i + 4] & 15) | ((m[i + 4] & 15) << 4);
-            }
-            // Quants: 8 bytes at a time, row j's bytes 8c..8c + 8 at chunk 8c + j.
-            for c in 0..16 {
-                o[16 + 8 * c..16 + 8 * c + 8].copy_from_slice(&qs[(8 * c + j) * 8..][..8]);
-            }
-        }
-    }
-    out
-}

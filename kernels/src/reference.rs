@@ -55,9 +55,3 @@ pub fn q4k_repacked(n: usize, w: &[u8], a: &[u8]) -> f32 {
     );
     kquant::q4k_repacked(nb, w, a)
 }
-
-/// A `Q4_K` block's 8 six-bit scales and 8 six-bit mins from their 12 packed bytes (ggml's
-/// `get_scale_min_k4`; repacked `Q4_K` packs each sub-block's 8 rows' scales the same way).
-pub fn q4k_scales_of(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
-    kquant::q4k_scales(&packed[..12])
-}

@@ -424,55 +424,12 @@ mod tests {
         }
     }
 
-    /// The repacked-`Q4_K` rounding kernel gives every weight row and activation row (1 to 9
-    /// at a time) the reference's bits; the reference is not the one-row `vec_dot`'s (so the
-    /// comparison tells the two roundings apart).
-    #[test]
-    fn repacked_kernel_matches_its_reference_bitwise() {
-        let mut rng = Rng(0x5555_aaaa_1234_5678);
-        let Some(k) = Kernel::new(Kind::Q4K).filter(Kernel::has_repacked) else {
-            eprintln!("no repacked Q4_K kernel here: skipped");
-            return;
-        };
-        let mut differs = 0;
-        for nb in 1..=4 {
-            let n = nb * QK_K;
-            let w: Vec<u8> = rows(nb, 6, || weight_block(Kind::Q4K, &mut rng)).concat();
-            for m in 1..=9 {
-                let a = rows(nb, m, || q8k_block(&mut rng));
-                let a: Vec<&[u8]> = a.iter().map(Vec::as_slice).collect();
-                let acts = k.prepare(n, &a);
-                let mut out = vec![f32::NAN; 6 * m];
-                k.dot_many_repacked(&acts, &w, &mut out);
-                for (i, x) in w.chunks_exact(nb * Q4K_BYTES).enumerate() {
-                    for (r, y) in a.iter().enumerate() {
-                        let want = super::q4k_repacked(nb, x, y);
-                        assert_eq!(
-                            out[i * m + r].to_bits(),
-                            want.to_bits(),
-                            "nb {nb}, {m} rows, weight row {i}, row {r}"
-                        );
-                        let one_row = super::super::dot(Kind::Q4K, Order::X86Avx2, n, x, y);
-                        differs += usize::from(one_row.to_bits() != want.to_bits());
-                    }
-                }
-            }
-        }
-        assert!(
-            differs > 0,
-            "the two roundings never differed: the test tells nothing"
-        );
-    }
-
-    /// `unrepack_q4k_x8` inverts ggml's `make_block_q4_Kx8` (transcribed here as the test's
-    /// model of it, 8-byte interleave).
-    #[test]
-    fn unrepacking_inverts_the_repacking() {
-        let mut rng = Rng(0x0f0f_1234_dead_beef);
-        let (rows_n, nb) = (16, 3);
-        let src: Vec<u8> = rows(nb, rows_n, || weight_block(Kind::Q4K, &mut rng)).concat();
+    /// ggml's `make_block_q4_Kx8` (8-byte interleave), transcribed: the repacked layout of
+    /// `rows` (a multiple of 8) `Q4_K` rows of `nb` super-blocks, as `repack_q4_K_to_q4_K_8_bl`
+    /// writes it.
+    fn repack(src: &[u8], rows: usize, nb: usize) -> Vec<u8> {
         let mut packed = Vec::new();
-        for g in 0..rows_n / 8 {
+        for g in 0..rows / 8 {
             for x in 0..nb {
                 let blk: Vec<&[u8]> = (0..8)
                     .map(|j| &src[((g * 8 + j) * nb + x) * Q4K_BYTES..][..Q4K_BYTES])
@@ -513,7 +470,49 @@ mod tests {
             }
         }
         assert_eq!(packed.len(), src.len());
-        assert_ne!(packed, src);
-        assert_eq!(crate::qdot::unrepack_q4k_x8(&packed, rows_n, nb), src);
+        packed
+    }
+
+    /// The repacked-`Q4_K` kernel, over weights in ggml's repacked layout, gives every weight
+    /// row and activation row (1 to 9 at a time) the reference's bits over the same rows in
+    /// `Q4_K`'s own layout; the reference is not the one-row `vec_dot`'s (so the comparison
+    /// tells the two roundings apart).
+    #[test]
+    fn repacked_kernel_matches_its_reference_bitwise() {
+        let mut rng = Rng(0x5555_aaaa_1234_5678);
+        let Some(k) = Kernel::new(Kind::Q4K).filter(Kernel::has_repacked) else {
+            eprintln!("no repacked Q4_K kernel here: skipped");
+            return;
+        };
+        let mut differs = 0;
+        for nb in 1..=3 {
+            let n = nb * QK_K;
+            let w: Vec<u8> = rows(nb, 16, || weight_block(Kind::Q4K, &mut rng)).concat();
+            let packed = repack(&w, 16, nb);
+            assert_ne!(packed, w);
+            for m in 1..=9 {
+                let a = rows(nb, m, || q8k_block(&mut rng));
+                let a: Vec<&[u8]> = a.iter().map(Vec::as_slice).collect();
+                let acts = k.prepare(n, &a);
+                let mut out = vec![f32::NAN; 16 * m];
+                k.dot_many_repacked(&acts, &packed, &mut out);
+                for (i, x) in w.chunks_exact(nb * Q4K_BYTES).enumerate() {
+                    for (r, y) in a.iter().enumerate() {
+                        let want = super::q4k_repacked(nb, x, y);
+                        assert_eq!(
+                            out[i * m + r].to_bits(),
+                            want.to_bits(),
+                            "nb {nb}, {m} rows, weight row {i}, row {r}"
+                        );
+                        let one_row = super::super::dot(Kind::Q4K, Order::X86Avx2, n, x, y);
+                        differs += usize::from(one_row.to_bits() != want.to_bits());
+                    }
+                }
+            }
+        }
+        assert!(
+            differs > 0,
+            "the two roundings never differed: the test tells nothing"
+        );
     }
 }

@@ -227,17 +227,32 @@ unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
     }
 }
 
-/// As the `Q4_K` kernel beside it, with the rounding of ggml's one-row product over
-/// *repacked* `Q4_K` weights (x86's `ggml_gemv_q4_K_8x8_q8_K`, which ggml runs for a lone row
-/// when llama.cpp repacks, its default): the same integer sums, combined as that function does.
+/// `out[i * rows.len() + r]` = weight row i · `rows[r]` for `Q4_K` weights llama.cpp repacked
+/// (`w`: whole groups of 8 weight rows, each `nb` `block_q4_Kx8`s, read in that layout), each
+/// rounded as ggml's one-row product over them (x86's `ggml_gemv_q4_K_8x8_q8_K`, which ggml
+/// runs for a lone row): the integer sums of the `Q4_K` kernel beside it, combined as that
+/// function does.
 ///
 /// # Safety
-/// As that kernel.
+/// As that kernel; `w` is whole 8-row groups.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn q4k_repacked(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-    super::by_groups::<{ super::GROUP }>(rows, nb, w, Q4K_BYTES, out, |ys, x, o| {
-        by_count!(q4k_repacked_rows, ys, nb, x, o, [1, 2, 3], 4)
-    })
+pub(super) unsafe fn q4k_x8(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
+    let m = rows.len();
+    const G: usize = super::GROUP;
+    for g0 in (0..m).step_by(G) {
+        let gl = (m - g0).min(G);
+        let ptrs: [*const u8; G] =
+            std::array::from_fn(|r| rows.get(g0 + r).map_or(std::ptr::null(), |a| a.as_ptr()));
+        let ys = &ptrs[..gl];
+        for (g, group) in w.chunks_exact(nb * super::Q4K_X8_BYTES).enumerate() {
+            for j in 0..8 {
+                let i = 8 * g + j;
+                let o = &mut out[i * m + g0..i * m + g0 + gl];
+                let x = (group.as_ptr(), j);
+                by_count!(q4k_x8_rows, ys, nb, x, o, [1, 2, 3], 4);
+            }
+        }
+    }
 }
 
 /// The sum of the eight 32-bit lanes of `v` (exact: the callers' sums fit in 32 bits).
@@ -249,39 +264,64 @@ unsafe fn hsum_i32(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s)
 }
 
-/// One `Q4_K` weight row against `R` activation rows, each as ggml's repacked one-row product
-/// computes its column: per super-block the whole integer sum `Σ scale_j · (q4 · q8)_j` and the
-/// minimum term `Σ min_j · (block sums)_j`, each converted to `f32` and accumulated with one
-/// fused multiply-add by `d_w · d_a` and `dmin_w · d_a`; the result is their difference. (The
-/// integer sums are exact in any order, so the weight unpacking is [`q4k_rows`]'.)
+/// Row `j`'s eight 6-bit sub-block scales and eight minima of a `block_q4_Kx8` (at `x`),
+/// widened to 16 bits: sub-block s's 8 rows' values are packed in the 12 bytes at `32 + 12s`
+/// (s < 4) or `32 + 48 + 12(s - 4)` as a `Q4_K` block packs its 8 (ggml's `get_scale_min_k4`).
 #[inline(always)]
-unsafe fn q4k_repacked_rows<const R: usize>(
+unsafe fn q4k_x8_scales_mins(x: *const u8, j: usize) -> (__m128i, __m128i) {
+    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+    for s in 0..8 {
+        let b = x.add(32 + if s < 4 { 12 * s } else { 48 + 12 * (s - 4) });
+        let at = |k: usize| *b.add(k);
+        if j < 4 {
+            sc[s] = at(j) & 63;
+            mn[s] = at(j + 4) & 63;
+        } else {
+            sc[s] = (at(j + 4) & 0xf) | ((at(j - 4) >> 6) << 4);
+            mn[s] = (at(j + 4) >> 4) | ((at(j) >> 6) << 4);
+        }
+    }
+    (
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().cast())),
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr().cast())),
+    )
+}
+
+/// Row `x.1` of the 8-row group at `x.0` (`nb` `block_q4_Kx8`s) against `R` activation rows,
+/// each as ggml's repacked one-row product computes its column: per super-block the whole
+/// integer sum `Σ scale_j · (q4 · q8)_j` and the minimum term `Σ min_j · (block sums)_j`, each
+/// converted to `f32` and accumulated with one fused multiply-add by `d_w · d_a` and
+/// `dmin_w · d_a`; the result is their difference. (The integer sums are exact in any order, so
+/// the products are [`q4k_rows`]'; the row's quants are 8 bytes in every 64 of the group's.)
+#[inline(always)]
+unsafe fn q4k_x8_rows<const R: usize>(
     ys: &[*const u8],
     nb: usize,
-    x: *const u8,
+    x: (*const u8, usize),
     out: &mut [f32],
 ) {
+    let (group, j) = x;
     let m4 = _mm256_set1_epi8(0xF);
     let ys: [*const u8; R] = std::array::from_fn(|r| ys[r]);
     let mut acc = [0.0f32; R];
     let mut acc_m = [0.0f32; R];
     for sb in 0..nb {
-        let x = x.add(sb * Q4K_BYTES);
-        prefetch(x, Q4K_BYTES);
-        let (xd, xdmin) = (f16_at(x), f16_at(x.add(2)));
-        let (sc, mins) = q4k_scales_mins(x);
+        let x = group.add(sb * super::Q4K_X8_BYTES);
+        let (xd, xdmin) = (f16_at(x.add(2 * j)), f16_at(x.add(16 + 2 * j)));
+        let (sc, mins) = q4k_x8_scales_mins(x, j);
         let scales = _mm256_set_m128i(sc, sc);
         let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
-        let q4 = x.add(16);
+        // The row's bytes 8c..8c + 8 sit at 128 + 8(8c + j).
+        let q = |c: usize| std::ptr::read_unaligned(x.add(128 + 8 * (8 * c + j)).cast::<i64>());
         let mut sumi = [_mm256_setzero_si256(); R];
-        for j in 0..4 {
-            let bits = _mm256_loadu_si256(q4.add(32 * j).cast());
+        for k in 0..4 {
+            let bits = _mm256_set_epi64x(q(4 * k + 3), q(4 * k + 2), q(4 * k + 1), q(4 * k));
             let ql = _mm256_and_si256(bits, m4);
             let qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            let sl = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j));
-            let sh = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j + 1));
+            let sl = _mm256_shuffle_epi8(scales, pair_shuffle(2 * k));
+            let sh = _mm256_shuffle_epi8(scales, pair_shuffle(2 * k + 1));
             for r in 0..R {
-                let q8 = ys[r].add(4 + 64 * j);
+                let q8 = ys[r].add(4 + 64 * k);
                 let l = _mm256_loadu_si256(q8.cast());
                 let h = _mm256_loadu_si256(q8.add(32).cast());
                 let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(ql, l));
@@ -296,12 +336,11 @@ unsafe fn q4k_repacked_rows<const R: usize>(
                 _mm256_extracti128_si256(q8sums, 0),
                 _mm256_extracti128_si256(q8sums, 1),
             );
-            let m = _mm_madd_epi16(mins, pairs);
-            let m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0b01_00_11_10));
-            let m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0b10_11_00_01));
-            let imin = _mm_cvtsi128_si32(m);
+            let mm = _mm_madd_epi16(mins, pairs);
+            let mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0b01_00_11_10));
+            let mm = _mm_add_epi32(mm, _mm_shuffle_epi32(mm, 0b10_11_00_01));
             acc[r] = (hsum_i32(sumi[r]) as f32).mul_add(xd * yd, acc[r]);
-            acc_m[r] = (imin as f32).mul_add(xdmin * yd, acc_m[r]);
+            acc_m[r] = (_mm_cvtsi128_si32(mm) as f32).mul_add(xdmin * yd, acc_m[r]);
         }
     }
     for r in 0..R {
