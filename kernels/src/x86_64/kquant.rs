@@ -179,12 +179,41 @@ pub(super) unsafe fn q6k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
     })
 }
 
+/// Every row's integer sums of one `Q4_K` super-block: its quants (`bits[j]`: the 32 bytes
+/// whose low nibbles are run 2j and high nibbles run 2j + 1 of 32) times each row's `Q8_K`
+/// quants (`ys`, at the super-block), by sub-block scale (`scales`: the 8 scales in both
+/// halves), 64 quants at a time, unpacked once for all rows. Exact, so each lane ends with
+/// ggml's sum whatever the order.
+#[inline(always)]
+unsafe fn q4k_sums<const R: usize>(
+    bits: [__m256i; 4],
+    scales: __m256i,
+    ys: &[*const u8; R],
+) -> [__m256i; R] {
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut sumi = [_mm256_setzero_si256(); R];
+    for (j, &bits) in bits.iter().enumerate() {
+        let ql = _mm256_and_si256(bits, m4);
+        let qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        let sl = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j));
+        let sh = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j + 1));
+        for r in 0..R {
+            let q8 = ys[r].add(4 + 64 * j);
+            let l = _mm256_loadu_si256(q8.cast());
+            let h = _mm256_loadu_si256(q8.add(32).cast());
+            let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(ql, l));
+            let ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(qh, h));
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+        }
+    }
+    sumi
+}
+
 /// One `Q4_K` weight row (at `x`) against `R` activation rows: ggml's AVX2 `vec_dot_q4_K_q8_K`
 /// for each row, with the weight quants and scales unpacked once per 64 values for all rows
 /// and the accumulators in registers (`R` is a constant).
 #[inline(always)]
 unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, out: &mut [f32]) {
-    let m4 = _mm256_set1_epi8(0xF);
     let ys: [*const u8; R] = std::array::from_fn(|r| ys[r]);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut acc_m = [_mm_setzero_ps(); R];
@@ -198,25 +227,12 @@ unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
         for r in 0..R {
             acc_m[r] = q4k_min_term(ys[r], mins, xdmin, acc_m[r]);
         }
-        // The quants, 64 at a time: unpacked once and multiplied into every row's integer
-        // sums (exact, so each lane ends with ggml's sum whatever the order).
         let q4 = x.add(16);
-        let mut sumi = [_mm256_setzero_si256(); R];
-        for j in 0..4 {
-            let bits = _mm256_loadu_si256(q4.add(32 * j).cast());
-            let ql = _mm256_and_si256(bits, m4);
-            let qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            let sl = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j));
-            let sh = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j + 1));
-            for r in 0..R {
-                let q8 = ys[r].add(4 + 64 * j);
-                let l = _mm256_loadu_si256(q8.cast());
-                let h = _mm256_loadu_si256(q8.add(32).cast());
-                let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(ql, l));
-                let ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(qh, h));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
-            }
+        let mut bits = [_mm256_setzero_si256(); 4];
+        for (j, b) in bits.iter_mut().enumerate() {
+            *b = _mm256_loadu_si256(q4.add(32 * j).cast());
         }
+        let sumi = q4k_sums(bits, scales, &ys);
         for r in 0..R {
             let d = std::ptr::read_unaligned(ys[r].cast::<f32>()) * xd;
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
@@ -301,7 +317,6 @@ unsafe fn q4k_x8_rows<const R: usize>(
     out: &mut [f32],
 ) {
     let (group, j) = x;
-    let m4 = _mm256_set1_epi8(0xF);
     let ys: [*const u8; R] = std::array::from_fn(|r| ys[r]);
     let mut acc = [0.0f32; R];
     let mut acc_m = [0.0f32; R];
@@ -313,22 +328,11 @@ unsafe fn q4k_x8_rows<const R: usize>(
         let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
         // The row's bytes 8c..8c + 8 sit at 128 + 8(8c + j).
         let q = |c: usize| std::ptr::read_unaligned(x.add(128 + 8 * (8 * c + j)).cast::<i64>());
-        let mut sumi = [_mm256_setzero_si256(); R];
-        for k in 0..4 {
-            let bits = _mm256_set_epi64x(q(4 * k + 3), q(4 * k + 2), q(4 * k + 1), q(4 * k));
-            let ql = _mm256_and_si256(bits, m4);
-            let qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-            let sl = _mm256_shuffle_epi8(scales, pair_shuffle(2 * k));
-            let sh = _mm256_shuffle_epi8(scales, pair_shuffle(2 * k + 1));
-            for r in 0..R {
-                let q8 = ys[r].add(4 + 64 * k);
-                let l = _mm256_loadu_si256(q8.cast());
-                let h = _mm256_loadu_si256(q8.add(32).cast());
-                let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(ql, l));
-                let ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(qh, h));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
-            }
+        let mut bits = [_mm256_setzero_si256(); 4];
+        for (k, b) in bits.iter_mut().enumerate() {
+            *b = _mm256_set_epi64x(q(4 * k + 3), q(4 * k + 2), q(4 * k + 1), q(4 * k));
         }
+        let sumi = q4k_sums(bits, scales, &ys);
         for r in 0..R {
             let yd = std::ptr::read_unaligned(ys[r].cast::<f32>());
             let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
