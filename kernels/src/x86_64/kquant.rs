@@ -179,20 +179,50 @@ pub(super) unsafe fn q6k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
     })
 }
 
-/// Every row's integer sums of one `Q4_K` super-block: its quants (`bits[j]`: the 32 bytes
-/// whose low nibbles are run 2j and high nibbles run 2j + 1 of 32) times each row's `Q8_K`
-/// quants (`ys`, at the super-block), by sub-block scale (`scales`: the 8 scales in both
+/// Where one `Q4_K` weight row's quants of a super-block are, 32 bytes at a time: the bytes
+/// whose low nibbles are run 2j of 32 quants and high nibbles run 2j + 1.
+trait Q4kQuants {
+    /// Those 32 bytes for `j` in 0..4.
+    unsafe fn bits(&self, j: usize) -> __m256i;
+}
+
+/// A `Q4_K` block's 128 bytes of quants, in order (at `q4`).
+struct Contiguous(*const u8);
+
+impl Q4kQuants for Contiguous {
+    #[inline(always)]
+    unsafe fn bits(&self, j: usize) -> __m256i {
+        _mm256_loadu_si256(self.0.add(32 * j).cast())
+    }
+}
+
+/// Row `.1`'s quants in a `block_q4_Kx8` (at `.0`): its bytes 8c..8c + 8 at 128 + 8(8c + j).
+struct Interleaved(*const u8, usize);
+
+impl Q4kQuants for Interleaved {
+    #[inline(always)]
+    unsafe fn bits(&self, j: usize) -> __m256i {
+        let q = |c: usize| {
+            std::ptr::read_unaligned(self.0.add(128 + 8 * (8 * c + self.1)).cast::<i64>())
+        };
+        _mm256_set_epi64x(q(4 * j + 3), q(4 * j + 2), q(4 * j + 1), q(4 * j))
+    }
+}
+
+/// Every row's integer sums of one `Q4_K` super-block: its quants (`q`) times each row's
+/// `Q8_K` quants (`ys`, at the super-block), by sub-block scale (`scales`: the 8 scales in both
 /// halves), 64 quants at a time, unpacked once for all rows. Exact, so each lane ends with
 /// ggml's sum whatever the order.
 #[inline(always)]
 unsafe fn q4k_sums<const R: usize>(
-    bits: [__m256i; 4],
+    q: &impl Q4kQuants,
     scales: __m256i,
     ys: &[*const u8; R],
 ) -> [__m256i; R] {
     let m4 = _mm256_set1_epi8(0xF);
     let mut sumi = [_mm256_setzero_si256(); R];
-    for (j, &bits) in bits.iter().enumerate() {
+    for j in 0..4 {
+        let bits = q.bits(j);
         let ql = _mm256_and_si256(bits, m4);
         let qh = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
         let sl = _mm256_shuffle_epi8(scales, pair_shuffle(2 * j));
@@ -227,12 +257,9 @@ unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
         for r in 0..R {
             acc_m[r] = q4k_min_term(ys[r], mins, xdmin, acc_m[r]);
         }
-        let q4 = x.add(16);
-        let mut bits = [_mm256_setzero_si256(); 4];
-        for (j, b) in bits.iter_mut().enumerate() {
-            *b = _mm256_loadu_si256(q4.add(32 * j).cast());
-        }
-        let sumi = q4k_sums(bits, scales, &ys);
+        // The quants, 64 at a time: unpacked once and multiplied into every row's integer
+        // sums.
+        let sumi = q4k_sums(&Contiguous(x.add(16)), scales, &ys);
         for r in 0..R {
             let d = std::ptr::read_unaligned(ys[r].cast::<f32>()) * xd;
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
@@ -326,13 +353,7 @@ unsafe fn q4k_x8_rows<const R: usize>(
         let (sc, mins) = q4k_x8_scales_mins(x, j);
         let scales = _mm256_set_m128i(sc, sc);
         let ys: [*const u8; R] = std::array::from_fn(|r| ys[r].add(sb * Q8K_BYTES));
-        // The row's bytes 8c..8c + 8 sit at 128 + 8(8c + j).
-        let q = |c: usize| std::ptr::read_unaligned(x.add(128 + 8 * (8 * c + j)).cast::<i64>());
-        let mut bits = [_mm256_setzero_si256(); 4];
-        for (k, b) in bits.iter_mut().enumerate() {
-            *b = _mm256_set_epi64x(q(4 * k + 3), q(4 * k + 2), q(4 * k + 1), q(4 * k));
-        }
-        let sumi = q4k_sums(bits, scales, &ys);
+        let sumi = q4k_sums(&Interleaved(x, j), scales, &ys);
         for r in 0..R {
             let yd = std::ptr::read_unaligned(ys[r].cast::<f32>());
             let q8sums = _mm256_loadu_si256(ys[r].add(260).cast());
