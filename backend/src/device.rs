@@ -227,6 +227,8 @@ pub(crate) struct Totals {
     pub nodes: AtomicU64,
     /// Estimates run on OpenCL.
     pub opencl_estimates: AtomicU64,
+    /// Batch rows of products over repacked `Q4_K` weights (`crate::matmul`).
+    pub repacked_rows: AtomicU64,
     /// Sparse attention's.
     pub attn: Mutex<Stats>,
 }
@@ -240,6 +242,7 @@ impl Totals {
 pub(crate) static TOTALS: Totals = Totals {
     nodes: AtomicU64::new(0),
     opencl_estimates: AtomicU64::new(0),
+    repacked_rows: AtomicU64::new(0),
     attn: Mutex::new(Stats::ZERO),
 };
 

@@ -193,7 +193,7 @@ pub fn stats_at_exit_from_env(who: &'static str) {
                 a.nodes,
                 a.sparse_rows
             );
-            let repacked = matmul::repacked_rows_computed();
+            let repacked = device::TOTALS.repacked_rows.load(Ordering::Relaxed);
             if repacked > 0 {
                 eprintln!(
                     "{}: leap-cpu computed {repacked} batch rows over repacked Q4_K weights as ggml computes a lone row",

@@ -29,17 +29,6 @@ fn kind_of(t: g::ggml_type) -> Option<Kind> {
 /// in every mode.
 const REPACKED_ROWS: std::ops::RangeInclusive<i64> = 4..=63;
 
-/// Batch rows computed over repacked `Q4_K` weights, for `LEAP_STATS`.
-static REPACKED_ROWS_COMPUTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Batch rows the device computed over repacked `Q4_K` weights in this process.
-pub(crate) fn repacked_rows_computed() -> u64 {
-    REPACKED_ROWS_COMPUTED.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// ggml's buffer type of weights llama.cpp repacked for the CPU's interleaved kernels.
-pub(crate) const REPACK_BUFT: &[u8] = b"CPU_REPACK";
-
 /// Whether `t`'s data sits in a repacked-weights buffer (ggml's interleaved layout).
 pub(crate) fn is_repacked(t: &g::ggml_tensor) -> bool {
     // SAFETY: a tensor's buffer is null or valid, and a buffer's type has a name.
@@ -52,7 +41,7 @@ pub(crate) fn is_repacked(t: &g::ggml_tensor) -> bool {
 /// `buft` is a valid buffer type.
 pub(crate) unsafe fn is_repack_buft(buft: g::ggml_backend_buffer_type_t) -> bool {
     !buft.is_null()
-        && std::ffi::CStr::from_ptr(g::ggml_backend_buft_name(buft)).to_bytes() == REPACK_BUFT
+        && std::ffi::CStr::from_ptr(g::ggml_backend_buft_name(buft)).to_bytes() == qdot::REPACK_BUFT
 }
 
 /// The output projection's node in llama.cpp's graphs.
@@ -186,7 +175,9 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
     // Repacked weights: 8-row groups of ggml's interleaved blocks, as many bytes as the rows.
     let repacked = is_repacked(s0);
     if repacked {
-        REPACKED_ROWS_COMPUTED.fetch_add(sel.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        crate::device::TOTALS
+            .repacked_rows
+            .fetch_add(sel.len() as u64, std::sync::atomic::Ordering::Relaxed);
     }
     let weights = std::slice::from_raw_parts(s0.data as *const u8, n_w * row_bytes);
     let (dst, dst_row) = (Ptr(node.data.cast()), node.nb[1]);

@@ -120,8 +120,11 @@ pub fn agrees_with_ggml(k: &Kernel) -> bool {
     })
 }
 
-/// ggml's buffer type for repacked weights (`CPU_REPACK`, one of the CPU device's extra
-/// buffer types), if this ggml has one.
+/// The name of ggml's buffer type for weights llama.cpp repacked for the CPU's interleaved
+/// kernels (one of the CPU device's extra buffer types).
+pub const REPACK_BUFT: &[u8] = b"CPU_REPACK";
+
+/// ggml's buffer type for repacked weights ([`REPACK_BUFT`]), if this ggml has one.
 fn repack_buft() -> Option<llama_cpp_sys_2::ggml_backend_buffer_type_t> {
     use llama_cpp_sys_2 as sys;
     // SAFETY: registry queries; the proc address, when present, has the named signature, and
@@ -145,7 +148,7 @@ fn repack_buft() -> Option<llama_cpp_sys_2::ggml_backend_buffer_type_t> {
         let mut p = get(dev);
         while !p.is_null() && !(*p).is_null() {
             let name = std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(*p));
-            if name.to_bytes() == b"CPU_REPACK" {
+            if name.to_bytes() == REPACK_BUFT {
                 return Some(*p);
             }
             p = p.add(1);
