@@ -8,6 +8,8 @@ use crate::qdot::Kind;
 mod blocks;
 mod kquant;
 
+pub(crate) use kquant::scale_min_k4;
+
 /// Whose arithmetic: ggml's kernels for a given instruction set round differently.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Order {

@@ -96,24 +96,25 @@ fn f16_at(x: &[u8], at: usize) -> f32 {
     to_f32(u16::from_le_bytes([x[at], x[at + 1]]))
 }
 
-/// `Q4_K`'s 8 six-bit scales and 8 six-bit mins from their 12 packed bytes (ggml's
-/// `get_scale_min_k4`).
+/// `Q4_K`'s 8 six-bit scales and 8 six-bit mins from their 12 packed bytes.
 pub(crate) fn q4k_scales(q: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let sc = std::array::from_fn(|j| {
-        if j < 4 {
-            q[j] & 63
-        } else {
-            (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4)
-        }
-    });
-    let m = std::array::from_fn(|j| {
-        if j < 4 {
-            q[j + 4] & 63
-        } else {
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
-        }
-    });
-    (sc, m)
+    let sm: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, q));
+    (sm.map(|p| p.0), sm.map(|p| p.1))
+}
+
+/// Value `j`'s six-bit scale and minimum of 8 packed in 12 bytes `q` (ggml's
+/// `get_scale_min_k4`): a `Q4_K` block's sub-block `j`, or, in a repacked `block_q4_Kx8`, row `j`'s
+/// of one sub-block.
+#[inline(always)]
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
 }
 
 fn q4k(x: &[u8], y: &[u8]) -> Block {

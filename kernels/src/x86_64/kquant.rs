@@ -314,15 +314,9 @@ unsafe fn hsum_i32(v: __m256i) -> i32 {
 unsafe fn q4k_x8_scales_mins(x: *const u8, j: usize) -> (__m128i, __m128i) {
     let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
     for s in 0..8 {
-        let b = x.add(32 + if s < 4 { 12 * s } else { 48 + 12 * (s - 4) });
-        let at = |k: usize| *b.add(k);
-        if j < 4 {
-            sc[s] = at(j) & 63;
-            mn[s] = at(j + 4) & 63;
-        } else {
-            sc[s] = (at(j + 4) & 0xf) | ((at(j - 4) >> 6) << 4);
-            mn[s] = (at(j + 4) >> 4) | ((at(j) >> 6) << 4);
-        }
+        let at = 32 + if s < 4 { 12 * s } else { 48 + 12 * (s - 4) };
+        (sc[s], mn[s]) =
+            crate::reference::scale_min_k4(j, std::slice::from_raw_parts(x.add(at), 12));
     }
     (
         _mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().cast())),
