@@ -157,105 +157,186 @@ fn repack_buft() -> Option<llama_cpp_sys_2::ggml_backend_buffer_type_t> {
     }
 }
 
+/// A weight matrix in ggml's repacked-weights buffer and a CPU backend to multiply by it:
+/// ggml's own products over repacked weights, for the checks below.
+struct Repacked {
+    ctx: *mut llama_cpp_sys_2::ggml_context,
+    buf: llama_cpp_sys_2::ggml_backend_buffer_t,
+    backend: llama_cpp_sys_2::ggml_backend_t,
+    w: *mut llama_cpp_sys_2::ggml_tensor,
+    /// Values a weight row, weight rows.
+    n: usize,
+    n_w: usize,
+}
+
+impl Repacked {
+    /// `n_w` rows of `n` values of `ty` (`bytes`, ggml's layout) put in the repacked buffer;
+    /// `None` when this ggml has no such buffer or did not repack `ty` here.
+    fn new(ty: llama_cpp_sys_2::ggml_type, n: usize, n_w: usize, bytes: &[u8]) -> Option<Self> {
+        use llama_cpp_sys_2 as sys;
+        let buft = repack_buft()?;
+        // SAFETY: a context of tensor metadata, its tensor allocated in `buft`, `bytes` one
+        // tensor's worth (ggml checks the size); everything is freed by `drop`.
+        unsafe {
+            sys::ggml_cpu_init();
+            let ctx = sys::ggml_init(Self::params());
+            let w = sys::ggml_new_tensor_2d(ctx, ty, n as i64, n_w as i64);
+            let buf = sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+            let backend = sys::ggml_backend_cpu_init();
+            let r = Self {
+                ctx,
+                buf,
+                backend,
+                w,
+                n,
+                n_w,
+            };
+            if buf.is_null() || backend.is_null() {
+                return None;
+            }
+            sys::ggml_backend_buffer_set_usage(buf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+            sys::ggml_backend_tensor_set(w, bytes.as_ptr().cast(), 0, bytes.len());
+            (r.bytes() != bytes).then_some(r)
+        }
+    }
+
+    fn params() -> llama_cpp_sys_2::ggml_init_params {
+        // SAFETY: size queries.
+        unsafe {
+            llama_cpp_sys_2::ggml_init_params {
+                mem_size: llama_cpp_sys_2::ggml_tensor_overhead() * 8
+                    + llama_cpp_sys_2::ggml_graph_overhead(),
+                mem_buffer: std::ptr::null_mut(),
+                no_alloc: true,
+            }
+        }
+    }
+
+    /// The weights as ggml holds them (repacked).
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocated tensor's data, `ggml_nbytes` long, host memory.
+        unsafe {
+            std::slice::from_raw_parts(
+                (*self.w).data as *const u8,
+                llama_cpp_sys_2::ggml_nbytes(self.w),
+            )
+        }
+    }
+
+    /// ggml's product of the weights with `x`'s rows (`n` floats each) computed `rows` at a
+    /// time: row r's `n_w` results at `r * n_w`.
+    fn product(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        use llama_cpp_sys_2 as sys;
+        let (n, n_w) = (self.n, self.n_w);
+        let mut all = Vec::with_capacity(x.len() / n * n_w);
+        // SAFETY: a graph of one product in a context of its own, its tensors allocated on the
+        // CPU backend, `x` and the output copied within their sizes; freed before returning.
+        unsafe {
+            let gctx = sys::ggml_init(Self::params());
+            let xt = sys::ggml_new_tensor_2d(gctx, sys::GGML_TYPE_F32, n as i64, rows as i64);
+            let yt = sys::ggml_mul_mat(gctx, self.w, xt);
+            let graph = sys::ggml_new_graph(gctx);
+            sys::ggml_build_forward_expand(graph, yt);
+            let buf = sys::ggml_backend_alloc_ctx_tensors(gctx, self.backend);
+            let mut out = vec![0f32; n_w * rows];
+            for chunk in x.chunks_exact(n * rows) {
+                sys::ggml_backend_tensor_set(xt, chunk.as_ptr().cast(), 0, n * rows * 4);
+                sys::ggml_backend_graph_compute(self.backend, graph);
+                sys::ggml_backend_tensor_get(yt, out.as_mut_ptr().cast(), 0, n_w * rows * 4);
+                all.extend_from_slice(&out);
+            }
+            sys::ggml_backend_buffer_free(buf);
+            sys::ggml_free(gctx);
+        }
+        all
+    }
+}
+
+impl Drop for Repacked {
+    fn drop(&mut self) {
+        use llama_cpp_sys_2 as sys;
+        // SAFETY: made by `new`, freed once.
+        unsafe {
+            if !self.backend.is_null() {
+                sys::ggml_backend_free(self.backend);
+            }
+            if !self.buf.is_null() {
+                sys::ggml_backend_buffer_free(self.buf);
+            }
+            sys::ggml_free(self.ctx);
+        }
+    }
+}
+
+/// Random weights of `ty` (`n_w` rows of `n`) repacked by ggml, and ggml's products over them
+/// of `m` random rows computed alone and `rows` at a time, for `rows` in `2..=m`: how many of
+/// those batches' rows differ from the row alone (bit for bit), and of how many. `None` where
+/// this ggml does not repack `ty`.
+pub fn repacked_batch_rows_differing(
+    ty: llama_cpp_sys_2::ggml_type,
+    n: usize,
+    n_w: usize,
+    m: usize,
+) -> Option<(usize, usize)> {
+    let mut rng = leap_kernels::rng::XorShift::new(0x1234_5678_9ABC_DEF1);
+    let w = quantized(ty, n, n_w, &mut rng).concat();
+    let r = Repacked::new(ty, n, n_w, &w)?;
+    let x: Vec<f32> = (0..n * m).map(|_| rng.centered() * 4.0).collect();
+    let alone = r.product(&x, 1);
+    let (mut differ, mut total) = (0, 0);
+    for rows in 2..=m {
+        let batch = r.product(&x[..n * rows], rows);
+        for row in 0..rows {
+            let (a, b) = (&alone[row * n_w..][..n_w], &batch[row * n_w..][..n_w]);
+            differ += usize::from(a.iter().zip(b).any(|(p, q)| p.to_bits() != q.to_bits()));
+        }
+        total += rows;
+    }
+    Some((differ, total))
+}
+
 /// Whether `k` (a `Q4_K` kernel) gives what ggml's CPU backend gives a lone row over
 /// *repacked* `Q4_K` weights, bit for bit ([`Kernel::dot_many_repacked`], reading the weights
-/// ggml repacked into its buffer), 1 to 9 rows at once; and
-/// whether ggml's own four-row product over them rounds otherwise (`differs`, for tests).
-/// `None` where this ggml does not repack `Q4_K` (no AVX2, or another architecture).
+/// ggml repacked into its buffer), 1 to 9 rows at once; and whether ggml's own nine-row product
+/// over them rounds otherwise (`differs`, for tests). `None` where this ggml does not repack
+/// `Q4_K` (no AVX2, or another architecture).
 pub fn repacked_agrees_with_ggml(k: &Kernel) -> Option<(bool, bool)> {
     use llama_cpp_sys_2 as sys;
     if k.kind() != Kind::Q4K || !k.has_repacked() {
         return None;
     }
-    let buft = repack_buft()?;
     let (n, n_w, m) = (768usize, 16usize, 9usize);
     let mut rng = leap_kernels::rng::XorShift::new(0x9E37_79B9_7F4A_7C15);
     let w = quantized(sys::GGML_TYPE_Q4_K, n, n_w, &mut rng).concat();
     let x: Vec<f32> = (0..n * m)
         .map(|i| rng.centered() * (1 + i % 3) as f32)
         .collect();
-    // SAFETY: a ggml context of tensor metadata, buffers allocated for its tensors, sizes
-    // from ggml; every pointer is used while its owner lives, and all are freed below.
-    unsafe {
-        sys::ggml_cpu_init();
-        let params = sys::ggml_init_params {
-            mem_size: sys::ggml_tensor_overhead() * 8 + sys::ggml_graph_overhead(),
-            mem_buffer: std::ptr::null_mut(),
-            no_alloc: true,
-        };
-        let wctx = sys::ggml_init(params);
-        let wt = sys::ggml_new_tensor_2d(wctx, sys::GGML_TYPE_Q4_K, n as i64, n_w as i64);
-        let wbuf = sys::ggml_backend_alloc_ctx_tensors_from_buft(wctx, buft);
-        let be = sys::ggml_backend_cpu_init();
-        let mut result = None;
-        if !wbuf.is_null() && !be.is_null() {
-            sys::ggml_backend_buffer_set_usage(wbuf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-            sys::ggml_backend_tensor_set(wt, w.as_ptr().cast(), 0, w.len());
-            // Repacked only where ggml has a kernel for it here (else the bytes are ggml's).
-            let raw = std::slice::from_raw_parts((*wt).data as *const u8, w.len());
-            // ggml's product of `rows` rows at once.
-            let product = |rows: usize| -> Vec<f32> {
-                let gctx = sys::ggml_init(params);
-                let xt = sys::ggml_new_tensor_2d(gctx, sys::GGML_TYPE_F32, n as i64, rows as i64);
-                let yt = sys::ggml_mul_mat(gctx, wt, xt);
-                let graph = sys::ggml_new_graph(gctx);
-                sys::ggml_build_forward_expand(graph, yt);
-                let buf = sys::ggml_backend_alloc_ctx_tensors(gctx, be);
-                let mut out = vec![0f32; n_w * rows];
-                let mut all = Vec::with_capacity(n_w * rows);
-                if rows == 1 {
-                    for r in 0..m {
-                        sys::ggml_backend_tensor_set(xt, x[r * n..].as_ptr().cast(), 0, n * 4);
-                        sys::ggml_backend_graph_compute(be, graph);
-                        sys::ggml_backend_tensor_get(yt, out.as_mut_ptr().cast(), 0, n_w * 4);
-                        all.extend_from_slice(&out);
-                    }
-                } else {
-                    sys::ggml_backend_tensor_set(xt, x.as_ptr().cast(), 0, n * rows * 4);
-                    sys::ggml_backend_graph_compute(be, graph);
-                    sys::ggml_backend_tensor_get(yt, out.as_mut_ptr().cast(), 0, n_w * rows * 4);
-                    all = out;
-                }
-                sys::ggml_backend_buffer_free(buf);
-                sys::ggml_free(gctx);
-                all
-            };
-            if raw != w.as_slice() {
-                let alone = product(1); // row r's n_w results at r * n_w
-                let batch = product(m);
-                let differs = batch != alone;
-                let from = (*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q8_K))
-                    .from_float
-                    .expect("Q8_K has a quantizer");
-                let acts: Vec<Vec<u8>> = (0..m)
-                    .map(|r| {
-                        let mut q = vec![0u8; sys::ggml_row_size(sys::GGML_TYPE_Q8_K, n as i64)];
-                        from(x[r * n..].as_ptr(), q.as_mut_ptr().cast(), n as i64);
-                        q
-                    })
-                    .collect();
-                let agrees = (1..=m).all(|rows| {
-                    let a: Vec<&[u8]> = acts[..rows].iter().map(Vec::as_slice).collect();
-                    let prepared = k.prepare(n, &a);
-                    let mut got = vec![f32::NAN; n_w * rows];
-                    k.dot_many_repacked(&prepared, raw, &mut got);
-                    (0..n_w).all(|i| {
-                        (0..rows)
-                            .all(|r| got[i * rows + r].to_bits() == alone[r * n_w + i].to_bits())
-                    })
-                });
-                result = Some((agrees, differs));
-            }
-        }
-        if !be.is_null() {
-            sys::ggml_backend_free(be);
-        }
-        if !wbuf.is_null() {
-            sys::ggml_backend_buffer_free(wbuf);
-        }
-        sys::ggml_free(wctx);
-        result
-    }
+    let r = Repacked::new(sys::GGML_TYPE_Q4_K, n, n_w, &w)?;
+    let alone = r.product(&x, 1);
+    let differs = r.product(&x, m) != alone;
+    // SAFETY: static traits table; each activation row is one Q8_K row of `n` values.
+    let acts: Vec<Vec<u8>> = unsafe {
+        let from = (*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q8_K))
+            .from_float
+            .expect("Q8_K has a quantizer");
+        x.chunks_exact(n)
+            .map(|row| {
+                let mut q = vec![0u8; sys::ggml_row_size(sys::GGML_TYPE_Q8_K, n as i64)];
+                from(row.as_ptr(), q.as_mut_ptr().cast(), n as i64);
+                q
+            })
+            .collect()
+    };
+    let agrees = (1..=m).all(|rows| {
+        let a: Vec<&[u8]> = acts[..rows].iter().map(Vec::as_slice).collect();
+        let prepared = k.prepare(n, &a);
+        let mut got = vec![f32::NAN; n_w * rows];
+        k.dot_many_repacked(&prepared, r.bytes(), &mut got);
+        (0..n_w).all(|i| {
+            (0..rows).all(|row| got[i * rows + row].to_bits() == alone[row * n_w + i].to_bits())
+        })
+    });
+    Some((agrees, differs))
 }
 
 /// [`checked`]'s `Q4_K` kernel if it also passed [`repacked_agrees_with_ggml`] (once per
@@ -366,5 +447,36 @@ mod tests {
             "ggml's batch rounded as its lone row: the check tells nothing"
         );
         assert!(super::checked_repacked().is_some());
+    }
+
+    /// Which repacked types ggml computes otherwise in batches than alone, on this CPU: rows of
+    /// 2- to 24-row batches whose results differ from the row alone, printed (`cargo test
+    /// --release -p leap-host --lib repacked_batches -- --nocapture`). `Q4_K`'s do wherever ggml
+    /// repacks it (the device takes those batches).
+    #[test]
+    fn which_repacked_batches_round_otherwise() {
+        use llama_cpp_sys_2 as sys;
+        let mut q4k = None;
+        for (name, ty) in [
+            ("q4_K", sys::GGML_TYPE_Q4_K),
+            ("q4_0", sys::GGML_TYPE_Q4_0),
+            ("iq4_nl", sys::GGML_TYPE_IQ4_NL),
+        ] {
+            match super::repacked_batch_rows_differing(ty, 1024, 512, 24) {
+                Some((d, t)) => {
+                    eprintln!("{name}: {d} of {t} batch rows differ from the row alone");
+                    if ty == sys::GGML_TYPE_Q4_K {
+                        q4k = Some(d);
+                    }
+                }
+                None => eprintln!("{name}: not repacked here"),
+            }
+        }
+        if let Some(d) = q4k {
+            assert!(
+                d > 0,
+                "ggml's repacked Q4_K batches rounded as its lone rows"
+            );
+        }
     }
 }
