@@ -191,7 +191,9 @@ impl Repacked {
                 n,
                 n_w,
             };
-            if buf.is_null() || backend.is_null() {
+            // ggml gave the tensor a repacked layout (its `extra`) only where it has kernels for
+            // the type on this CPU; setting data without one crashes inside ggml.
+            if buf.is_null() || backend.is_null() || (*w).extra.is_null() {
                 return None;
             }
             sys::ggml_backend_buffer_set_usage(buf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);

@@ -8,6 +8,7 @@ use crate::qdot::Kind;
 mod blocks;
 mod kquant;
 
+#[cfg(target_arch = "x86_64")]
 pub(crate) use kquant::scale_min_k4;
 
 /// Whose arithmetic: ggml's kernels for a given instruction set round differently.
