@@ -274,10 +274,29 @@ fn a_cancel_check_stops_prefill_and_the_session_goes_on() {
 }
 
 /// `forget` leaves nothing of earlier requests: the same request again is drafted as the first
-/// time (the history would otherwise draft most of it).
+/// time (the history would otherwise draft most of it). Drafts are the longest available, not
+/// sized by the controller: its latency profile is measured online, and on a loaded machine
+/// (CI, the other tests) a slow call made it draft less in the repeat than the first time.
 #[test]
 fn forget_leaves_nothing_of_earlier_requests() {
-    let rt = runtime(SMOLLM, Mode::Leap);
+    kernels();
+    let options = Options {
+        threads: threads(),
+        n_ctx: 1024,
+        mode: Mode::Leap,
+        ..Options::default()
+    };
+    let rt = Runtime::open(
+        &model_path(SMOLLM),
+        &Options {
+            engine: leap_spec::engine::EngineConfig {
+                adaptive: false,
+                ..options.engine
+            },
+            ..options
+        },
+    )
+    .expect("runtime opens");
     let mut s = rt.session().unwrap();
     let prompt: Vec<Token> = rt.model().tokenize(PROMPTS[0], true, false).unwrap();
     let first = s.generate(&prompt, &greedy(48), &mut |_| true).unwrap();
@@ -287,6 +306,10 @@ fn forget_leaves_nothing_of_earlier_requests() {
     let forgotten = s.generate(&prompt, &greedy(48), &mut |_| true).unwrap();
     assert_eq!(kept.tokens, first.tokens);
     assert_eq!(forgotten.tokens, first.tokens);
+    eprintln!(
+        "calls: first {}, kept {}, forgotten {}",
+        first.target_calls, kept.target_calls, forgotten.target_calls
+    );
     assert!(
         kept.target_calls * 2 < first.target_calls,
         "with its history the repeat takes {} calls, the first {}",
