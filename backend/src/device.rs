@@ -19,7 +19,7 @@
 //! early exit's mask, capture, ablation) is the context's own too.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::attn::{self, Ablation, Captured, Sparse, Stats};
@@ -85,6 +85,69 @@ pub(crate) struct ExitMask {
     pub keep: Vec<bool>,
 }
 
+/// What kind of work a node the device computed was, for [`Device::start_timing`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpClass {
+    /// Matrix products over quantized weights.
+    Weights,
+    /// Attention's f16 products over the KV cache (`kq`, `kqv`).
+    Attention,
+    /// Flash attention (dense, lone-row or sparse).
+    FlashAttention,
+    /// Attention's softmax.
+    Softmax,
+    /// Gated linear units.
+    Glu,
+    /// Writes into the KV cache (`SET_ROWS`).
+    CacheWrites,
+}
+
+impl OpClass {
+    /// Every class, in [`OpTimes`]'s order.
+    pub const ALL: [OpClass; 6] = [
+        OpClass::Weights,
+        OpClass::Attention,
+        OpClass::FlashAttention,
+        OpClass::Softmax,
+        OpClass::Glu,
+        OpClass::CacheWrites,
+    ];
+
+    /// A short name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpClass::Weights => "weights",
+            OpClass::Attention => "attention",
+            OpClass::FlashAttention => "flash attn",
+            OpClass::Softmax => "softmax",
+            OpClass::Glu => "glu",
+            OpClass::CacheWrites => "cache writes",
+        }
+    }
+}
+
+/// Wall time the device spent on each [`OpClass`] of nodes, and how many nodes, since
+/// [`Device::start_timing`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OpTimes {
+    /// Seconds per class, in [`OpClass::ALL`]'s order.
+    pub seconds: [f64; 6],
+    /// Nodes per class.
+    pub nodes: [u64; 6],
+}
+
+impl OpTimes {
+    /// Seconds of `class`.
+    pub fn of(&self, class: OpClass) -> f64 {
+        self.seconds[class as usize]
+    }
+
+    /// Seconds of every class together.
+    pub fn total(&self) -> f64 {
+        self.seconds.iter().sum()
+    }
+}
+
 /// One context's device state, shared by its backends (`leap-cpu` and, with OpenCL,
 /// `leap-opencl`) and by the host's [`Device`] handle.
 #[derive(Debug, Default)]
@@ -102,6 +165,9 @@ pub(crate) struct Instance {
     /// Flash-attention nodes copied while capturing ([`Device::start_capture`]).
     capture: Mutex<Option<Vec<Captured>>>,
     stats: Mutex<Stats>,
+    /// Whether nodes are timed ([`Device::start_timing`]); read once per graph.
+    timing: AtomicBool,
+    times: Mutex<OpTimes>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -164,6 +230,20 @@ impl Instance {
 
     pub fn add_stats(&self, st: &Stats) {
         lock(&self.stats).add(st);
+    }
+
+    /// Whether the device times its nodes ([`Device::start_timing`]).
+    pub fn timing(&self) -> bool {
+        self.timing.load(Ordering::Relaxed)
+    }
+
+    /// A graph's node times, added to the context's.
+    pub fn add_times(&self, t: &OpTimes) {
+        let mut all = lock(&self.times);
+        for i in 0..t.seconds.len() {
+            all.seconds[i] += t.seconds[i];
+            all.nodes[i] += t.nodes[i];
+        }
     }
 }
 
@@ -327,6 +407,19 @@ impl Device {
     /// Stop capturing; the nodes captured since [`Device::start_capture`].
     pub fn take_capture(&self) -> Vec<Captured> {
         lock(&self.0.capture).take().unwrap_or_default()
+    }
+
+    /// Time every node the device computes from now on, by [`OpClass`] (a clock read per
+    /// node; off by default), from zero.
+    pub fn start_timing(&self) {
+        *lock(&self.0.times) = OpTimes::default();
+        self.0.timing.store(true, Ordering::Relaxed);
+    }
+
+    /// Stop timing; the times since [`Device::start_timing`].
+    pub fn take_timing(&self) -> OpTimes {
+        self.0.timing.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *lock(&self.0.times))
     }
 }
 

@@ -60,7 +60,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
 use device::Instance;
-pub use device::{defaults, use_by_default, Device, DeviceConfig};
+pub use device::{defaults, use_by_default, Device, DeviceConfig, OpClass, OpTimes};
 use ffi as g;
 
 // The interface this code fills in (struct layouts of `ggml-backend-impl.h`): bindgen reads
@@ -565,51 +565,55 @@ unsafe extern "C" fn backend_graph_compute(
 ) -> g::ggml_status {
     let inst = backend_inst(b);
     let threads = inst.threads.load(Ordering::Relaxed).max(1);
-    guard("graph_compute", g::GGML_STATUS_FAILED, || {
+    let timing = inst.timing();
+    let mut times = device::OpTimes::default();
+    let status = guard("graph_compute", g::GGML_STATUS_FAILED, || {
         for i in 0..g::ggml_graph_n_nodes(cgraph) {
             let node = &mut *g::ggml_graph_node(cgraph, i);
-            // Batch rows an early exit skipped (matrix products only).
-            let skipped = match node.op {
+            let started = timing.then(std::time::Instant::now);
+            // The kind of work, and the batch rows an early exit skipped (matrix products
+            // only).
+            let (class, skipped) = match node.op {
                 g::GGML_OP_NONE
                 | g::GGML_OP_VIEW
                 | g::GGML_OP_RESHAPE
                 | g::GGML_OP_PERMUTE
                 | g::GGML_OP_TRANSPOSE => continue,
                 g::GGML_OP_MUL_MAT if matmul::supports(node, true) => {
-                    matmul::compute(node, threads, inst)
+                    (OpClass::Weights, matmul::compute(node, threads, inst))
                 }
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_MUL_MAT if kqmm::supports(node) => {
                     kqmm::compute(node, threads);
-                    0
+                    (OpClass::Attention, 0)
                 }
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_GLU => {
                     glu::compute(node, threads);
-                    0
+                    (OpClass::Glu, 0)
                 }
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_SOFT_MAX => {
                     softmax::compute(node, threads);
-                    0
+                    (OpClass::Softmax, 0)
                 }
                 g::GGML_OP_FLASH_ATTN_EXT
                     if lone::supports(node, inst.config(), inst.capturing()) =>
                 {
                     lone::compute(node, threads);
-                    0
+                    (OpClass::FlashAttention, 0)
                 }
                 g::GGML_OP_FLASH_ATTN_EXT => {
                     attn::flash_attn(node, threads, inst);
-                    0
+                    (OpClass::FlashAttention, 0)
                 }
                 g::GGML_OP_SET_ROWS if attn::supports_set_rows(node, inst.config()) => {
                     attn::set_rows(node);
-                    0
+                    (OpClass::CacheWrites, 0)
                 }
                 g::GGML_OP_SET_ROWS => {
                     rows::compute(node);
-                    0
+                    (OpClass::CacheWrites, 0)
                 }
                 _ => {
                     log::error!("leap-cpu: asked to compute a node it does not support");
@@ -617,9 +621,17 @@ unsafe extern "C" fn backend_graph_compute(
                 }
             };
             inst.counted(skipped);
+            if let Some(t) = started {
+                times.seconds[class as usize] += t.elapsed().as_secs_f64();
+                times.nodes[class as usize] += 1;
+            }
         }
         g::GGML_STATUS_SUCCESS
-    })
+    });
+    if timing {
+        inst.add_times(&times);
+    }
+    status
 }
 
 /// A backend for a new llama.cpp context: with its own device object, and the state of the

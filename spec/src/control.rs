@@ -473,6 +473,37 @@ pub fn median(xs: &mut [f64]) -> f64 {
     }
 }
 
+/// One target call of `k` rows after `context` (which sequence 0 of `ctx` holds), rolled
+/// back: its seconds. `all`: every row's logits (else the last row's); `cut`: the decode stops
+/// at the hidden states (an armed on-demand projection), so there are no logits to read.
+/// `batch` holds at least `k` tokens.
+///
+/// # Errors
+/// Decode failures.
+pub fn timed_call(
+    ctx: &mut leap_host::Context,
+    batch: &mut leap_host::Batch,
+    context: &[crate::sam::Token],
+    k: usize,
+    all: bool,
+    cut: bool,
+) -> leap_host::Result<f64> {
+    let pos0 = context.len() as i32;
+    batch.clear();
+    for i in 0..k {
+        let t = context[(i * 7919) % context.len()];
+        batch.add(t, pos0 + i as i32, &[0], all || i + 1 == k)?;
+    }
+    let t0 = std::time::Instant::now();
+    ctx.decode(batch)?;
+    if !cut {
+        ctx.logits(-1)?;
+    }
+    let s = t0.elapsed().as_secs_f64();
+    ctx.seq_rm(0, pos0, -1);
+    Ok(s)
+}
+
 /// Measure what a target call of `k` rows costs on this machine, for each `k` in `rows`,
 /// after `context` tokens are in the KV cache (sequence 0 of an empty context), on the `paths`
 /// asked for. Each call is rolled back, so every measurement sees the same cache.
@@ -494,27 +525,11 @@ pub fn measure_cost_curve(
 ) -> leap_host::Result<Vec<CostPoint>> {
     ctx.clear(false);
     crate::plain::prefill(ctx, context, 512)?;
-    let pos0 = context.len() as i32;
     let max_rows = rows.iter().copied().max().unwrap_or(1);
     let mut batch = leap_host::Batch::new(max_rows, 1);
-    // One call of `k` rows, rolled back; `cut`: the decode stops at the hidden states (no
-    // logits to read).
-    let mut once =
-        |ctx: &mut leap_host::Context, k: usize, all: bool, cut: bool| -> leap_host::Result<f64> {
-            batch.clear();
-            for i in 0..k {
-                let t = context[(i * 7919) % context.len()];
-                batch.add(t, pos0 + i as i32, &[0], all || i + 1 == k)?;
-            }
-            let t0 = std::time::Instant::now();
-            ctx.decode(&batch)?;
-            if !cut {
-                ctx.logits(-1)?;
-            }
-            let s = t0.elapsed().as_secs_f64();
-            ctx.seq_rm(0, pos0, -1);
-            Ok(s)
-        };
+    let mut once = |ctx: &mut leap_host::Context, k: usize, all: bool, cut: bool| {
+        timed_call(ctx, &mut batch, context, k, all, cut)
+    };
     // The engine's path without an on-demand projection is the call with every row's logits.
     let cut_od = od.filter(|_| paths.engine);
     let all = paths.llama || (paths.engine && od.is_none());

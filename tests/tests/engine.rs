@@ -475,3 +475,44 @@ fn the_self_drafting_choice_is_the_model_s_weights() {
         shares[1]
     );
 }
+
+/// The device times its nodes by kind only while asked (`leap profile --ops`): a 4-row call
+/// on SmolLM2 counts its 30 layers' seven weight products and two attention products, with
+/// time on them; a call after `take_timing` adds nothing.
+#[test]
+fn the_device_times_its_nodes_by_kind_while_asked() {
+    use leap_backend::OpClass;
+    #[cfg(target_arch = "x86_64")]
+    if !std::arch::is_x86_feature_detected!("avx2") {
+        eprintln!("the device's kernels need AVX2 here");
+        return;
+    }
+    let m = model(SMOLLM);
+    let device = leap_backend::Device::new(leap_backend::DeviceConfig::default());
+    let mut ctx = device.bind(|| context(SMOLLM, 256, 1));
+    let toks = m.tokenize(PROMPTS[0], true, false).unwrap();
+    let mut batch = leap_host::Batch::new(4, 1);
+    let mut call = |ctx: &mut Context, at: i32| {
+        batch.clear();
+        for (i, &t) in toks[..4].iter().enumerate() {
+            batch.add(t, at + i as i32, &[0], true).unwrap();
+        }
+        ctx.decode(&batch).unwrap();
+    };
+    call(&mut ctx, 0);
+    device.start_timing();
+    call(&mut ctx, 4);
+    let t = device.take_timing();
+    call(&mut ctx, 8);
+    assert_eq!(
+        device.take_timing(),
+        Default::default(),
+        "nothing after take"
+    );
+    let nodes = |c: OpClass| t.nodes[c as usize];
+    assert_eq!(nodes(OpClass::Weights), 30 * 7, "{t:?}");
+    assert_eq!(nodes(OpClass::Attention), 30 * 2, "{t:?}");
+    assert_eq!(nodes(OpClass::FlashAttention), 0, "{t:?}");
+    assert!(t.of(OpClass::Weights) > 0.0 && t.of(OpClass::Attention) > 0.0);
+    assert!(t.total() >= t.of(OpClass::Weights) + t.of(OpClass::Attention));
+}

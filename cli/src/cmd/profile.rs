@@ -30,6 +30,13 @@ pub struct ProfileArgs {
     /// the time of both.
     #[arg(long, value_delimiter = ',', default_value = "llama,engine", value_parser = ["llama", "engine"])]
     paths: Vec<String>,
+    /// Also show where each call's time goes: the time Leap's device spent on each kind of
+    /// node (weight products, attention, ...), and the rest of the call (ggml's CPU backend
+    /// and llama.cpp), as means over `--reps` calls of each row count, on the engine's path
+    /// when it is timed (else llama.cpp's, every row's logits). The per-kind figures are
+    /// wall time: a node's threads wait for each other inside it.
+    #[arg(long)]
+    ops: bool,
     #[command(flatten)]
     runtime: RuntimeArgs,
 }
@@ -130,5 +137,95 @@ pub fn profile(a: ProfileArgs) -> Result<()> {
              the last column, hidden only + project all against one row's)"
         )?;
     }
+    if a.ops {
+        drop(out);
+        ops(
+            &device,
+            &mut ctx,
+            od.as_ref().filter(|_| paths.engine),
+            &tokens,
+            &a,
+        )?;
+    }
+    Ok(())
+}
+
+/// `--ops`: per row count, the device's time per kind of node and the rest of the call.
+fn ops(
+    device: &leap_backend::Device,
+    ctx: &mut leap_host::Context,
+    od: Option<&leap_host::project::OnDemand>,
+    context: &[leap_host::Token],
+    a: &ProfileArgs,
+) -> Result<()> {
+    use leap_backend::OpClass;
+    let max_rows = a.rows.iter().copied().max().unwrap_or(1);
+    let mut batch = leap_host::Batch::new(max_rows, 1);
+    let reps = a.reps.max(1);
+    // Per row count: the mean call and the device's times per call.
+    let mut per = Vec::with_capacity(a.rows.len());
+    for &k in &a.rows {
+        let mut call = 0.0;
+        device.start_timing();
+        for _ in 0..reps {
+            call += match od {
+                Some(od) => {
+                    od.arm(true);
+                    let t = leap_spec::control::timed_call(ctx, &mut batch, context, k, true, true);
+                    od.disarm();
+                    let t = t?;
+                    od.take_hidden()?;
+                    t
+                }
+                None => leap_spec::control::timed_call(ctx, &mut batch, context, k, true, false)?,
+            };
+        }
+        let times = device.take_timing();
+        per.push((k, call / reps as f64, times));
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "where a call's time goes ({}, ms per call, means over {reps} calls):",
+        if od.is_some() {
+            "the engine's path, cut before the output projection"
+        } else {
+            "llama.cpp's call with every row's logits"
+        }
+    )?;
+    write!(out, "{:>5} {:>9}", "rows", "call")?;
+    for c in OpClass::ALL {
+        write!(out, " {:>12}", c.name())?;
+    }
+    writeln!(out, " {:>12}", "rest")?;
+    let row = |out: &mut std::io::StdoutLock<'_>, label: &str, call: f64, t: &[f64]| {
+        write!(out, "{label:>5} {:>9.3}", call * 1e3)?;
+        for x in t {
+            write!(out, " {:>12.3}", x * 1e3)?;
+        }
+        writeln!(out, " {:>12.3}", (call - t.iter().sum::<f64>()) * 1e3)
+    };
+    let reps_f = reps as f64;
+    for (k, call, times) in &per {
+        let t: Vec<f64> = OpClass::ALL.iter().map(|&c| times.of(c) / reps_f).collect();
+        row(&mut out, &k.to_string(), *call, &t)?;
+    }
+    // What each row past the first adds, at the largest row count.
+    if let (Some((1, c1, t1)), Some((k, ck, tk))) = (per.iter().find(|p| p.0 == 1), per.last()) {
+        if *k > 1 {
+            let d = (*k - 1) as f64;
+            let t: Vec<f64> = OpClass::ALL
+                .iter()
+                .map(|&c| (tk.of(c) - t1.of(c)) / reps_f / d)
+                .collect();
+            row(&mut out, "+row", (ck - c1) / d, &t)?;
+        }
+    }
+    writeln!(
+        out,
+        "kinds: Leap's device's nodes by kind (wall time, its threads included); rest: the call's \
+         other time (ggml's CPU backend's nodes, llama.cpp's own work); +row: what each row \
+         past the first added, from one row to the largest row count"
+    )?;
     Ok(())
 }
