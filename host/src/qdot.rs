@@ -463,6 +463,8 @@ mod tests {
             ("q4_K", sys::GGML_TYPE_Q4_K),
             ("q4_0", sys::GGML_TYPE_Q4_0),
             ("iq4_nl", sys::GGML_TYPE_IQ4_NL),
+            ("q2_K", sys::GGML_TYPE_Q2_K),
+            ("q8_0", sys::GGML_TYPE_Q8_0),
         ] {
             match super::repacked_batch_rows_differing(ty, 1024, 512, 24) {
                 Some((d, t)) => {
