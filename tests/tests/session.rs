@@ -175,14 +175,18 @@ fn a_missing_model_is_a_model_error() {
 /// Sampled decoding: Leap's engine gives the tokens plain sampling gives with the same seed
 /// (each position's token drawn with the uniform of (seed, position)), and so does a session
 /// whose drafting history differs (the same request again, its answer now in the history).
+/// The call counts come from drafts of fixed sizes; the default engine, whose controller sizes
+/// them from timings, gives the same tokens too.
 fn a_seed_gives_plain_sampling_s_tokens(name: &str) {
     let leap = fixed_drafts(name);
+    let adaptive = runtime(name, Mode::Leap);
     let plain = runtime(name, Mode::Plain);
     let prompt: Vec<Token> = leap
         .model()
         .tokenize(leap_tests::SAMPLED_PROMPT, true, false)
         .unwrap();
     let mut s = leap.session().unwrap();
+    let mut a = adaptive.session().unwrap();
     let mut p = plain.session().unwrap();
     let mut differ = 0;
     for seed in 1..=4 {
@@ -197,6 +201,8 @@ fn a_seed_gives_plain_sampling_s_tokens(name: &str) {
         let first = s.generate(&prompt, &req, &mut |_| true).unwrap();
         let again = s.generate(&prompt, &req, &mut |_| true).unwrap();
         assert_eq!(first.tokens, want, "{name} seed {seed}: leap against plain");
+        let sized = a.generate(&prompt, &req, &mut |_| true).unwrap();
+        assert_eq!(sized.tokens, want, "{name} seed {seed}: the default engine");
         assert_eq!(
             again.tokens, want,
             "{name} seed {seed}: again, with its history"
