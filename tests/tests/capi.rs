@@ -84,6 +84,15 @@ impl Run {
     }
 }
 
+/// The tests that decode run one at a time: each decodes with an OpenMP team of a thread per
+/// core (in this process or an example's), and two teams at once on two cores spun against
+/// each other: the file took 105-262 s where it takes 6-8 s one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn run(exe: &Path, mode: &str, max_tokens: u32, cancel_after: Option<u32>) -> Run {
     let mut cmd = Command::new(exe);
     cmd.arg(model_path(SMOLLM))
@@ -115,6 +124,7 @@ fn run(exe: &Path, mode: &str, max_tokens: u32, cancel_after: Option<u32>) -> Ru
 
 #[test]
 fn the_c_example_generates_through_libleap() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let exe = example(dir.path());
 
@@ -200,6 +210,7 @@ fn the_c_example_generates_through_libleap() {
 /// the build tree) with the build tree's text.
 #[test]
 fn an_app_builds_against_the_installed_tree_with_pkg_config() {
+    let _serial = serial();
     libleap();
     let dir = tempfile::tempdir().unwrap();
     let prefix = dir.path().join("prefix");
@@ -314,6 +325,7 @@ fn a_progress_callback_can_stop_the_load() {
 /// session generates again afterwards.
 #[test]
 fn a_cancel_from_another_thread_stops_prompt_processing() {
+    let _serial = serial();
     use leap::*;
     use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -447,6 +459,7 @@ fn last_error() -> String {
 /// message, never undefined behaviour.
 #[test]
 fn misuse_is_an_error_not_undefined_behaviour() {
+    let _serial = serial();
     use leap::*;
 
     let path = std::ffi::CString::new(model_path(SMOLLM).to_str().unwrap()).unwrap();
@@ -557,6 +570,7 @@ fn misuse_is_an_error_not_undefined_behaviour() {
 /// does not reach the second. Both give the same greedy text (the device's rows are ggml's).
 #[test]
 fn two_models_with_different_device_settings_keep_their_own() {
+    let _serial = serial();
     use leap::*;
 
     let path = std::ffi::CString::new(model_path(SMOLLM).to_str().unwrap()).unwrap();
