@@ -11,6 +11,14 @@ pub const GEMMA: &str = "gemma3-270m";
 /// SmolLM2-135M-Instruct Q4_1.
 pub const SMOLLM: &str = "smollm2-135m";
 
+/// Holds the lock that makes the tests taking it in one test binary run one at a time (each
+/// binary its own lock; a test that panicked does not poison it for the others). The callers
+/// say why they need it.
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: Mutex<()> = Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `../shared/workloads/dev-longtext.txt` (a long real document) tokenized for `m`, for the
 /// diagnostics in `examples/`.
 pub fn longtext_tokens(m: &Model) -> Vec<leap_host::Token> {

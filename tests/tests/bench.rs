@@ -40,13 +40,9 @@ fn workload(max_tokens: usize) -> tempfile::NamedTempFile {
     f
 }
 
-/// The tests here run one at a time: the flash test measures the model file's residency,
-/// which another test decoding the same model in this process would fill.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
+// The tests here run one at a time: the flash test measures the model file's residency,
+// which another test decoding the same model in this process would fill.
+use leap_tests::one_at_a_time as serial;
 
 fn config(model: &str, workload: PathBuf, modes: &[&str]) -> BenchConfig {
     BenchConfig {

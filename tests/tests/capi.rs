@@ -84,14 +84,10 @@ impl Run {
     }
 }
 
-/// The tests that decode run one at a time: each decodes with an OpenMP team of a thread per
-/// core (in this process or an example's), and two teams at once on two cores spun against
-/// each other: the file took 105-262 s where it takes 6-8 s one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
+// The tests that decode run one at a time: each decodes with an OpenMP team of a thread per
+// core (in this process or an example's), and two teams at once on two cores spun against
+// each other: the file took 105-262 s where it takes 5-6 s one at a time.
+use leap_tests::one_at_a_time as serial;
 
 fn run(exe: &Path, mode: &str, max_tokens: u32, cancel_after: Option<u32>) -> Run {
     let mut cmd = Command::new(exe);

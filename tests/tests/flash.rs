@@ -36,13 +36,9 @@ fn the_layer_map_covers_every_tensor_once() {
     assert_eq!(map.per_call().len(), 20);
 }
 
-/// Tests that read the real model file (copying it fills its page cache) run one at a time:
-/// the streaming test measures that file's residency.
-static REAL_FILE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    REAL_FILE.lock().unwrap_or_else(|e| e.into_inner())
-}
+// Tests that read the real model file (copying it fills its page cache) run one at a time:
+// the streaming test measures that file's residency.
+use leap_tests::one_at_a_time as serial;
 
 #[test]
 fn plans_respect_the_budget() {
