@@ -7,18 +7,18 @@ use leap_host::Token;
 use leap_spec::session::{Error, Mode, Options, Request, Runtime};
 use leap_tests::{kernels, model_path, threads, GEMMA, NOTES, PROMPTS, SMOLLM};
 
+fn options(mode: Mode) -> Options {
+    Options {
+        threads: threads(),
+        n_ctx: 1024,
+        mode,
+        ..Options::default()
+    }
+}
+
 fn runtime(name: &str, mode: Mode) -> Runtime {
     kernels();
-    Runtime::open(
-        &model_path(name),
-        &Options {
-            threads: threads(),
-            n_ctx: 1024,
-            mode,
-            ..Options::default()
-        },
-    )
-    .expect("runtime opens")
+    Runtime::open(&model_path(name), &options(mode)).expect("runtime opens")
 }
 
 /// Leap's engine drafting the longest proposal available, not what the controller sizes: its
@@ -26,12 +26,7 @@ fn runtime(name: &str, mode: Mode) -> Runtime {
 /// slow call can make it draft less. For the tests that count calls.
 fn fixed_drafts(name: &str) -> Runtime {
     kernels();
-    let options = Options {
-        threads: threads(),
-        n_ctx: 1024,
-        mode: Mode::Leap,
-        ..Options::default()
-    };
+    let options = options(Mode::Leap);
     let engine = leap_spec::engine::EngineConfig {
         adaptive: false,
         ..options.engine
