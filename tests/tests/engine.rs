@@ -477,8 +477,8 @@ fn the_self_drafting_choice_is_the_model_s_weights() {
 }
 
 /// The device times its nodes by kind only while asked (`leap profile --ops`): a 4-row call
-/// on SmolLM2 counts its 30 layers' seven weight products and two attention products, with
-/// time on them; a call after `take_timing` adds nothing.
+/// on SmolLM2 counts its 30 layers' seven weight products, two attention products, softmax and
+/// two cache writes, with time on each kind that ran; a call after `take_timing` adds nothing.
 #[test]
 fn the_device_times_its_nodes_by_kind_while_asked() {
     use leap_backend::OpClass;
@@ -513,6 +513,11 @@ fn the_device_times_its_nodes_by_kind_while_asked() {
     assert_eq!(nodes(OpClass::Weights), 30 * 7, "{t:?}");
     assert_eq!(nodes(OpClass::Attention), 30 * 2, "{t:?}");
     assert_eq!(nodes(OpClass::FlashAttention), 0, "{t:?}");
-    assert!(t.of(OpClass::Weights) > 0.0 && t.of(OpClass::Attention) > 0.0);
-    assert!(t.total() >= t.of(OpClass::Weights) + t.of(OpClass::Attention));
+    // A softmax a layer, and the layer's keys and values written into the cache.
+    assert_eq!(nodes(OpClass::Softmax), 30, "{t:?}");
+    assert_eq!(nodes(OpClass::CacheWrites), 30 * 2, "{t:?}");
+    // Every kind that computed nodes took time, and only those.
+    for c in OpClass::ALL {
+        assert_eq!(t.of(c) > 0.0, nodes(c) > 0, "{c:?}: {t:?}");
+    }
 }
