@@ -103,8 +103,11 @@ pub enum OpClass {
 }
 
 impl OpClass {
+    /// How many classes there are.
+    pub const COUNT: usize = 6;
+
     /// Every class, in [`OpTimes`]'s order.
-    pub const ALL: [OpClass; 6] = [
+    pub const ALL: [OpClass; OpClass::COUNT] = [
         OpClass::Weights,
         OpClass::Attention,
         OpClass::FlashAttention,
@@ -131,9 +134,9 @@ impl OpClass {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct OpTimes {
     /// Seconds per class, in [`OpClass::ALL`]'s order.
-    pub seconds: [f64; 6],
+    pub seconds: [f64; OpClass::COUNT],
     /// Nodes per class.
-    pub nodes: [u64; 6],
+    pub nodes: [u64; OpClass::COUNT],
 }
 
 impl OpTimes {
@@ -142,9 +145,18 @@ impl OpTimes {
         self.seconds[class as usize]
     }
 
-    /// Seconds of every class together.
-    pub fn total(&self) -> f64 {
-        self.seconds.iter().sum()
+    /// A node of `class` that took `seconds`.
+    pub(crate) fn add(&mut self, class: OpClass, seconds: f64) {
+        self.seconds[class as usize] += seconds;
+        self.nodes[class as usize] += 1;
+    }
+
+    /// `other`'s nodes and times added to these.
+    fn add_all(&mut self, other: &OpTimes) {
+        for c in OpClass::ALL {
+            self.seconds[c as usize] += other.seconds[c as usize];
+            self.nodes[c as usize] += other.nodes[c as usize];
+        }
     }
 }
 
@@ -239,11 +251,7 @@ impl Instance {
 
     /// A graph's node times, added to the context's.
     pub fn add_times(&self, t: &OpTimes) {
-        let mut all = lock(&self.times);
-        for i in 0..t.seconds.len() {
-            all.seconds[i] += t.seconds[i];
-            all.nodes[i] += t.nodes[i];
-        }
+        lock(&self.times).add_all(t);
     }
 }
 

@@ -622,8 +622,7 @@ unsafe extern "C" fn backend_graph_compute(
             };
             inst.counted(skipped);
             if let Some(t) = started {
-                times.seconds[class as usize] += t.elapsed().as_secs_f64();
-                times.nodes[class as usize] += 1;
+                times.add(class, t.elapsed().as_secs_f64());
             }
         }
         g::GGML_STATUS_SUCCESS
