@@ -25,8 +25,8 @@ fn kind_of(t: g::ggml_type) -> Option<Kind> {
 /// Batch rows the device takes over repacked `Q4_K` weights. ggml computes one to three rows
 /// each as a lone row (`ggml_gemv_q4_K_8x8_q8_K`), but four and more in blocks of four by
 /// another product that rounds otherwise (264 of 299 rows of 2- to 24-row batches differed
-/// from the row alone: `leap_host`'s test `which_repacked_batches_round_otherwise`); from 64 rows (prefill's batches) ggml's product stays, the same
-/// in every mode.
+/// from the row alone: `leap_host`'s test `which_repacked_batches_round_otherwise`); from 64
+/// rows (prefill's batches) ggml's product stays, the same in every mode.
 const REPACKED_ROWS: std::ops::RangeInclusive<i64> = 4..=63;
 
 /// Whether `t`'s data sits in a repacked-weights buffer (ggml's interleaved layout).
