@@ -273,8 +273,9 @@ impl Drop for Repacked {
 /// Random weights of `ty` (`n_w` rows of `n`) repacked by ggml, and ggml's products over them
 /// of `m` random rows computed alone and `rows` at a time, for `rows` in `2..=m`: how many of
 /// those batches' rows differ from the row alone (bit for bit), and of how many. `None` where
-/// this ggml does not repack `ty`.
-pub fn repacked_batch_rows_differing(
+/// this ggml does not repack `ty`. Only the test that prints these figures asks.
+#[cfg(test)]
+fn repacked_batch_rows_differing(
     ty: llama_cpp_sys_2::ggml_type,
     n: usize,
     n_w: usize,
