@@ -83,6 +83,11 @@ thread_local! {
     };
 }
 
+/// Query rows from which a chunk of 64-value rows goes to [`kq::lanes`]' kernel: it lays
+/// the rows out once per node and fills registers of sixteen query rows, so a lone row's three
+/// (SmolLM2) would leave most lanes empty; an 8-row verification's 24 fill one and a half.
+const LANES_ROWS: usize = 8;
+
 /// Query rows per chunk: a prefill's softmax rows are cut into runs this long, each computed
 /// over the span its own rows need.
 const CHUNK: usize = 16;
@@ -287,13 +292,30 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
     let tasks = ne01.div_ceil(block);
     let (dst, dst_nb1, dst_nb2) = (Ptr(node.data.cast()), node.nb[1], node.nb[2]);
     let dots = kq::kernels()[0];
+    // Chunks of 64-value rows met by enough query rows (SmolLM2's keys in a verification) go
+    // to the query-lanes kernel, their query rows laid out for it once here.
+    let lanes: Vec<Option<(kq::Lanes, Vec<f32>)>> = chunks
+        .iter()
+        .map(|c| {
+            let lanes = kq::lanes().filter(|_| c.e - c.s == kq::LANES_N && c.len >= LANES_ROWS)?;
+            let mut qt = Vec::new();
+            kq::lanes_queries(&q[c.off..c.off + c.len * kq::LANES_N], c.len, &mut qt);
+            Some((lanes, qt))
+        })
+        .collect();
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
     let work = |b: usize, sums: &mut Vec<f32>| {
         let (r0, r1) = (b * block, ((b + 1) * block).min(ne01));
-        for c in &chunks {
+        for (c, lanes) in chunks.iter().zip(&lanes) {
             sums.resize((r1 - r0) * c.len, 0.0);
             let sums = &mut sums[..(r1 - r0) * c.len];
-            chunk_dots(dots, x0.at(c.i02 * nb02 + r0 * nb01), nb01, c, q, sums);
+            let x = x0.at(c.i02 * nb02 + r0 * nb01);
+            match lanes {
+                // SAFETY: the CPU runs it (`kq::lanes`); rows r0..r1 of matrix i02, 64 values
+                // from the span's start; `qt` made for the chunk's rows.
+                Some((lanes, qt)) => lanes(x.add(c.s * 2), nb01, r1 - r0, qt, c.len, sums),
+                None => chunk_dots(dots, x, nb01, c, q, sums),
+            }
             // Each output row's run r0..r1 in address order, eight rows at a time (stores
             // scattered over every row went 4 KB apart on Gemma's 1024 cells and stalled).
             // SAFETY: elements (r0..r1, i11, i12) of dst; tasks write disjoint elements.
@@ -363,10 +385,11 @@ pub fn agrees_with_ggml() -> bool {
         return false;
     };
     let mut rnd = crate::check_values(0x9E37_79B9_7F4A_7C15u64);
-    // Three cache rows: the wide kernel takes them as a pair and a single.
-    const ROWS: usize = 3;
     for n in [7usize, 64, 256, 1000, 1024, 1057] {
-        let x: Vec<u16> = (0..ROWS * n)
+        // Three cache rows: the wide kernel takes them as a pair and a single; for 64-value
+        // rows 35, two groups of sixteen for the kernel that puts cache rows in lanes.
+        let rows = if n == 64 { 35 } else { 3 };
+        let x: Vec<u16> = (0..rows * n)
             .map(|i| crate::f16::from_f32(rnd(1.0 + (i % 7) as f32)))
             .collect();
         let raw: Vec<f32> = (0..33 * n)
@@ -387,13 +410,29 @@ pub fn agrees_with_ggml() -> bool {
         }
         // Query rows past the wide kernel's groups of four and six too: the groups of an
         // 8-row call's 24 (SmolLM2) and 32 (Gemma) query rows a cache row, and a lone last one.
+        // The query-lanes kernel for 64-value rows, in every query count (one or two
+        // registers, full or not), the device's from `LANES_ROWS`.
         for m in (1..=9).chain([16, 17, 24, 32, 33]) {
-            for dots in kq::kernels() {
-                let mut got = vec![0f32; ROWS * m];
-                // SAFETY: the CPU runs the kernels; ROWS rows of n f16 at x.
-                unsafe { dots(x.as_ptr().cast(), 2 * n, ROWS, &qs[..m * n], n, &mut got) };
+            let mut results: Vec<Vec<f32>> = kq::kernels()
+                .iter()
+                .map(|dots| {
+                    let mut got = vec![0f32; rows * m];
+                    // SAFETY: the CPU runs the kernels; `rows` rows of n f16 at x.
+                    unsafe { dots(x.as_ptr().cast(), 2 * n, rows, &qs[..m * n], n, &mut got) };
+                    got
+                })
+                .collect();
+            if let Some(lanes) = kq::lanes().filter(|_| n == kq::LANES_N) {
+                let mut qt = Vec::new();
+                kq::lanes_queries(&qs[..m * n], m, &mut qt);
+                let mut got = vec![0f32; rows * m];
+                // SAFETY: the CPU runs it; `rows` rows of 64 f16 at x; qt made for m rows.
+                unsafe { lanes(x.as_ptr().cast(), 2 * n, rows, &qt, m, &mut got) };
+                results.push(got);
+            }
+            for got in results {
                 for k in 0..m {
-                    for r in 0..ROWS {
+                    for r in 0..rows {
                         // SAFETY: rows of n elements.
                         let want = unsafe {
                             ggml_dot(vec_dot, n, x[r * n..].as_ptr().cast(), h[k * n..].as_ptr())

@@ -20,6 +20,12 @@
 //! the batched reduction to follow, where `faddp` reduces a pair); it has not been timed on
 //! hardware yet.
 //!
+//! For SmolLM2's 64-value keys met by many query rows (a verification's: 24 a key for 8 rows)
+//! [`lanes`] puts sixteen query rows in a register's lanes instead, so that a pair's reduction
+//! is additions of whole registers rather than shuffles: one thread, warm, SmolLM2's 8-row `kq`
+//! 20.6 us against the wide kernel's 25.0 (`tests/benches/kernels.rs`, `kq/smollm-kq`, this
+//! AMD EPYC).
+//!
 //! Each output is bit-identical to ggml's `ggml_vec_dot_f16` for that pair alone, as ggml's
 //! CPU backend for the architecture computes it: the query row is rounded to f16 as ggml's
 //! `from_float` does (ggml converts `src1` to its `vec_dot_type`), and products are
@@ -41,6 +47,42 @@ mod x86;
 pub use neon::{cpu_ok, kernels, round_f16, STEP};
 #[cfg(target_arch = "x86_64")]
 pub use x86::{cpu_ok, kernels, round_f16, STEP};
+
+/// The row length [`Lanes`] kernels take: SmolLM2's 64-value keys, where a pair's own products
+/// (four fused multiply-adds) are fewer instructions than [`kernels`]' reduction of it.
+pub const LANES_N: usize = 64;
+
+/// A kernel with query rows in a register's lanes: `sums[i * m + k]` = f16 row i (of `rows`
+/// at `x`, `stride` bytes apart, [`LANES_N`] values) · query row k, from the query rows as
+/// [`lanes_queries`] lays them out (`m` of them), bit for bit what [`kernels`] give. Unsafe to
+/// call: the CPU runs it and `x` holds the rows.
+pub type Lanes = unsafe fn(*const u8, usize, usize, &[f32], usize, &mut [f32]);
+
+/// The [`Lanes`] kernel, where the CPU has one (x86-64 with AVX-512F; AArch64 has none yet: a
+/// NEON register holds four lanes, where the reduction's shuffles cost less).
+pub fn lanes() -> Option<Lanes> {
+    #[cfg(target_arch = "x86_64")]
+    if x86::lanes_ok() {
+        return Some(x86::dots_lanes);
+    }
+    None
+}
+
+/// `m` query rows of [`LANES_N`] values (rounded by [`round_f16`]) at `qs`, laid out for a
+/// [`Lanes`] kernel in `out`: groups of sixteen rows, element e of group g's rows at
+/// `(g * LANES_N + e) * 16`, lane q row `16g + q`, zeros past the last row.
+pub fn lanes_queries(qs: &[f32], m: usize, out: &mut Vec<f32>) {
+    const N: usize = LANES_N;
+    let groups = m.div_ceil(16);
+    out.clear();
+    out.resize(groups * N * 16, 0.0);
+    for (k, row) in qs.chunks_exact(N).take(m).enumerate() {
+        let (g, q) = (k / 16, k % 16);
+        for (e, &v) in row.iter().enumerate() {
+            out[(g * N + e) * 16 + q] = v;
+        }
+    }
+}
 
 /// A kernel: `sums[i * m + k]` = f16 row i (of `rows` at `x`, `stride` bytes apart) · query row
 /// k of `qs` (rows of `n`, rounded through f16 by [`round_f16`]; `m = sums.len() / rows` of
@@ -130,6 +172,49 @@ mod tests {
                         .zip(&got)
                         .all(|(a, b)| a.to_bits() == b.to_bits()));
                 }
+            }
+        }
+    }
+
+    /// The lanes kernel gives the other kernels' bits for every query count around its groups
+    /// of sixteen (and two groups), for cache rows apart by more than their length.
+    #[test]
+    fn lanes_agree_with_the_kernels() {
+        let Some(lanes) = super::lanes() else {
+            eprintln!("no lanes kernel on this CPU");
+            return;
+        };
+        const N: usize = super::LANES_N;
+        let (rows, stride) = (37usize, 2 * N + 10);
+        let mut x = vec![0u8; rows * stride];
+        for r in 0..rows {
+            for i in 0..N {
+                let h = from_f32(((r * N + i) as f32 * 0.37).sin() * 3.0);
+                x[r * stride + 2 * i..][..2].copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        let raw: Vec<f32> = (0..50 * N).map(|i| (i as f32 * 0.11).cos() * 7.0).collect();
+        let mut qs = vec![0f32; raw.len()];
+        // SAFETY: the CPU runs the kernels (it runs the lanes kernel); equal lengths.
+        unsafe { super::round_f16(&raw, &mut qs) };
+        let mut qt = Vec::new();
+        for m in (1..=34).chain([47, 48, 49, 50]) {
+            let mut want = vec![0f32; rows * m];
+            let mut got = vec![f32::NAN; rows * m];
+            super::lanes_queries(&qs[..m * N], m, &mut qt);
+            // SAFETY: `rows` rows of N halves, stride apart; qt made for m rows.
+            unsafe {
+                super::kernels()[0](x.as_ptr(), stride, rows, &qs[..m * N], N, &mut want);
+                lanes(x.as_ptr(), stride, rows, &qt, m, &mut got);
+            }
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(
+                    w.to_bits(),
+                    g.to_bits(),
+                    "m {m}: cache row {} query {}",
+                    i / m,
+                    i % m
+                );
             }
         }
     }

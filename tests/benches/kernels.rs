@@ -8,7 +8,9 @@
 //!   runs them: the weights come from DRAM, which is what the kernels' prefetch
 //!   (`leap_kernels::qdot`'s `AHEAD`) is for.
 //! - `kq/SHAPE/ROWS`: attention's f16 products in Gemma 3 270M's and SmolLM2-135M's shapes
-//!   over 1024 cache cells, each kernel this CPU runs, and ggml's `vec_dot_f16` pair by pair.
+//!   over 1024 cache cells, each kernel this CPU runs (`lanes`: the query-lanes kernel, for
+//!   64-value rows, its query rows laid out beforehand as the device does once per node), and
+//!   ggml's `vec_dot_f16` pair by pair.
 //!
 //! `cargo bench -p leap-tests --bench kernels [-- FILTER]`. Times vary with the machine: read
 //! them as ratios within one run.
@@ -200,6 +202,14 @@ fn attention(c: &mut Criterion) {
                         b.iter(|| unsafe { dots(x.as_ptr(), stride, rows, &qs, n, &mut sums) })
                     },
                 );
+            }
+            if let Some(lanes) = kq::lanes().filter(|_| n == kq::LANES_N) {
+                let mut qt = Vec::new();
+                kq::lanes_queries(&qs, m, &mut qt);
+                g.bench_with_input(BenchmarkId::new("lanes", q_rows), &q_rows, |b, _| {
+                    // SAFETY: the CPU runs it; rows of n f16 inside x; qt made for m rows.
+                    b.iter(|| unsafe { lanes(x.as_ptr(), stride, rows, &qt, m, &mut sums) })
+                });
             }
             g.bench_with_input(BenchmarkId::new("ggml", q_rows), &q_rows, |b, _| {
                 b.iter(|| {

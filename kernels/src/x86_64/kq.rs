@@ -2,6 +2,7 @@
 //! rows against four query rows in 32 registers; F16C's conversions, as ggml's on x86-64.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use super::{Dots, AHEAD_BYTES};
 
@@ -426,5 +427,117 @@ unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums
     let done = reduce8_256(x0);
     for g in 0..G {
         sums[k0 + g] = leftovers(done[g], x, ys[g], np);
+    }
+}
+
+/// The CPU runs [`dots_lanes`] (AVX-512F besides [`cpu_ok`]'s features).
+pub fn lanes_ok() -> bool {
+    cpu_ok() && std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// `sums[i * m + k]` = f16 cache row i (of `rows` at `x`, `stride` bytes apart, 64 values) ·
+/// query row k, from the query rows laid out by [`super::lanes_queries`] in `qt` (`m` of them),
+/// ggml's way. Query rows sit in the lanes of a register (sixteen to a register, two
+/// registers), each cache row's elements are broadcast against them: every lane is one pair
+/// from its first product to its last addition, so the reduction of a pair's four 8-lane sums
+/// (`(a0 + a2) + (a1 + a3)`, then `t0` = low 128 bits + high, then `_mm_hadd_ps` twice, as
+/// [`reduce8_256`]) is plain additions of whole registers, where [`dots_wide`] spends two
+/// shuffles and an addition for each of its steps. Element `32s + 8j + l` goes to sum j's lane
+/// l by a fused multiply-add in step order s (the first onto +0, as ggml's zeroed sums).
+///
+/// # Safety
+/// [`lanes_ok`]; `rows` rows of 64 f16 values at `x`; `qt` as [`super::lanes_queries`] made it
+/// for `m` query rows; `sums` holds `rows * m`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub unsafe fn dots_lanes(
+    x: *const u8,
+    stride: usize,
+    rows: usize,
+    qt: &[f32],
+    m: usize,
+    sums: &mut [f32],
+) {
+    const N: usize = super::LANES_N;
+    // Cache rows a block: converted to f32 together, then each of ggml's eight lanes l goes
+    // over all of them with the query elements of that lane held in registers.
+    const BLOCK: usize = 16;
+    let groups = m.div_ceil(16);
+    debug_assert!(qt.len() >= groups * N * 16 && sums.len() >= rows * m);
+    let ahead = ahead(N);
+    // The block's cache rows as f32, broadcast from here an element at a time (converted well
+    // before they are read: a load from a vector store still in flight waits for it).
+    // (Both are 20 KB a call, so not zeroed: each element is written before it is read, and
+    // rows past a short block's length are not read.)
+    let mut xr = [[MaybeUninit::<f32>::uninit(); N]; BLOCK];
+    // `x0[r][l][h]`: lane l of `(a0 + a2) + (a1 + a3)` for cache row r against query group h.
+    let mut x0 = [[[MaybeUninit::<__m512>::uninit(); 2]; 8]; BLOCK];
+    for i0 in (0..rows).step_by(BLOCK) {
+        let len = BLOCK.min(rows - i0);
+        fetch_ahead(x, stride, rows, i0..i0 + len, ahead, N);
+        for (r, xr) in xr.iter_mut().enumerate().take(len) {
+            let p = x.add((i0 + r) * stride).cast::<u16>();
+            for c in 0..N / 16 {
+                _mm512_storeu_ps(
+                    xr.as_mut_ptr().add(16 * c).cast(),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(p.add(16 * c).cast())),
+                );
+            }
+        }
+        let mut g = 0;
+        while g < groups {
+            let two = g + 1 < groups;
+            let hs = 1 + usize::from(two);
+            let q0 = qt.as_ptr().add(g * N * 16);
+            for l in 0..8 {
+                // The query elements of lane l: `32s + 8j + l`, for each group.
+                let qv: [[[__m512; 2]; 2]; 4] = std::array::from_fn(|j| {
+                    std::array::from_fn(|s| {
+                        std::array::from_fn(|h| {
+                            if h < hs {
+                                _mm512_loadu_ps(q0.add((h * N + 32 * s + 8 * j + l) * 16))
+                            } else {
+                                _mm512_setzero_ps()
+                            }
+                        })
+                    })
+                });
+                for (xr, x0) in xr.iter().zip(x0.iter_mut()).take(len) {
+                    let mut a = [[_mm512_setzero_ps(); 2]; 4];
+                    for (j, a) in a.iter_mut().enumerate() {
+                        let b0 = _mm512_set1_ps(xr[8 * j + l].assume_init());
+                        let b1 = _mm512_set1_ps(xr[32 + 8 * j + l].assume_init());
+                        for h in 0..hs {
+                            a[h] = _mm512_fmadd_ps(b0, qv[j][0][h], _mm512_setzero_ps());
+                            a[h] = _mm512_fmadd_ps(b1, qv[j][1][h], a[h]);
+                        }
+                    }
+                    for h in 0..hs {
+                        x0[l][h] = MaybeUninit::new(_mm512_add_ps(
+                            _mm512_add_ps(a[0][h], a[2][h]),
+                            _mm512_add_ps(a[1][h], a[3][h]),
+                        ));
+                    }
+                }
+            }
+            for (r, x0) in x0.iter().enumerate().take(len) {
+                // `h` picks a register of each of the eight lanes' pairs, not an element.
+                #[allow(clippy::needless_range_loop)]
+                for h in 0..hs {
+                    // `t0` = the 8-lane sum's low 128 bits + its high; `_mm_hadd_ps` twice.
+                    let t: [__m512; 4] = std::array::from_fn(|i| {
+                        _mm512_add_ps(x0[i][h].assume_init(), x0[i + 4][h].assume_init())
+                    });
+                    let f = _mm512_add_ps(_mm512_add_ps(t[0], t[1]), _mm512_add_ps(t[2], t[3]));
+                    let k0 = (g + h) * 16;
+                    let mask = if m - k0 >= 16 {
+                        0xffff
+                    } else {
+                        (1u16 << (m - k0)) - 1
+                    };
+                    _mm512_mask_storeu_ps(sums.as_mut_ptr().add((i0 + r) * m + k0), mask, f);
+                }
+            }
+            g += hs;
+        }
     }
 }
