@@ -3,8 +3,9 @@
 //! with the kernels of [`leap_kernels::kq`] (where their speed and their bit-for-bit match with
 //! ggml's `ggml_vec_dot_f16` are described): here is what ggml's graph needs, which nodes the
 //! device takes, how a node is split over threads, which terms of KQV's softmax rows it leaves
-//! out (whole kernel steps of zeros: `span`), and the check against the ggml this process
-//! loaded before the device claims any.
+//! out (whole kernel steps of zeros: `span`), which cells of `kq` it leaves uncomputed (those
+//! the attention mask hides from every query row: `mask_of`), and the check against the ggml
+//! this process loaded before the device claims any.
 
 use leap_kernels::kq;
 
@@ -59,12 +60,95 @@ fn checked() -> bool {
     })
 }
 
-/// Compute `node` (which [`supports`] accepted) with `threads` threads.
+/// Compute `node` (which [`supports`] accepted) with `threads` threads; `mask` is the
+/// attention mask its scores go through ([`mask_of`]), if known.
 ///
 /// # Safety
-/// `node` is a valid, allocated MUL_MAT node whose sources hold their data.
-pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
-    SCRATCH.with(|s| compute_with(node, threads, &mut s.queries.borrow_mut()));
+/// `node` is a valid, allocated MUL_MAT node whose sources hold their data; `mask`, when
+/// given, is [`mask_of`]'s for it.
+pub(crate) unsafe fn compute(
+    node: &mut g::ggml_tensor,
+    threads: usize,
+    mask: Option<&g::ggml_tensor>,
+) {
+    SCRATCH.with(|s| compute_with(node, threads, mask, &mut s.queries.borrow_mut()));
+}
+
+/// Nodes after a `kq` product searched for the softmax that reads it.
+const MASK_LOOKAHEAD: i32 = 4;
+
+/// The attention mask of `node` (node `i` of `cgraph`) when it is attention's scores `kq`
+/// and the softmax that reads them comes within [`MASK_LOOKAHEAD`] nodes with a mask the
+/// device can read: f32 or f16, a row per query token at least as long as the cache, the
+/// same for every head. A cell the mask hides (-inf) for every query row of a chunk leaves
+/// its scores out of the softmax whatever they are (`x * scale - inf` is -inf, `exp` of it 0,
+/// for any finite score), so [`compute`] leaves such cells' products uncomputed and writes 0
+/// there: Gemma 3's sliding-window layers hide all but 512 cells of a full-size cache.
+///
+/// # Safety
+/// `node` is node `i` of the valid graph `cgraph`.
+pub(crate) unsafe fn mask_of<'a>(
+    node: &g::ggml_tensor,
+    cgraph: *mut g::ggml_cgraph,
+    i: i32,
+) -> Option<&'a g::ggml_tensor> {
+    let (s1, n) = (&*node.src[1], g::ggml_graph_n_nodes(cgraph));
+    if s1.op == g::GGML_OP_SOFT_MAX {
+        return None;
+    }
+    let me: *const g::ggml_tensor = node;
+    let soft = (i + 1..n.min(i + 1 + MASK_LOOKAHEAD))
+        .map(|j| &*g::ggml_graph_node(cgraph, j))
+        .find(|t| t.op == g::GGML_OP_SOFT_MAX && std::ptr::eq(t.src[0], me))?;
+    let mask = soft.src[1].as_ref()?;
+    let size = match mask.type_ {
+        g::GGML_TYPE_F32 => 4,
+        g::GGML_TYPE_F16 => 2,
+        _ => return None,
+    };
+    let usable = mask.ne[0] >= node.ne[0]
+        && mask.ne[1] >= node.ne[1]
+        && mask.ne[2] == 1
+        && mask.ne[3] == 1
+        && mask.nb[0] == size
+        && !mask.data.is_null();
+    usable.then_some(mask)
+}
+
+/// The cells `lo..hi` from the first that `mask` (see [`mask_of`]) leaves visible to any of
+/// query tokens `tokens` to the last, of `n` cells; `(0, 0)` when it hides all.
+///
+/// # Safety
+/// `mask` is [`mask_of`]'s: rows of at least `n` values for every token of `tokens`.
+unsafe fn visible(
+    mask: &g::ggml_tensor,
+    tokens: impl Iterator<Item = usize>,
+    n: usize,
+) -> (usize, usize) {
+    let (mut lo, mut hi) = (usize::MAX, 0);
+    for t in tokens {
+        let row = (mask.data as *const u8).add(t * mask.nb[1]);
+        let hidden = |c: usize| {
+            if mask.type_ == g::GGML_TYPE_F16 {
+                *row.cast::<u16>().add(c) == 0xfc00
+            } else {
+                *row.cast::<f32>().add(c) == f32::NEG_INFINITY
+            }
+        };
+        if let Some(first) = (0..n).find(|&c| !hidden(c)) {
+            let last = (first..n)
+                .rev()
+                .find(|&c| !hidden(c))
+                .expect("first is visible");
+            lo = lo.min(first);
+            hi = hi.max(last + 1);
+        }
+    }
+    if lo < hi {
+        (lo, hi)
+    } else {
+        (0, 0)
+    }
 }
 
 /// Buffers reused from node to node: the rounded query rows (on the calling thread) and a
@@ -222,7 +306,12 @@ unsafe fn chunk_dots(
 }
 
 /// [`compute`] with `q` for the query rows.
-unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f32>) {
+unsafe fn compute_with(
+    node: &mut g::ggml_tensor,
+    threads: usize,
+    mask: Option<&g::ggml_tensor>,
+    q: &mut Vec<f32>,
+) {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
     let n = s0.ne[0] as usize;
     let (ne01, ne02) = (s0.ne[1] as usize, s0.ne[2] as usize);
@@ -288,9 +377,24 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
     // Tasks: blocks of `src0` rows, every matrix (KV head) of a block together (the heads of a
     // cache row share its cache lines); at least 4 blocks per thread, so that no thread waits
     // long for the others (SmolLM2's kqv has 64 rows a head), and at most 64 rows a block.
-    let block = ne01.div_ceil(4 * threads).clamp(4, 64);
-    let tasks = ne01.div_ceil(block);
+    // Only the cells some query token sees (all without a mask): the rest of every output
+    // row is 0 (see `mask_of`), and the tasks share the visible ones.
+    let (lo, hi) = mask.map_or((0, ne01), |m| visible(m, 0..ne11, ne01));
     let (dst, dst_nb1, dst_nb2) = (Ptr(node.data.cast()), node.nb[1], node.nb[2]);
+    if (lo, hi) != (0, ne01) {
+        for i12 in 0..ne12 {
+            for i11 in 0..ne11 {
+                let row = dst.at(i12 * dst_nb2 + i11 * dst_nb1).cast::<f32>();
+                // SAFETY: row (i11, i12) of dst, ne01 floats.
+                let row = std::slice::from_raw_parts_mut(row, ne01);
+                row[..lo].fill(0.0);
+                row[hi.max(lo)..].fill(0.0);
+            }
+        }
+    }
+    let span = hi.saturating_sub(lo);
+    let block = span.div_ceil(4 * threads).clamp(4, 64);
+    let tasks = span.div_ceil(block);
     let dots = kq::kernels()[0];
     // Chunks of 64-value rows met by enough query rows (SmolLM2's keys in a verification) go
     // to the query-lanes kernel, their query rows laid out for it once here.
@@ -305,7 +409,7 @@ unsafe fn compute_with(node: &mut g::ggml_tensor, threads: usize, q: &mut Vec<f3
         .collect();
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
     let work = |b: usize, sums: &mut Vec<f32>| {
-        let (r0, r1) = (b * block, ((b + 1) * block).min(ne01));
+        let (r0, r1) = (lo + b * block, (lo + (b + 1) * block).min(hi));
         for (c, lanes) in chunks.iter().zip(&lanes) {
             sums.resize((r1 - r0) * c.len, 0.0);
             let sums = &mut sums[..(r1 - r0) * c.len];

@@ -584,7 +584,8 @@ unsafe extern "C" fn backend_graph_compute(
                 }
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_MUL_MAT if kqmm::supports(node) => {
-                    kqmm::compute(node, threads);
+                    let mask = kqmm::mask_of(node, cgraph, i);
+                    kqmm::compute(node, threads, mask);
                     (OpClass::Attention, 0)
                 }
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]

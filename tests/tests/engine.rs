@@ -521,3 +521,60 @@ fn the_device_times_its_nodes_by_kind_while_asked() {
         assert_eq!(t.of(c) > 0.0, nodes(c) > 0, "{c:?}: {t:?}");
     }
 }
+
+/// Attention's scores over cells the mask hides are left out by the device (Gemma 3's
+/// sliding-window layers see 512 of a full-size cache): a verification batch after a long
+/// prompt still gets, row for row, the logits ggml's CPU backend alone gives each token decoded
+/// by itself, bit for bit, both models.
+#[test]
+fn verification_rows_past_the_window_are_ggml_s_lone_rows() {
+    let off = leap_backend::Device::new(leap_backend::DeviceConfig {
+        kernels: false,
+        ..Default::default()
+    });
+    let on = leap_backend::Device::new(leap_backend::DeviceConfig::default());
+    for name in [GEMMA, SMOLLM] {
+        let m = model(name);
+        let prompt = m.tokenize(&long_prompt(), true, false).unwrap();
+        assert!(prompt.len() > 600, "{}", prompt.len());
+        let rows: Vec<i32> = m
+            .tokenize(
+                " The dpkg tool unpacks archives and configures",
+                false,
+                false,
+            )
+            .unwrap();
+        let prefill = |c: &mut Context| plain::prefill(c, &prompt, 512).unwrap();
+        // ggml alone: each row decoded by itself.
+        let mut lone = off.bind(|| context(name, 2048, 1));
+        prefill(&mut lone);
+        let mut want = Vec::new();
+        for (i, &t) in rows.iter().enumerate() {
+            let mut b = leap_host::Batch::new(1, 1);
+            b.add(t, (prompt.len() + i) as i32, &[0], true).unwrap();
+            lone.decode(&b).unwrap();
+            want.push(lone.logits(-1).unwrap().to_vec());
+        }
+        // The device: every row in one batch.
+        let mut batch = on.bind(|| context(name, 2048, 1));
+        prefill(&mut batch);
+        let mut b = leap_host::Batch::new(rows.len(), 1);
+        for (i, &t) in rows.iter().enumerate() {
+            b.add(t, (prompt.len() + i) as i32, &[0], true).unwrap();
+        }
+        batch.decode(&b).unwrap();
+        assert!(on.calls() > 0, "{name}: the device computed nothing");
+        for (i, want) in want.iter().enumerate() {
+            let got = batch.logits(i as i32).unwrap();
+            let same = got
+                .iter()
+                .zip(want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{name}: row {i} of {} differs from ggml's lone row",
+                rows.len()
+            );
+        }
+    }
+}
