@@ -188,9 +188,10 @@ mod tests {
     use super::*;
 
     /// Rows of every length around the vector widths, with and without a mask (f16 and f32,
-    /// cells hidden by `-inf`), scales below and above 1, values whose exponentials go past
-    /// both of `ggml_v_expf`'s cut-offs (126 and 192 binades), a whole row masked, and a row
-    /// holding a NaN: the kernel gives the scalar transcription's bits, for each build's
+    /// cells hidden by `-inf`, a hidden half as a sliding window's), scales below and above 1,
+    /// values whose exponentials go past both of `ggml_v_expf`'s cut-offs (126 and 192
+    /// binades), a whole row masked, and a row holding a NaN: the kernel gives the scalar
+    /// transcription's bits, for each build's
     /// arithmetic the CPU runs.
     #[test]
     fn rows_match_the_scalar_transcription() {
@@ -202,12 +203,16 @@ mod tests {
                 continue;
             }
             for n in [1usize, 7, 8, 9, 15, 16, 17, 31, 64, 100, 256, 1000, 1027] {
-                for case in 0..6 {
-                    let spread = [1.0f32, 8.0, 60.0, 200.0, 0.3, 30.0][case];
+                for case in 0..7 {
+                    let spread = [1.0f32, 8.0, 60.0, 200.0, 0.3, 30.0, 5.0][case];
                     let x: Vec<f32> = (0..n).map(|_| spread * rnd.signed()).collect();
                     let m16: Vec<u16> = (0..n)
                         .map(|i| match (case, i % 5) {
                             (4, _) => 0xfc00,
+                            // A sliding window's row: a hidden prefix (whole vectors the
+                            // kernel writes as 0 without `exp`) and a few hidden last cells.
+                            (6, _) if i < n / 2 || i + 3 >= n => 0xfc00,
+                            (6, _) => crate::f16::from_f32(rnd.signed()),
                             (_, 0) => 0xfc00,
                             _ => crate::f16::from_f32(rnd.signed() - 1.0),
                         })

@@ -20,22 +20,30 @@ pub(super) fn cpu_ok(exp: Exp) -> bool {
 /// # Safety
 /// The CPU runs `exp` ([`cpu_ok`]); equal lengths.
 pub(super) unsafe fn row(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) {
-    let max = scaled(x, mask, scale, y);
+    let (max, hidden) = scaled(x, mask, scale, y);
+    // A vector of cells the mask hides (every value -inf) is 0 after `exp` whatever a finite
+    // maximum is (ggml's `exp` of -inf is +0), and adds +0 to the sum, so it is written as 0
+    // without `exp`: a sliding-window row hides half a 1,000-cell cache, and ggml's `exp`
+    // takes its slow path for values past its range.
+    let skip = hidden && max.is_finite();
     let sum = match exp {
-        Exp::Zmm => exps_zmm(y, max),
-        Exp::Ymm => exps_ymm(y, max),
+        Exp::Zmm => exps_zmm(y, max, skip),
+        Exp::Ymm => exps_ymm(y, max, skip),
     };
     normalize(y, (1.0 / sum) as f32);
 }
 
-/// `y = x * scale + mask` (ggml's `wp`), returning its maximum as ggml's comparisons give it.
+/// `y = x * scale + mask` (ggml's `wp`), returning its maximum as ggml's comparisons give it,
+/// and whether a value is -inf.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scaled(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> f32 {
+unsafe fn scaled(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> (f32, bool) {
     let n = x.len();
     let (xp, yp) = (x.as_ptr(), y.as_mut_ptr());
     let vs = _mm256_set1_ps(scale);
     let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
     let mut nan = _mm256_setzero_ps();
+    let mut ninf = _mm256_setzero_ps();
+    let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
     let mut i = 0;
     while i + 8 <= n {
         let mut w = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), vs);
@@ -50,12 +58,14 @@ unsafe fn scaled(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> f32 {
         _mm256_storeu_ps(yp.add(i), w);
         vmax = _mm256_max_ps(vmax, w);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(w, w));
+        ninf = _mm256_or_ps(ninf, _mm256_cmp_ps::<_CMP_EQ_OQ>(w, neg_inf));
         i += 8;
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
     let mut max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let mut has_nan = _mm256_movemask_ps(nan) != 0;
+    let mut hidden = _mm256_movemask_ps(ninf) != 0;
     for i in i..n {
         let mut w = x[i] * scale;
         match mask {
@@ -65,13 +75,14 @@ unsafe fn scaled(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> f32 {
         }
         y[i] = w;
         has_nan |= w.is_nan();
+        hidden |= w == f32::NEG_INFINITY;
         max = max.max(w);
     }
     if has_nan {
         // ggml's left-to-right `a > b ? a : b` keeps or drops a NaN by where it stands.
-        ggml_max(y)
+        (ggml_max(y), hidden)
     } else {
-        max
+        (max, hidden)
     }
 }
 
@@ -152,16 +163,24 @@ unsafe fn reduce16(v: __m512) -> f32 {
     _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_movehdup_ps(t8))
 }
 
-/// `y = exp(y - max)` as ggml's AVX-512 build, returning the sum.
+/// `y = exp(y - max)` as ggml's AVX-512 build, returning the sum; with `skip`, vectors of -inf
+/// are written as 0 (see [`row`]).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
-unsafe fn exps_zmm(y: &mut [f32], max: f32) -> f64 {
+unsafe fn exps_zmm(y: &mut [f32], max: f32, skip: bool) -> f64 {
     let n = y.len();
     let p = y.as_mut_ptr();
     let vm = _mm512_set1_ps(max);
     let mut sum = 0f64;
     let mut i = 0;
     while i + 16 <= n {
-        let v = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vm));
+        let w = _mm512_loadu_ps(p.add(i));
+        if skip && _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(w, _mm512_set1_ps(f32::NEG_INFINITY)) == 0xffff
+        {
+            _mm512_storeu_ps(p.add(i), _mm512_setzero_ps());
+            i += 16;
+            continue;
+        }
+        let v = exp16(_mm512_sub_ps(w, vm));
         _mm512_storeu_ps(p.add(i), v);
         sum += f64::from(reduce16(v));
         i += 16;
@@ -241,16 +260,28 @@ unsafe fn reduce8(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
 }
 
-/// `y = exp(y - max)` as ggml's AVX2 build, returning the sum.
+/// `y = exp(y - max)` as ggml's AVX2 build, returning the sum; with `skip`, vectors of -inf
+/// are written as 0 (see [`row`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn exps_ymm(y: &mut [f32], max: f32) -> f64 {
+unsafe fn exps_ymm(y: &mut [f32], max: f32, skip: bool) -> f64 {
     let n = y.len();
     let p = y.as_mut_ptr();
     let vm = _mm256_set1_ps(max);
     let mut sum = 0f64;
     let mut i = 0;
     while i + 8 <= n {
-        let v = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+        let w = _mm256_loadu_ps(p.add(i));
+        if skip
+            && _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(
+                w,
+                _mm256_set1_ps(f32::NEG_INFINITY),
+            )) == 0xff
+        {
+            _mm256_storeu_ps(p.add(i), _mm256_setzero_ps());
+            i += 8;
+            continue;
+        }
+        let v = exp8(_mm256_sub_ps(w, vm));
         _mm256_storeu_ps(p.add(i), v);
         sum += f64::from(reduce8(v));
         i += 8;
