@@ -17,6 +17,7 @@ pub mod f16;
 pub mod geglu;
 pub mod kq;
 pub mod lone;
+pub mod q8k;
 pub mod qdot;
 pub mod reference;
 pub mod rng;
