@@ -326,9 +326,10 @@ unsafe fn compute_with(
         let (i12, i11) = (row / ne11, row % ne11);
         std::slice::from_raw_parts(src.at(i12 * src_nb2 + i11 * src_nb1).cast::<f32>(), n)
     };
-    // A prefill batch's rows (KQV's are the softmax's rows, a cache length each) on every
-    // thread; a few decode rows on this one.
-    let par = threads > 1 && rows * n >= 1 << 16;
+    // A prefill batch's rows and a verification's (KQV's are the softmax's rows, a cache
+    // length each: Gemma's 8-row call has 32 of them) on every thread; a lone row's on this
+    // one (a region costs ~0.5 us, a row's pass over 1,000 values about as much).
+    let par = threads > 1 && rows * n >= 1 << 14;
     let each = |f: &(dyn Fn(usize) + Sync)| {
         if par {
             parallel(threads.min(rows), &|tid, nth| {
