@@ -138,7 +138,9 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
     // `Q8_K` activations (the k-quants') with Leap's vector quantizer where it gives ggml's
     // bytes: ggml's x86-64 build quantizes them with its scalar reference, on the calling
     // thread while the others wait.
-    let q8k = tr.vec_dot_type == g::GGML_TYPE_Q8_K && q8k_checked();
+    let q8k = (tr.vec_dot_type == g::GGML_TYPE_Q8_K)
+        .then(q8k_checked)
+        .flatten();
     let act_bytes = g::ggml_row_size(tr.vec_dot_type, n as i64);
     let mut act = vec![0u8; act_bytes * sel.len()];
     // Batch rows a pass over a weight tile (prefill-sized batches go through in chunks).
@@ -157,8 +159,8 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
             let x = src.at(sel[j] * src_row).cast::<f32>();
             // SAFETY: row j of `act`, written by this call only (chunks are disjoint).
             let a = std::slice::from_raw_parts_mut(base.at(j * act_bytes), act_bytes);
-            if q8k {
-                leap_kernels::q8k::quantize(std::slice::from_raw_parts(x, n), a);
+            if let Some(rounding) = q8k {
+                leap_kernels::q8k::quantize(std::slice::from_raw_parts(x, n), a, rounding);
             } else {
                 from(x, a.as_mut_ptr().cast(), n as i64);
             }
@@ -225,44 +227,57 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
     (m - sel.len()) as u64
 }
 
-/// Whether [`leap_kernels::q8k::quantize`] gives the bytes of the loaded ggml's `Q8_K`
-/// quantization (checked once per process, on rows of several spreads with ties of opposite
-/// signs and zero blocks, into zeroed buffers).
-fn q8k_checked() -> bool {
+/// The rounding ([`leap_kernels::q8k::Rounding`]) with which [`leap_kernels::q8k::quantize`]
+/// gives the bytes of the loaded ggml's `Q8_K` quantization, if one does (checked once per
+/// process, into zeroed buffers, on rows of several spreads with ties of opposite signs, zero
+/// blocks, and a block on which the roundings differ).
+fn q8k_checked() -> Option<leap_kernels::q8k::Rounding> {
+    use leap_kernels::q8k;
     use std::sync::OnceLock;
-    static OK: OnceLock<bool> = OnceLock::new();
+    static OK: OnceLock<Option<q8k::Rounding>> = OnceLock::new();
     *OK.get_or_init(|| {
         // SAFETY: idempotent init; the static traits table.
         let from = unsafe {
             g::ggml_cpu_init();
             (*g::ggml_get_type_traits_cpu(g::GGML_TYPE_Q8_K)).from_float
-        };
-        let Some(from) = from else {
-            return false;
-        };
+        }?;
         let mut rnd = crate::check_values(0x0051_8c3b);
-        let n = 4 * 256;
-        let ok = [0.001f32, 1.0, 40.0, 0.0]
+        let n = 5 * 256;
+        let rows: Vec<Vec<f32>> = [0.001f32, 1.0, 40.0, 0.0]
             .iter()
             .enumerate()
-            .all(|(i, &spread)| {
+            .map(|(i, &spread)| {
                 let mut x: Vec<f32> = (0..n).map(|_| rnd(spread)).collect();
                 if i == 1 {
                     // The same magnitude twice with opposite signs: the first sets the scale.
                     (x[7], x[100]) = (-9.0, 9.0);
                     (x[600], x[700]) = (9.5, -9.5);
+                    x[4 * 256..].copy_from_slice(&q8k::telling_block());
                 }
-                let bytes = n / 256 * leap_kernels::qdot::Kind::Q4K.act_block();
-                let (mut want, mut got) = (vec![0u8; bytes], vec![0u8; bytes]);
+                x
+            })
+            .collect();
+        let bytes = n / 256 * leap_kernels::qdot::Kind::Q4K.act_block();
+        let ggml: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|x| {
+                let mut want = vec![0u8; bytes];
                 // SAFETY: n floats in, a row of n Q8_K values out.
                 unsafe { from(x.as_ptr(), want.as_mut_ptr().cast(), n as i64) };
-                leap_kernels::q8k::quantize(&x, &mut got);
-                want == got
-            });
-        if !ok {
+                want
+            })
+            .collect();
+        let found = q8k::Rounding::ALL.into_iter().find(|&r| {
+            rows.iter().zip(&ggml).all(|(x, want)| {
+                let mut got = vec![0u8; bytes];
+                q8k::quantize(x, &mut got, r);
+                &got == want
+            })
+        });
+        if found.is_none() {
             log::warn!("Leap's Q8_K quantization does not reproduce ggml's here; using ggml's");
         }
-        ok
+        found
     })
 }
 
@@ -305,10 +320,14 @@ mod tests {
         assert_eq!(super::tiles(576, 2), (58, 10));
     }
 
-    /// Leap's `Q8_K` quantization is the loaded ggml's, byte for byte.
+    /// Leap's `Q8_K` quantization is the loaded ggml's, byte for byte, with the rounding
+    /// its build chose (GCC fuses the product and the addition where it may use FMA, as
+    /// Leap's x86-64 build of ggml does).
     #[test]
     fn q8k_quantization_is_ggml_s() {
-        assert!(super::q8k_checked());
+        let r = super::q8k_checked();
+        eprintln!("ggml's Q8_K rounding: {r:?}");
+        assert!(r.is_some());
     }
 
     #[test]

@@ -1,11 +1,30 @@
 //! ggml's `quantize_row_q8_K` (activations for the k-quants' dot products), which ggml's x86-64
 //! build computes with its scalar reference: per 256 values the first value of the largest
-//! magnitude sets the scale `-127 / max`, each value is rounded to the nearest integer (ties to
-//! even), and every 16 quants are summed. [`quantize`] is the same arithmetic with AVX2 where
-//! the CPU has it (`leap_backend` checks it against the ggml the process loaded before use),
-//! [`quantize_ref`] the transcription it is tested against.
+//! magnitude sets the scale `-127 / max`, each value times the scale is rounded to the nearest
+//! integer (ties to even) by adding 1.5 * 2^23, and every 16 quants are summed. Whether the
+//! compiler fused that product and addition into one rounding is the build's choice
+//! ([`Rounding`]): a value whose rounded product is a tie the exact one is not goes one way or
+//! the other. [`quantize`] is the same arithmetic with AVX2 where the CPU has it
+//! (`leap_backend` checks it against the ggml the process loaded, and picks the rounding, before
+//! use), [`quantize_ref`] the transcription it is tested against.
 
 use crate::qdot::{Q8K_BYTES, QK_K};
+
+/// How a value times the scale becomes an integer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rounding {
+    /// The product rounded to f32, then to the nearest integer (C compiled without
+    /// contraction).
+    Product,
+    /// The exact product rounded to the nearest integer: `fma(scale, x, 1.5 * 2^23)` (GCC's
+    /// default contraction where the build has FMA).
+    Fused,
+}
+
+impl Rounding {
+    /// Both, for a caller that tries which one the loaded ggml does.
+    pub const ALL: [Rounding; 2] = [Rounding::Fused, Rounding::Product];
+}
 
 /// `x` (a multiple of 256 values) as `Q8_K` blocks into `y` (292 bytes a block: the f32
 /// scale, 256 quants, 16 sums of 16), as ggml's reference computes them. An all-zero block
@@ -14,7 +33,7 @@ use crate::qdot::{Q8K_BYTES, QK_K};
 ///
 /// # Panics
 /// `x` is not whole blocks or `y` is shorter than their bytes.
-pub fn quantize_ref(x: &[f32], y: &mut [u8]) {
+pub fn quantize_ref(x: &[f32], y: &mut [u8], rounding: Rounding) {
     assert_eq!(x.len() % QK_K, 0, "not whole Q8_K blocks");
     for (x, y) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(Q8K_BYTES)) {
         let (mut max, mut amax) = (0f32, 0f32);
@@ -30,7 +49,11 @@ pub fn quantize_ref(x: &[f32], y: &mut [u8]) {
         }
         let iscale = -127.0 / max;
         for (q, &v) in y[4..4 + QK_K].iter_mut().zip(x) {
-            *q = nearest_int(iscale * v).min(127) as i8 as u8;
+            let magic = match rounding {
+                Rounding::Product => iscale * v + 12_582_912.0,
+                Rounding::Fused => iscale.mul_add(v, 12_582_912.0),
+            };
+            *q = nearest_int(magic).min(127) as i8 as u8;
         }
         for j in 0..QK_K / 16 {
             let s: i32 = y[4 + 16 * j..4 + 16 * (j + 1)]
@@ -43,40 +66,64 @@ pub fn quantize_ref(x: &[f32], y: &mut [u8]) {
     }
 }
 
-/// ggml's `nearest_int`: the float's integer part after adding 1.5 * 2^23.
-fn nearest_int(v: f32) -> i32 {
-    ((v + 12_582_912.0).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+/// ggml's `nearest_int` after its addition of 1.5 * 2^23 (`magic`): the integer the low bits
+/// hold.
+fn nearest_int(magic: f32) -> i32 {
+    (magic.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
 /// [`quantize_ref`]'s result, with AVX2 where the CPU has it.
 ///
 /// # Panics
 /// As [`quantize_ref`].
-pub fn quantize(x: &[f32], y: &mut [u8]) {
+pub fn quantize(x: &[f32], y: &mut [u8], rounding: Rounding) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         assert_eq!(x.len() % QK_K, 0, "not whole Q8_K blocks");
         assert!(y.len() >= x.len() / QK_K * Q8K_BYTES, "output too short");
         for (x, y) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(Q8K_BYTES)) {
             // SAFETY: AVX2 checked; 256 values and 292 bytes.
-            unsafe { x86::block(x, y) };
+            unsafe { x86::block(x, y, rounding) };
         }
         return;
     }
-    quantize_ref(x, y)
+    quantize_ref(x, y, rounding)
+}
+
+/// A block of values on which the two [`Rounding`]s give different quants: the first value
+/// -100 (scale 1.27, inexact), the others next to where the rounded product is a tie and the
+/// exact one is not. For a check that picks the rounding of a build.
+pub fn telling_block() -> Vec<f32> {
+    let iscale = -127.0f32 / -100.0;
+    let mut out = vec![-100.0f32];
+    'fill: for k in 0..99 {
+        let x0 = (k as f32 + 0.5) / iscale;
+        for d in -8i32..=8 {
+            let x = f32::from_bits(x0.to_bits().wrapping_add_signed(d));
+            let product = f64::from(iscale * x).round_ties_even();
+            let exact = (f64::from(iscale) * f64::from(x)).round_ties_even();
+            if product != exact {
+                out.push(x);
+                if out.len() == QK_K {
+                    break 'fill;
+                }
+            }
+        }
+    }
+    out.resize(QK_K, 0.5);
+    out
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::QK_K;
+    use super::{Rounding, QK_K};
     use std::arch::x86_64::*;
 
     /// One block of [`super::quantize_ref`] with AVX2: the magnitude's maximum (exact in any
     /// order), the first value that has it, the products with the scale rounded by
-    /// `vcvtps2dq` (to nearest, ties to even: what adding 1.5 * 2^23 does for values this
-    /// small), and the sums of 16.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn block(x: &[f32], y: &mut [u8]) {
+    /// the addition of 1.5 * 2^23 as `rounding` says, and the sums of 16.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block(x: &[f32], y: &mut [u8], rounding: Rounding) {
         let p = x.as_ptr();
         let abs = |v: __m256| _mm256_andnot_ps(_mm256_set1_ps(-0.0), v);
         let mut m = _mm256_setzero_ps();
@@ -102,16 +149,22 @@ mod x86 {
             .expect("the maximum is one of the values");
         let iscale = -127.0 / x[first];
         let s = _mm256_set1_ps(iscale);
+        let magic = _mm256_set1_ps(12_582_912.0);
+        let int = |v: __m256| {
+            let m = match rounding {
+                Rounding::Product => _mm256_add_ps(_mm256_mul_ps(s, v), magic),
+                Rounding::Fused => _mm256_fmadd_ps(s, v, magic),
+            };
+            let i = _mm256_sub_epi32(
+                _mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(0x007f_ffff)),
+                _mm256_set1_epi32(0x0040_0000),
+            );
+            _mm256_min_epi32(i, _mm256_set1_epi32(127))
+        };
         let q = y.as_mut_ptr().add(4);
         for j in 0..QK_K / 16 {
-            let a = _mm256_min_epi32(
-                _mm256_cvtps_epi32(_mm256_mul_ps(s, _mm256_loadu_ps(p.add(16 * j)))),
-                _mm256_set1_epi32(127),
-            );
-            let b = _mm256_min_epi32(
-                _mm256_cvtps_epi32(_mm256_mul_ps(s, _mm256_loadu_ps(p.add(16 * j + 8)))),
-                _mm256_set1_epi32(127),
-            );
+            let a = int(_mm256_loadu_ps(p.add(16 * j)));
+            let b = int(_mm256_loadu_ps(p.add(16 * j + 8)));
             // 16 values in [-127, 127]: the saturating packs are exact.
             let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(a, b));
             let bytes = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
@@ -171,10 +224,28 @@ mod tests {
         for x in rows() {
             let nb = x.len() / QK_K;
             let (mut want, mut got) = (vec![0u8; nb * Q8K_BYTES], vec![0xAAu8; nb * Q8K_BYTES]);
-            super::quantize_ref(&x, &mut want);
-            super::quantize(&x, &mut got);
-            assert_eq!(want, got);
+            for r in super::Rounding::ALL {
+                super::quantize_ref(&x, &mut want, r);
+                super::quantize(&x, &mut got, r);
+                assert_eq!(want, got, "{r:?}");
+            }
         }
+    }
+
+    /// The telling block tells the roundings apart, and both kernels follow each.
+    #[test]
+    fn the_telling_block_tells_the_roundings_apart() {
+        let x = super::telling_block();
+        assert!(x[1..].iter().all(|v| v.abs() < 100.0));
+        let mut by = Vec::new();
+        for r in super::Rounding::ALL {
+            let (mut want, mut got) = (vec![0u8; Q8K_BYTES], vec![0u8; Q8K_BYTES]);
+            super::quantize_ref(&x, &mut want, r);
+            super::quantize(&x, &mut got, r);
+            assert_eq!(want, got, "{r:?}");
+            by.push(want);
+        }
+        assert_ne!(by[0], by[1]);
     }
 
     /// The reference is a quantization: each quant times the scale is within half a step of
@@ -183,7 +254,7 @@ mod tests {
     fn the_reference_quantizes() {
         for x in rows() {
             let mut y = vec![0u8; x.len() / QK_K * Q8K_BYTES];
-            super::quantize_ref(&x, &mut y);
+            super::quantize_ref(&x, &mut y, super::Rounding::Fused);
             for (x, y) in x.chunks_exact(QK_K).zip(y.chunks_exact(Q8K_BYTES)) {
                 let d = f32::from_le_bytes(y[..4].try_into().unwrap());
                 let qs: Vec<i32> = y[4..4 + QK_K].iter().map(|&q| i32::from(q as i8)).collect();
