@@ -3,7 +3,8 @@
 //! ([`qdot`]), attention's f16 products ([`kq`]) and Gemma's GELU-gated unit ([`geglu`]) under
 //! the same contract, sparse attention's int8 estimate ([`est`]) and exact inner loops
 //! ([`f16`]), the half-precision conversion they share, and the move of a result tile into
-//! ggml's rows ([`transpose`]), and ggml's flash attention for a lone query row ([`lone`]).
+//! ggml's rows ([`transpose`]), ggml's flash attention for a lone query row ([`lone`]), and the
+//! k-quants' activation quantization ([`q8k`]) and softmax rows ([`softmax`]).
 //!
 //! No FFI and no dependencies: the checks against the ggml a process actually loaded live with
 //! the callers (`leap_host::qdot::agrees_with_ggml`, `leap_backend`). Here each architecture's
