@@ -492,7 +492,7 @@ pub fn agrees_with_ggml() -> bool {
     let mut rnd = crate::check_values(0x9E37_79B9_7F4A_7C15u64);
     for n in [7usize, 64, 256, 1000, 1024, 1057] {
         // Three cache rows: the wide kernel takes them as a pair and a single; for 64-value
-        // rows 35, two groups of sixteen for the kernel that puts cache rows in lanes.
+        // rows 35: the query-lanes kernel's blocks of sixteen, twice, and a short one.
         let rows = if n == 64 { 35 } else { 3 };
         let x: Vec<u16> = (0..rows * n)
             .map(|i| crate::f16::from_f32(rnd(1.0 + (i % 7) as f32)))
