@@ -257,7 +257,7 @@ fn q8k_checked() -> Option<leap_kernels::q8k::Rounding> {
                 x
             })
             .collect();
-        let bytes = n / 256 * leap_kernels::qdot::Kind::Q4K.act_block();
+        let bytes = q8k::row_bytes(n);
         let ggml: Vec<Vec<u8>> = rows
             .iter()
             .map(|x| {

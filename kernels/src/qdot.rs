@@ -98,7 +98,7 @@ pub(crate) use ksize::{Q4K_BYTES, Q6K_BYTES, Q8K_BYTES, QK_K};
 // of this one (they use its private types).
 #[cfg(target_arch = "x86_64")]
 #[path = "x86_64/kquant.rs"]
-mod kquant;
+pub(crate) mod kquant;
 #[cfg(target_arch = "aarch64")]
 #[path = "aarch64/qdot.rs"]
 mod neon;

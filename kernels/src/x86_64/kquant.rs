@@ -298,9 +298,10 @@ pub(super) unsafe fn q4k_x8(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]
     }
 }
 
-/// The sum of the eight 32-bit lanes of `v` (exact: the callers' sums fit in 32 bits).
+/// The sum of the eight 32-bit lanes of `v` (exact: the callers' sums fit in 32 bits; `q8k`'s
+/// too).
 #[inline(always)]
-unsafe fn hsum_i32(v: __m256i) -> i32 {
+pub(crate) unsafe fn hsum_i32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
