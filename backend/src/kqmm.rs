@@ -71,7 +71,10 @@ pub(crate) unsafe fn compute(
     threads: usize,
     mask: Option<&g::ggml_tensor>,
 ) {
-    SCRATCH.with(|s| compute_with(node, threads, mask, &mut s.queries.borrow_mut()));
+    SCRATCH.with(|s| {
+        let (q, qt) = (&mut s.queries.borrow_mut(), &mut s.lanes.borrow_mut());
+        compute_with(node, threads, mask, q, qt)
+    });
 }
 
 /// Nodes after a `kq` product searched for the softmax that reads it.
@@ -151,10 +154,12 @@ unsafe fn visible(
     }
 }
 
-/// Buffers reused from node to node: the rounded query rows (on the calling thread) and a
-/// block's sums (on each worker, the calling thread among them: two cells).
+/// Buffers reused from node to node: the rounded query rows and their layout for the
+/// query-lanes kernel (on the calling thread), and a block's sums (on each worker, the calling
+/// thread among them).
 struct Scratch {
     queries: std::cell::RefCell<Vec<f32>>,
+    lanes: std::cell::RefCell<Vec<f32>>,
     sums: std::cell::RefCell<Vec<f32>>,
 }
 
@@ -162,6 +167,7 @@ thread_local! {
     static SCRATCH: Scratch = const {
         Scratch {
             queries: std::cell::RefCell::new(Vec::new()),
+            lanes: std::cell::RefCell::new(Vec::new()),
             sums: std::cell::RefCell::new(Vec::new()),
         }
     };
@@ -305,12 +311,13 @@ unsafe fn chunk_dots(
     }
 }
 
-/// [`compute`] with `q` for the query rows.
+/// [`compute`] with `q` for the query rows and `qt` for their query-lanes layout.
 unsafe fn compute_with(
     node: &mut g::ggml_tensor,
     threads: usize,
     mask: Option<&g::ggml_tensor>,
     q: &mut Vec<f32>,
+    qt: &mut Vec<f32>,
 ) {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
     let n = s0.ne[0] as usize;
@@ -382,32 +389,41 @@ unsafe fn compute_with(
     // row is 0 (see `mask_of`), and the tasks share the visible ones.
     let (lo, hi) = mask.map_or((0, ne01), |m| visible(m, 0..ne11, ne01));
     let (dst, dst_nb1, dst_nb2) = (Ptr(node.data.cast()), node.nb[1], node.nb[2]);
-    if (lo, hi) != (0, ne01) {
-        for i12 in 0..ne12 {
-            for i11 in 0..ne11 {
-                let row = dst.at(i12 * dst_nb2 + i11 * dst_nb1).cast::<f32>();
-                // SAFETY: row (i11, i12) of dst, ne01 floats.
-                let row = std::slice::from_raw_parts_mut(row, ne01);
-                row[..lo].fill(0.0);
-                row[hi.max(lo)..].fill(0.0);
-            }
+    // Output rows `rows` (of ne12 * ne11) zero outside lo..hi.
+    let hidden_zero = |rows: std::ops::Range<usize>| {
+        if (lo, hi) == (0, ne01) {
+            return;
         }
-    }
+        for r in rows {
+            let (i12, i11) = (r / ne11, r % ne11);
+            let row = dst.at(i12 * dst_nb2 + i11 * dst_nb1).cast::<f32>();
+            // SAFETY: row (i11, i12) of dst holds ne01 floats; its cells outside lo..hi are
+            // written here only (the tasks write lo..hi).
+            std::slice::from_raw_parts_mut(row, lo).fill(0.0);
+            let hi = hi.max(lo);
+            std::slice::from_raw_parts_mut(row.add(hi), ne01 - hi).fill(0.0);
+        }
+    };
     let span = hi.saturating_sub(lo);
     let block = span.div_ceil(4 * threads).clamp(4, 64);
     let tasks = span.div_ceil(block);
     let dots = kq::kernels()[0];
     // Chunks of 64-value rows met by enough query rows (SmolLM2's keys in a verification) go
-    // to the query-lanes kernel, their query rows laid out for it once here.
-    let lanes: Vec<Option<(kq::Lanes, Vec<f32>)>> = chunks
+    // to the query-lanes kernel, their query rows laid out for it once here, one after
+    // another in `qt` (each chunk's start in `lanes`).
+    let lanes_kernel = kq::lanes();
+    qt.clear();
+    let lanes: Vec<Option<usize>> = chunks
         .iter()
         .map(|c| {
-            let lanes = kq::lanes().filter(|_| c.e - c.s == kq::LANES_N && c.len >= LANES_ROWS)?;
-            let mut qt = Vec::new();
-            kq::lanes_queries(&q[c.off..c.off + c.len * kq::LANES_N], c.len, &mut qt);
-            Some((lanes, qt))
+            (lanes_kernel.is_some() && c.e - c.s == kq::LANES_N && c.len >= LANES_ROWS).then(|| {
+                let start = qt.len();
+                kq::lanes_queries(&q[c.off..c.off + c.len * kq::LANES_N], c.len, qt);
+                start
+            })
         })
         .collect();
+    let qt = &qt[..];
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
     let work = |b: usize, sums: &mut Vec<f32>| {
         let (r0, r1) = (lo + b * block, (lo + (b + 1) * block).min(hi));
@@ -415,11 +431,13 @@ unsafe fn compute_with(
             sums.resize((r1 - r0) * c.len, 0.0);
             let sums = &mut sums[..(r1 - r0) * c.len];
             let x = x0.at(c.i02 * nb02 + r0 * nb01);
-            match lanes {
+            match (lanes_kernel, lanes) {
                 // SAFETY: the CPU runs it (`kq::lanes`); rows r0..r1 of matrix i02, 64 values
-                // from the span's start; `qt` made for the chunk's rows.
-                Some((lanes, qt)) => lanes(x.add(c.s * 2), nb01, r1 - r0, qt, c.len, sums),
-                None => chunk_dots(dots, x, nb01, c, q, sums),
+                // from the span's start; `qt` from `start` laid out for the chunk's rows.
+                (Some(kernel), &Some(start)) => {
+                    kernel(x.add(c.s * 2), nb01, r1 - r0, &qt[start..], c.len, sums)
+                }
+                _ => chunk_dots(dots, x, nb01, c, q, sums),
             }
             // Each output row's run r0..r1 in address order, eight rows at a time (stores
             // scattered over every row went 4 KB apart on Gemma's 1024 cells and stalled).
@@ -431,7 +449,9 @@ unsafe fn compute_with(
             });
         }
     };
+    let out_rows = ne12 * ne11;
     parallel(threads.min(tasks), &|tid, nth| {
+        hidden_zero(tid * out_rows / nth..(tid + 1) * out_rows / nth);
         SCRATCH.with(|s| {
             let sums = &mut s.sums.borrow_mut();
             // A contiguous run of blocks per thread: each streams through its part of the

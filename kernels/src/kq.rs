@@ -69,13 +69,14 @@ pub fn lanes() -> Option<Lanes> {
 }
 
 /// `m` query rows of [`LANES_N`] values (rounded by [`round_f16`]) at `qs`, laid out for a
-/// [`Lanes`] kernel in `out`: groups of sixteen rows, element e of group g's rows at
-/// `(g * LANES_N + e) * 16`, lane q row `16g + q`, zeros past the last row.
+/// [`Lanes`] kernel and appended to `out` (a caller lays out several groups of rows in one
+/// buffer): groups of sixteen rows, element e of group g's rows at `(g * LANES_N + e) * 16`
+/// from where they start, lane q row `16g + q`, zeros past the last row.
 pub fn lanes_queries(qs: &[f32], m: usize, out: &mut Vec<f32>) {
     const N: usize = LANES_N;
-    let groups = m.div_ceil(16);
-    out.clear();
-    out.resize(groups * N * 16, 0.0);
+    let start = out.len();
+    out.resize(start + m.div_ceil(16) * N * 16, 0.0);
+    let out = &mut out[start..];
     for (k, row) in qs.chunks_exact(N).take(m).enumerate() {
         let (g, q) = (k / 16, k % 16);
         for (e, &v) in row.iter().enumerate() {
@@ -201,6 +202,7 @@ mod tests {
         for m in (1..=34).chain([47, 48, 49, 50]) {
             let mut want = vec![0f32; rows * m];
             let mut got = vec![f32::NAN; rows * m];
+            qt.clear();
             super::lanes_queries(&qs[..m * N], m, &mut qt);
             // SAFETY: `rows` rows of N halves, stride apart; qt made for m rows.
             unsafe {
