@@ -191,8 +191,7 @@ mod tests {
     /// cells hidden by `-inf`, a hidden half as a sliding window's), scales below and above 1,
     /// values whose exponentials go past both of `ggml_v_expf`'s cut-offs (126 and 192
     /// binades), a whole row masked, and a row holding a NaN: the kernel gives the scalar
-    /// transcription's bits, for each build's
-    /// arithmetic the CPU runs.
+    /// transcription's bits, for each build's arithmetic the CPU runs.
     #[test]
     fn rows_match_the_scalar_transcription() {
         let mut rnd = crate::rng::XorShift::new(0x5eed_50f7);
