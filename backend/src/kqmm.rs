@@ -311,6 +311,29 @@ unsafe fn chunk_dots(
     }
 }
 
+/// Each chunk's start in `qt` if the query-lanes kernel takes it (`kernel`: the CPU has one;
+/// 64-value rows met by at least [`LANES_ROWS`] query rows, SmolLM2's keys in a
+/// verification), its query rows (in `q`, as [`chunks`] placed them) laid out for it there one
+/// chunk after another.
+fn lanes_layout(
+    kernel: bool,
+    chunks: &[Chunk],
+    q: &[f32],
+    qt: &mut Vec<f32>,
+) -> Vec<Option<usize>> {
+    qt.clear();
+    chunks
+        .iter()
+        .map(|c| {
+            (kernel && c.e - c.s == kq::LANES_N && c.len >= LANES_ROWS).then(|| {
+                let start = qt.len();
+                kq::lanes_queries(&q[c.off..c.off + c.len * kq::LANES_N], c.len, qt);
+                start
+            })
+        })
+        .collect()
+}
+
 /// [`compute`] with `q` for the query rows and `qt` for their query-lanes layout.
 unsafe fn compute_with(
     node: &mut g::ggml_tensor,
@@ -408,21 +431,8 @@ unsafe fn compute_with(
     let block = span.div_ceil(4 * threads).clamp(4, 64);
     let tasks = span.div_ceil(block);
     let dots = kq::kernels()[0];
-    // Chunks of 64-value rows met by enough query rows (SmolLM2's keys in a verification) go
-    // to the query-lanes kernel, their query rows laid out for it once here, one after
-    // another in `qt` (each chunk's start in `lanes`).
     let lanes_kernel = kq::lanes();
-    qt.clear();
-    let lanes: Vec<Option<usize>> = chunks
-        .iter()
-        .map(|c| {
-            (lanes_kernel.is_some() && c.e - c.s == kq::LANES_N && c.len >= LANES_ROWS).then(|| {
-                let start = qt.len();
-                kq::lanes_queries(&q[c.off..c.off + c.len * kq::LANES_N], c.len, qt);
-                start
-            })
-        })
-        .collect();
+    let lanes = lanes_layout(lanes_kernel.is_some(), &chunks, q, qt);
     let qt = &qt[..];
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
     let work = |b: usize, sums: &mut Vec<f32>| {
