@@ -528,10 +528,7 @@ fn the_device_times_its_nodes_by_kind_while_asked() {
 /// by itself, bit for bit, both models.
 #[test]
 fn verification_rows_past_the_window_are_ggml_s_lone_rows() {
-    let off = leap_backend::Device::new(leap_backend::DeviceConfig {
-        kernels: false,
-        ..Default::default()
-    });
+    let off = leap_backend::Device::new(leap_backend::DeviceConfig::off());
     let on = leap_backend::Device::new(leap_backend::DeviceConfig::default());
     for name in [GEMMA, SMOLLM] {
         let m = model(name);
