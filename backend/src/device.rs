@@ -100,11 +100,13 @@ pub enum OpClass {
     Glu,
     /// Writes into the KV cache (`SET_ROWS`).
     CacheWrites,
+    /// The small ops between them: RMS norms, multiplies, adds, scales, RoPE, copies.
+    RowOps,
 }
 
 impl OpClass {
     /// How many classes there are.
-    pub const COUNT: usize = 6;
+    pub const COUNT: usize = 7;
 
     /// Every class, in [`OpTimes`]'s order.
     pub const ALL: [OpClass; OpClass::COUNT] = [
@@ -114,6 +116,7 @@ impl OpClass {
         OpClass::Softmax,
         OpClass::Glu,
         OpClass::CacheWrites,
+        OpClass::RowOps,
     ];
 
     /// A short name for tables.
@@ -125,6 +128,7 @@ impl OpClass {
             OpClass::Softmax => "softmax",
             OpClass::Glu => "glu",
             OpClass::CacheWrites => "cache writes",
+            OpClass::RowOps => "norms, rope",
         }
     }
 }

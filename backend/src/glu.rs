@@ -5,6 +5,10 @@
 //! the unit also become one split instead of three, but fewer splits alone measured no gain:
 //! see "Leap's ggml device: kernel timings" in `docs/measurements.md`.)
 //!
+//! SmolLM2's (Llama's) SiLU-gated unit (`SWIGLU`) too, with the exponential of the loaded
+//! ggml's build that its softmax rows reproduce ([`leap_kernels::softmax::swiglu`]): with it and
+//! the ops of [`crate::rowops`] a layer is one split.
+//!
 //! The table the kernel indexes is ggml's own `ggml_table_gelu_f16` (filled by
 //! `ggml_cpu_init`, looked up in the process at run time, widened to f32 once). Checked against
 //! ggml's own op once per process before the device claims the unit ([`agrees_with_ggml`]).
@@ -12,6 +16,7 @@
 use std::sync::OnceLock;
 
 use leap_kernels::geglu as kernel;
+use leap_kernels::softmax::Exp;
 
 use crate::ffi as g;
 use crate::par::{parallel, Ptr};
@@ -20,9 +25,14 @@ use crate::par::{parallel, Ptr};
 /// two tensors or the two halves of one, on a CPU that runs the unit (x86-64: AVX2/F16C;
 /// AArch64: all) where [`agrees_with_ggml`] passed.
 pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
-    if op.op != g::GGML_OP_GLU || op.op_params[0] != g::GGML_GLU_OP_GEGLU as i32 {
+    if op.op != g::GGML_OP_GLU {
         return false;
     }
+    let unit_ok = match op.op_params[0] {
+        u if u == g::GGML_GLU_OP_GEGLU as i32 => table().is_some() && checked(),
+        u if u == g::GGML_GLU_OP_SWIGLU as i32 => swiglu_exp().is_some(),
+        _ => return false,
+    };
     // SAFETY: ggml's sources of a node are valid tensors (src[1] may be null).
     let (s0, s1) = unsafe { (op.src[0].as_ref(), op.src[1].as_ref()) };
     let Some(s0) = s0 else { return false };
@@ -35,8 +45,7 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
         && s1.is_none_or(|s1| flat(s1) && s1.ne[0] == nc && s1.ne[1] == s0.ne[1])
         && op.ne[0] == nc
         && op.ne[1] == s0.ne[1]
-        && table().is_some()
-        && checked()
+        && unit_ok
 }
 
 /// ggml's GELU table widened to f32 (65536 entries), when the process has ggml's CPU backend
@@ -87,7 +96,11 @@ const SERIAL: usize = 16384;
 /// # Safety
 /// `node` is a valid, allocated GLU node whose sources hold their data.
 pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
-    let table = table().expect("checked in supports");
+    let unit = if node.op_params[0] == g::GGML_GLU_OP_SWIGLU as i32 {
+        Unit::Swiglu(swiglu_exp().expect("checked in supports"))
+    } else {
+        Unit::Geglu(table().expect("checked in supports"))
+    };
     let s0 = &*node.src[0];
     let s1 = node.src[1].as_ref();
     let nc = node.ne[0] as usize;
@@ -115,7 +128,9 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         (4 * threads).max(nr)
     };
     let per_row = pieces.div_ceil(nr).max(1);
-    let chunk = nc.div_ceil(per_row).next_multiple_of(8);
+    // Whole vectors of ggml's widest unit (16 lanes), so that each piece's vectors and tail
+    // are those of ggml's row.
+    let chunk = nc.div_ceil(per_row).next_multiple_of(16);
     let work = |p: usize| {
         let (r, c0) = (p / per_row, (p % per_row) * chunk);
         if r >= nr || c0 >= nc {
@@ -128,8 +143,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
             let x = a.at(r * a_nb).cast::<f32>().add(off_a + c0);
             let gv = b.at(r * b_nb).cast::<f32>().add(off_b + c0);
             let y = dst.at(r * dst_nb).cast::<f32>().add(c0);
-            geglu(
-                table,
+            unit.run(
                 std::slice::from_raw_parts(x, len),
                 std::slice::from_raw_parts(gv, len),
                 std::slice::from_raw_parts_mut(y, len),
@@ -146,6 +160,39 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
             }
         });
     }
+}
+
+/// The gated unit of a node.
+#[derive(Clone, Copy)]
+enum Unit {
+    /// Gemma's GELU unit, with ggml's table widened.
+    Geglu(&'static [f32]),
+    /// SwiGLU (Llama's, SmolLM2's), with the loaded ggml's exponential.
+    Swiglu(Exp),
+}
+
+impl Unit {
+    fn run(self, x: &[f32], g: &[f32], y: &mut [f32]) {
+        match self {
+            Unit::Geglu(table) => geglu(table, x, g, y),
+            Unit::Swiglu(exp) => leap_kernels::softmax::swiglu(exp, x, g, y),
+        }
+    }
+}
+
+/// The exponential with which SwiGLU's unit reproduces the loaded ggml's (the one its
+/// softmax rows use: `crate::softmax`), if it passed [`swiglu_agrees_with_ggml`] (checked once
+/// per process).
+fn swiglu_exp() -> Option<Exp> {
+    static EXP: OnceLock<Option<Exp>> = OnceLock::new();
+    *EXP.get_or_init(|| {
+        let exp = crate::softmax::exp()?;
+        let ok = swiglu_agrees_with_ggml(exp);
+        if !ok {
+            log::warn!("Leap's SwiGLU unit does not reproduce ggml's here; not using it");
+        }
+        ok.then_some(exp)
+    })
 }
 
 /// `y = gelu(x) * g` element by element, ggml's way (see [`leap_kernels::geglu`]).
@@ -230,6 +277,62 @@ pub fn agrees_with_ggml() -> bool {
         .all(|(w, g)| w.to_bits() == g.to_bits())
 }
 
+/// Whether SwiGLU's unit with `exp` gives ggml's own `SWIGLU` op bit for bit: rows of a
+/// length that leaves a tail, values past the exponential's cut-offs, zeros, infinities.
+pub fn swiglu_agrees_with_ggml(exp: Exp) -> bool {
+    use llama_cpp_sys_2 as sys;
+    const NC: usize = 1539;
+    const NR: usize = 3;
+    let mut rnd = crate::check_values(0x6A09_E667_F3BC_C908u64);
+    let x: Vec<f32> = (0..NC * NR)
+        .map(|i| match i % 29 {
+            1 => 0.0,
+            2 => -0.0,
+            3 => 120.0,
+            4 => -120.0,
+            5 => f32::NEG_INFINITY,
+            6 => rnd(300.0),
+            _ => rnd(12.0),
+        })
+        .collect();
+    let gv: Vec<f32> = (0..NC * NR).map(|_| rnd(4.0)).collect();
+    // SAFETY: a private ggml context with room for the tensors, a graph and its work; data
+    // written before the graph runs.
+    let want = unsafe {
+        let ctx = sys::ggml_init(sys::ggml_init_params {
+            mem_size: 16 << 20,
+            mem_buffer: std::ptr::null_mut(),
+            no_alloc: false,
+        });
+        if ctx.is_null() {
+            return false;
+        }
+        let a = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, NC as i64, NR as i64);
+        let b = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, NC as i64, NR as i64);
+        std::ptr::copy_nonoverlapping(x.as_ptr(), sys::ggml_get_data(a).cast(), NC * NR);
+        std::ptr::copy_nonoverlapping(gv.as_ptr(), sys::ggml_get_data(b).cast(), NC * NR);
+        let out = sys::ggml_swiglu_split(ctx, a, b);
+        let gf = sys::ggml_new_graph(ctx);
+        sys::ggml_build_forward_expand(gf, out);
+        let st = sys::ggml_graph_compute_with_ctx(ctx, gf, 2);
+        let r = (st == sys::GGML_STATUS_SUCCESS).then(|| {
+            std::slice::from_raw_parts(sys::ggml_get_data(out) as *const f32, NC * NR).to_vec()
+        });
+        sys::ggml_free(ctx);
+        match r {
+            Some(r) => r,
+            None => return false,
+        }
+    };
+    let mut got = vec![0f32; NC * NR];
+    for ((x, g), y) in x.chunks(NC).zip(gv.chunks(NC)).zip(got.chunks_mut(NC)) {
+        leap_kernels::softmax::swiglu(exp, x, g, y);
+    }
+    want.iter()
+        .zip(&got)
+        .all(|(w, g)| w.to_bits() == g.to_bits())
+}
+
 #[cfg(test)]
 mod tests {
     /// The unit gives ggml's `GEGLU` bit for bit (where the CPU and ggml allow it at all).
@@ -244,5 +347,27 @@ mod tests {
             "ggml's GELU table is in the process"
         );
         assert!(super::agrees_with_ggml());
+    }
+
+    /// SwiGLU's unit gives ggml's `SWIGLU` bit for bit with the exponential the softmax check
+    /// found (where the CPU runs it).
+    #[test]
+    fn swiglu_matches_ggml() {
+        use leap_kernels::softmax::Exp;
+        let Some(exp) = crate::softmax::exp() else {
+            eprintln!("the CPU runs neither exponential");
+            return;
+        };
+        assert!(super::swiglu_agrees_with_ggml(exp));
+        let other = match exp {
+            Exp::Zmm => Exp::Ymm,
+            Exp::Ymm => Exp::Zmm,
+        };
+        if leap_kernels::softmax::cpu_ok(other) {
+            assert!(
+                !super::swiglu_agrees_with_ggml(other),
+                "the check tells {other:?} apart"
+            );
+        }
     }
 }

@@ -8,9 +8,12 @@
 //! backend computes for that row alone, so speculative output stays token-identical to plain
 //! decoding. It also claims attention's two f16 products over the KV cache (without flash
 //! attention) in calls of up to 4096 rows ([`kqmm`]): each cache row converted once for every
-//! head and row that reads it, with ggml's `vec_dot_f16` arithmetic, and Gemma's GELU-gated
-//! feed-forward unit ([`glu`]). Everything else (other types and ops) stays on ggml's CPU
-//! backend.
+//! head and row that reads it, with ggml's `vec_dot_f16` arithmetic, the gated feed-forward
+//! units (Gemma's GELU, SmolLM2's SwiGLU: [`glu`]), softmax, the KV cache's writes, and the
+//! small ops between them (RMS norms, multiplies, adds, scales, RoPE, attention's output
+//! copied into rows: `rowops`), each checked bit for bit against the loaded ggml's own op, so
+//! that a layer is one split of ggml's scheduler instead of ten. Everything else (other types
+//! and ops) stays on ggml's CPU backend.
 //!
 //! How it plugs in, with an unmodified llama.cpp: [`register`] adds the device to ggml's
 //! registry; every llama.cpp context created afterwards initialises an `ACCEL` backend for it
@@ -51,6 +54,7 @@ mod matmul;
 pub mod opencl;
 mod par;
 pub mod qnn;
+mod rowops;
 mod rows;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub mod softmax;
@@ -508,6 +512,15 @@ fn supports(
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         (Kind::Cpu, g::GGML_OP_MUL_MAT) => matmul::supports(op, cfg.take_output),
         (Kind::Cpu, g::GGML_OP_SET_ROWS) => attn::supports_set_rows(op, cfg) || rows::supports(op),
+        (
+            Kind::Cpu,
+            g::GGML_OP_RMS_NORM
+            | g::GGML_OP_MUL
+            | g::GGML_OP_ADD
+            | g::GGML_OP_SCALE
+            | g::GGML_OP_CONT
+            | g::GGML_OP_ROPE,
+        ) => rowops::supports(op, cfg.take_output),
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         (Kind::Cpu, g::GGML_OP_GLU) => glu::supports(op),
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
@@ -615,6 +628,15 @@ unsafe extern "C" fn backend_graph_compute(
                 g::GGML_OP_SET_ROWS => {
                     rows::compute(node);
                     (OpClass::CacheWrites, 0)
+                }
+                g::GGML_OP_RMS_NORM
+                | g::GGML_OP_MUL
+                | g::GGML_OP_ADD
+                | g::GGML_OP_SCALE
+                | g::GGML_OP_CONT
+                | g::GGML_OP_ROPE => {
+                    rowops::compute(node, threads);
+                    (OpClass::RowOps, 0)
                 }
                 _ => {
                     log::error!("leap-cpu: asked to compute a node it does not support");

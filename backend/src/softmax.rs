@@ -50,7 +50,7 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
 }
 
 /// The loaded ggml's exponential, found once per process.
-fn exp() -> Option<Exp> {
+pub(crate) fn exp() -> Option<Exp> {
     static EXP: OnceLock<Option<Exp>> = OnceLock::new();
     *EXP.get_or_init(|| {
         let found = agrees_with_ggml();

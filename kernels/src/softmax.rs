@@ -89,6 +89,24 @@ pub fn row(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) {
     let _ = (scale, y);
 }
 
+/// SwiGLU's unit, `y = silu(x) * g` element by element, as ggml's build `exp` computes it
+/// (`ggml_vec_swiglu_f32`: `ggml_v_silu`, `x / (1 + exp(0 - x))` with that build's `exp`, over
+/// whole vectors of its width, libm's `expf` for the tail).
+///
+/// # Panics
+/// Lengths differ, or the CPU does not run `exp` ([`cpu_ok`]).
+pub fn swiglu(exp: Exp, x: &[f32], g: &[f32], y: &mut [f32]) {
+    assert!(x.len() == y.len() && g.len() == y.len());
+    assert!(cpu_ok(exp), "the CPU does not run this kernel");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: checked above.
+    unsafe {
+        x86::swiglu(exp, x, g, y)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = y;
+}
+
 /// ggml's `MAX(max, v)` from the left over `w`, starting at `-inf`.
 #[cfg(any(test, target_arch = "x86_64"))]
 fn ggml_max(w: &[f32]) -> f32 {
@@ -246,6 +264,57 @@ mod tests {
         }
         if checked > 0 {
             eprintln!("{checked} rows checked");
+        }
+    }
+
+    /// SwiGLU's unit gives the scalar transcription's bits (`x / (1 + exp(0 - x)) * g` with
+    /// the build's `exp` over whole vectors, libm's `expf` for the tail) for lengths around
+    /// the vector widths and values past `exp`'s cut-offs, zeros of both signs, infinities.
+    #[test]
+    fn swiglu_matches_the_scalar_transcription() {
+        let mut rnd = crate::rng::XorShift::new(0x5eed_5a1f);
+        for exp in [Exp::Zmm, Exp::Ymm] {
+            if !cpu_ok(exp) {
+                eprintln!("the CPU does not run the {exp:?} kernel");
+                continue;
+            }
+            let width = exp.lanes();
+            for n in [1usize, 7, 8, 9, 16, 17, 33, 576, 1536, 1539] {
+                let x: Vec<f32> = (0..n)
+                    .map(|i| match i % 23 {
+                        3 => 0.0,
+                        4 => -0.0,
+                        5 => 150.0,
+                        6 => -150.0,
+                        7 => f32::INFINITY,
+                        8 => 100.0 * rnd.signed(),
+                        _ => 6.0 * rnd.signed(),
+                    })
+                    .collect();
+                let g: Vec<f32> = (0..n).map(|_| 3.0 * rnd.signed()).collect();
+                let whole = n / width * width;
+                let want: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let e = if i < whole {
+                            exp_lane(exp, 0.0 - x[i])
+                        } else {
+                            (-x[i]).exp()
+                        };
+                        x[i] / (1.0 + e) * g[i]
+                    })
+                    .collect();
+                let mut got = vec![0f32; n];
+                swiglu(exp, &x, &g, &mut got);
+                for i in 0..n {
+                    let same = want[i].to_bits() == got[i].to_bits()
+                        || (want[i].is_nan() && got[i].is_nan());
+                    assert!(
+                        same,
+                        "{exp:?} n {n} element {i} (x {}): {} vs {}",
+                        x[i], want[i], got[i]
+                    );
+                }
+            }
         }
     }
 

@@ -477,8 +477,9 @@ fn the_self_drafting_choice_is_the_model_s_weights() {
 }
 
 /// The device times its nodes by kind only while asked (`leap profile --ops`): a 4-row call
-/// on SmolLM2 counts its 30 layers' seven weight products, two attention products, softmax and
-/// two cache writes, with time on each kind that ran; a call after `take_timing` adds nothing.
+/// on SmolLM2 counts its 30 layers' seven weight products, two attention products, softmax,
+/// two cache writes, SwiGLU unit and nine small ops, with time on each kind that ran; a call
+/// after `take_timing` adds nothing.
 #[test]
 fn the_device_times_its_nodes_by_kind_while_asked() {
     use leap_backend::OpClass;
@@ -516,6 +517,12 @@ fn the_device_times_its_nodes_by_kind_while_asked() {
     // A softmax a layer, and the layer's keys and values written into the cache.
     assert_eq!(nodes(OpClass::Softmax), 30, "{t:?}");
     assert_eq!(nodes(OpClass::CacheWrites), 30 * 2, "{t:?}");
+    // SwiGLU's unit a layer.
+    assert_eq!(nodes(OpClass::Glu), 30, "{t:?}");
+    // A layer's two RMS norms and their weights' products, RoPE of its queries and keys,
+    // attention's output copied into rows and the two residual adds; then the output norm
+    // (its weight's product stays with the output projection in ggml's split).
+    assert_eq!(nodes(OpClass::RowOps), 30 * 9 + 1, "{t:?}");
     // Every kind that computed nodes took time, and only those.
     for c in OpClass::ALL {
         assert_eq!(t.of(c) > 0.0, nodes(c) > 0, "{c:?}: {t:?}");

@@ -288,3 +288,50 @@ unsafe fn exps_ymm(y: &mut [f32], max: f32, skip: bool) -> f64 {
     }
     tail(&mut y[i..], max, sum)
 }
+
+/// `y = silu(x) * g` as ggml's `ggml_vec_swiglu_f32`: whole vectors of its build's width by
+/// `ggml_v_silu` (`x / (1 + exp(0 - x))` with its `ggml_v_expf`), the tail by libm's `expf`.
+///
+/// # Safety
+/// The CPU runs `exp` ([`cpu_ok`]); equal lengths.
+pub(super) unsafe fn swiglu(exp: Exp, x: &[f32], g: &[f32], y: &mut [f32]) {
+    let i = match exp {
+        Exp::Zmm => swiglu_zmm(x, g, y),
+        Exp::Ymm => swiglu_ymm(x, g, y),
+    };
+    for ((y, &x), &g) in y[i..].iter_mut().zip(&x[i..]).zip(&g[i..]) {
+        *y = x / (1.0 + (-x).exp()) * g;
+    }
+}
+
+/// The whole 16-lane vectors of [`swiglu`]; returns where the tail starts.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn swiglu_zmm(x: &[f32], g: &[f32], y: &mut [f32]) -> usize {
+    let n = x.len();
+    let (px, pg, py) = (x.as_ptr(), g.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        let v = _mm512_loadu_ps(px.add(i));
+        let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        let s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+        _mm512_storeu_ps(py.add(i), _mm512_mul_ps(s, _mm512_loadu_ps(pg.add(i))));
+        i += 16;
+    }
+    i
+}
+
+/// The whole 8-lane vectors of [`swiglu`]; returns where the tail starts.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn swiglu_ymm(x: &[f32], g: &[f32], y: &mut [f32]) -> usize {
+    let n = x.len();
+    let (px, pg, py) = (x.as_ptr(), g.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    while i + 8 <= n {
+        let v = _mm256_loadu_ps(px.add(i));
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+        let s = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+        _mm256_storeu_ps(py.add(i), _mm256_mul_ps(s, _mm256_loadu_ps(pg.add(i))));
+        i += 8;
+    }
+    i
+}
