@@ -52,24 +52,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor) {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
     let convert = crate::attn::quantizer(g::GGML_TYPE_F16);
     let (nc, nr) = (s0.ne[0] as usize, s0.ne[1] as usize);
-    let index = |i: usize, i02: usize, i03: usize| -> usize {
-        let p = (s1.data as *const u8).add(
-            i * s1.nb[0]
-                + (i02 % s1.ne[1] as usize) * s1.nb[1]
-                + (i03 % s1.ne[2] as usize) * s1.nb[2],
-        );
-        let i1 = if s1.type_ == g::GGML_TYPE_I64 {
-            *p.cast::<i64>()
-        } else {
-            i64::from(*p.cast::<i32>())
-        };
-        assert!(
-            (0..node.ne[1]).contains(&i1),
-            "SET_ROWS index {i1} outside 0..{}",
-            node.ne[1]
-        );
-        i1 as usize
-    };
+    let rows_out = node.ne[1];
     HALVES.with(|h| {
         let h = &mut *h.borrow_mut();
         h.resize(nc * nr, 0);
@@ -78,11 +61,34 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor) {
                 let src = (s0.data as *const u8).add(i02 * s0.nb[2] + i03 * s0.nb[3]);
                 convert(src.cast(), h.as_mut_ptr().cast(), (nc * nr) as i64);
                 let dst = (node.data as *mut u8).add(i02 * node.nb[2] + i03 * node.nb[3]);
-                for (i, row) in h.chunks_exact(nc).enumerate() {
-                    let d = dst.add(index(i, i02, i03) * node.nb[1]).cast::<u16>();
-                    match nc {
-                        1 => d.write_unaligned(row[0]),
-                        _ => std::ptr::copy_nonoverlapping(row.as_ptr(), d, nc),
+                // This matrix's indices: a row of `s1` (broadcast over the source's matrices).
+                let idx = (s1.data as *const u8).add(
+                    (i02 % s1.ne[1] as usize) * s1.nb[1] + (i03 % s1.ne[2] as usize) * s1.nb[2],
+                );
+                let index = |i: usize| -> usize {
+                    let p = idx.add(i * s1.nb[0]);
+                    let i1 = if s1.type_ == g::GGML_TYPE_I64 {
+                        *p.cast::<i64>()
+                    } else {
+                        i64::from(*p.cast::<i32>())
+                    };
+                    assert!(
+                        (0..rows_out).contains(&i1),
+                        "SET_ROWS index {i1} outside 0..{rows_out}"
+                    );
+                    i1 as usize
+                };
+                if nc == 1 {
+                    // A transposed V cache: one half a cell.
+                    for (i, &v) in h.iter().enumerate() {
+                        dst.add(index(i) * node.nb[1])
+                            .cast::<u16>()
+                            .write_unaligned(v);
+                    }
+                } else {
+                    for (i, row) in h.chunks_exact(nc).enumerate() {
+                        let d = dst.add(index(i) * node.nb[1]).cast::<u16>();
+                        std::ptr::copy_nonoverlapping(row.as_ptr(), d, nc);
                     }
                 }
             }

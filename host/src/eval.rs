@@ -20,6 +20,15 @@ impl TensorView<'_> {
             .unwrap_or("")
     }
 
+    /// Whether the name is `name`, compared in place (a graph's callback asks about every
+    /// node: no `strlen` of each name).
+    pub fn name_is(&self, name: &str) -> bool {
+        let (have, want) = (&self.raw.name, name.as_bytes());
+        have.len() > want.len()
+            && have[want.len()] == 0
+            && have.iter().zip(want).all(|(&a, &b)| a as u8 == b)
+    }
+
     /// Shape, ggml order.
     pub fn ne(&self) -> [i64; 4] {
         self.raw.ne
