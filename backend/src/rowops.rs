@@ -20,8 +20,8 @@
 //!   `powf(base, -2 / n_dims)` from the position pair by pair, then the rotation. Where
 //!   ggml's build has FMA the compiler may fuse either product of `x0 cos - x1 sin` and
 //!   `x0 sin + x1 cos` into the other's sum; which it did is a property of the build, so the
-//!   device runs ggml's own op once ([`rope_fusion`]) and keeps the rotation that matches it, or
-//!   leaves RoPE to ggml.
+//!   device runs ggml's own op once for each rotation mode ([`rope_fusion`]) and keeps the
+//!   rotation that matches it, or leaves that mode's RoPE to ggml.
 //!
 //! [`checked`] runs ggml's ops on data that tells the roundings apart before the device
 //! claims any of them.
@@ -54,7 +54,11 @@ pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
         g::GGML_OP_MUL | g::GGML_OP_ADD => binary_ok(op),
         g::GGML_OP_SCALE => scale_ok(op),
         g::GGML_OP_CONT => cont_ok(op),
-        g::GGML_OP_ROPE => return rope_ok(op) && checked() && rope_fusion().is_some(),
+        g::GGML_OP_ROPE => {
+            return rope_ok(op)
+                && checked()
+                && Rope::of(op).is_some_and(|r| rope_fusion(r.neox).is_some())
+        }
         _ => false,
     };
     ok && checked()
@@ -218,14 +222,17 @@ fn fma_in_hardware() -> bool {
     }
 }
 
-/// The loaded ggml's RoPE fusion, found once per process ([`rope_fusion_of_ggml`]).
-fn rope_fusion() -> Option<Fusion> {
-    static F: OnceLock<Option<Fusion>> = OnceLock::new();
-    *F.get_or_init(|| {
-        let f = rope_fusion_of_ggml();
+/// The loaded ggml's RoPE fusion for one rotation mode (NeoX's halves or pairs of
+/// neighbours), found once per process ([`rope_fusion_of_ggml`]): a compiler may vectorize one
+/// mode's loop and not the other's, and fuse them differently.
+fn rope_fusion(neox: bool) -> Option<Fusion> {
+    static F: [OnceLock<Option<Fusion>>; 2] = [OnceLock::new(), OnceLock::new()];
+    *F[usize::from(neox)].get_or_init(|| {
+        let f = rope_fusion_of_ggml(neox);
+        let mode = if neox { "NeoX" } else { "pairwise" };
         match f {
-            None => log::warn!("Leap's RoPE does not reproduce ggml's here; not using it"),
-            Some(f) => log::debug!("ggml's RoPE rotation: {f:?}"),
+            None => log::warn!("Leap's {mode} RoPE does not reproduce ggml's here; not using it"),
+            Some(f) => log::debug!("ggml's {mode} RoPE rotation: {f:?}"),
         }
         f
     })
@@ -300,7 +307,14 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
         g::GGML_OP_ADD => binary(node, threads, |a, b| a + b),
         g::GGML_OP_SCALE => scale(node, threads),
         g::GGML_OP_CONT => cont(node, threads),
-        g::GGML_OP_ROPE => rope(node, threads, rope_fusion().expect("checked in supports")),
+        g::GGML_OP_ROPE => {
+            let neox = Rope::of(node).expect("checked in supports").neox;
+            rope(
+                node,
+                threads,
+                rope_fusion(neox).expect("checked in supports"),
+            )
+        }
         op => unreachable!("rowops::compute of op {op}"),
     }
 }
@@ -776,17 +790,17 @@ pub fn agrees_with_ggml() -> bool {
     }
 }
 
-/// The fusion of RoPE's rotation with which the device gives the loaded ggml's `ROPE` bit
-/// for bit, if one does ([`rope_fusions_of_ggml`]'s first).
-pub fn rope_fusion_of_ggml() -> Option<Fusion> {
-    rope_fusions_of_ggml().first().copied()
+/// The fusion of RoPE's rotation with which the device gives the loaded ggml's `ROPE` of mode
+/// `neox` bit for bit, if one does ([`rope_fusions_of_ggml`]'s first).
+pub fn rope_fusion_of_ggml(neox: bool) -> Option<Fusion> {
+    rope_fusions_of_ggml(neox).first().copied()
 }
 
 /// Every fusion of RoPE's rotation (of those this CPU runs) that gives the loaded ggml's
-/// `ROPE` bit for bit: ggml's op on Gemma 3's and SmolLM2's shapes (both rotation modes, their
-/// bases), a frequency scale and an attention factor, positions up to 100k, against each of
-/// the nine.
-fn rope_fusions_of_ggml() -> Vec<Fusion> {
+/// `ROPE` of mode `neox` bit for bit: ggml's op on Gemma 3's shapes and bases (NeoX) or
+/// SmolLM2's and another's (pairs of neighbours), with a frequency scale and an attention
+/// factor, positions up to 100k, against each of the nine.
+fn rope_fusions_of_ggml(neox: bool) -> Vec<Fusion> {
     use llama_cpp_sys_2 as sys;
     let Some(ctx) = Ctx::new() else {
         return Vec::new();
@@ -801,15 +815,18 @@ fn rope_fusions_of_ggml() -> Vec<Fusion> {
         .flat_map(|&a| all.iter().map(move |&b| (a, b)))
         .filter(|&f| hardware || f == (Fuse::None, Fuse::None))
         .collect();
-    let neox = NEOX;
+    let neox_mode = NEOX;
     // (head size, heads, mode, base, frequency scale, attention factor)
     let cases = [
-        (256i64, 4i64, neox, 10_000f32, 1f32, 1f32),
-        (256, 1, neox, 1_000_000.0, 0.125, 1.0),
+        (256i64, 4i64, neox_mode, 10_000f32, 1f32, 1f32),
+        (256, 1, neox_mode, 1_000_000.0, 0.125, 1.0),
         (64, 9, 0, 100_000.0, 1.0, 1.0),
         (128, 2, 0, 500_000.0, 0.25, 0.9),
     ];
     for (hd, heads, mode, base, fscale, attn) in cases {
+        if (mode == neox_mode) != neox {
+            continue;
+        }
         // SAFETY: tensors and nodes of the private context; data written before the graphs
         // run; `device` computes the graph's one node, RoPE.
         unsafe {
@@ -855,12 +872,15 @@ mod tests {
         assert!(super::agrees_with_ggml());
     }
 
-    /// One rotation of RoPE reproduces the loaded ggml's, and only one: the check's data
-    /// tells the fusions apart (where the build fused none, every fused rotation fails it).
+    /// One rotation of RoPE reproduces the loaded ggml's in each mode, and only one: the
+    /// check's data tells the fusions apart (where the build fused none, every fused rotation
+    /// fails it).
     #[test]
     fn rope_matches_ggml() {
-        let f = super::rope_fusions_of_ggml();
-        eprintln!("ggml's RoPE rotation: {f:?}");
-        assert_eq!(f.len(), 1, "{f:?}");
+        for neox in [true, false] {
+            let f = super::rope_fusions_of_ggml(neox);
+            eprintln!("ggml's RoPE rotation, NeoX {neox}: {f:?}");
+            assert_eq!(f.len(), 1, "NeoX {neox}: {f:?}");
+        }
     }
 }
