@@ -403,7 +403,17 @@ unsafe fn binary(node: &mut g::ggml_tensor, threads: usize, op: impl Fn(f32, f32
                 y.at(dst.row_at(r)).cast::<f32>(),
             );
             if n1 == n {
-                for i in 0..n {
+                // Sixteen at a time through registers (the output may be an input itself, so
+                // the compiler would not vectorize the plain loop): each element read before
+                // it is written.
+                let whole = n / 16 * 16;
+                for i in (0..whole).step_by(16) {
+                    let a: [f32; 16] = x.add(i).cast::<[f32; 16]>().read_unaligned();
+                    let b: [f32; 16] = w.add(i).cast::<[f32; 16]>().read_unaligned();
+                    let c: [f32; 16] = std::array::from_fn(|k| op(a[k], b[k]));
+                    y.add(i).cast::<[f32; 16]>().write_unaligned(c);
+                }
+                for i in whole..n {
                     *y.add(i) = op(*x.add(i), *w.add(i));
                 }
             } else {
@@ -777,6 +787,15 @@ pub fn agrees_with_ggml() -> bool {
             let b = ctx.tensor(ne, &mut v);
             ok &= ctx.same(sys::ggml_mul(c, a, b));
             ok &= ctx.same(sys::ggml_add(c, a, b));
+        }
+        // Rows with a tail past the last 16 elements, and one shorter than 16.
+        for ne0 in [1003i64, 7] {
+            let a = ctx.tensor([ne0, 3, 1, 1], &mut v);
+            for ne in [[ne0, 3, 1, 1], [ne0, 1, 1, 1]] {
+                let b = ctx.tensor(ne, &mut v);
+                ok &= ctx.same(sys::ggml_mul(c, a, b));
+                ok &= ctx.same(sys::ggml_add(c, a, b));
+            }
         }
         let s = ctx.tensor([1000, 3, 2, 1], &mut v);
         ok &= ctx.same(sys::ggml_scale(c, s, 0.0625));
