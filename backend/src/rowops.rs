@@ -552,26 +552,11 @@ unsafe fn rotate(r: &Rope, fusion: Fusion, cache: &[f32], x: *const f32, y: *mut
     }
 }
 
-/// [`rotate`] where `mul_add` is one instruction.
+/// [`rotate`] where `mul_add` is one instruction (on x86-64, compiled for FMA).
 ///
 /// # Safety
 /// As [`rotate`]; on x86-64 the CPU has FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-unsafe fn rotate_fma(
-    r: &Rope,
-    fusion: Fusion,
-    cache: &[f32],
-    x: *const f32,
-    y: *mut f32,
-    ne0: usize,
-) {
-    rotate(r, fusion, cache, x, y, ne0)
-}
-
-/// # Safety
-/// As [`rotate`].
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "fma"))]
 unsafe fn rotate_fma(
     r: &Rope,
     fusion: Fusion,
