@@ -383,8 +383,8 @@ unsafe fn compute_with(
     let (chunks, len) = chunks(ne02, per, n, ranges.as_deref());
     // Query rows rounded through f16 as ggml's conversion does, each chunk's rows over its
     // span, one after another.
-    q.resize(len, 0.0);
-    let out = Ptr(q.as_mut_ptr().cast());
+    // Every element of the first `len` is written below.
+    let out = Ptr(crate::par::prefix(q, len).as_mut_ptr().cast());
     let per_matrix = per.div_ceil(CHUNK);
     let chunk_of = |row: usize| {
         let (i02, k) = (row / per, row % per);

@@ -135,8 +135,8 @@ unsafe fn compute_with(
     // Query rows of a KV head `hk`, in the order (row i, head j of the group), rounded to f16
     // as ggml's `from_float`.
     let m = n_q * per;
-    qs.clear();
-    qs.resize(op.n_head_kv * m * d, 0.0);
+    // Every element is written below.
+    let qs = crate::par::prefix(qs, op.n_head_kv * m * d);
     for hk in 0..op.n_head_kv {
         for i in 0..n_q {
             for j in 0..per {
@@ -162,8 +162,8 @@ unsafe fn compute_with(
     // Scores of every cell a row's view holds, `[hk][query][cell]` (each row's contiguous for
     // its chunks' pass), the cells cut over the threads: each computes its cells' `[cell][query]`
     // block and writes it across.
-    scores.clear();
-    scores.resize(op.n_head_kv * n * m, 0.0);
+    // Every element is written below (the threads' cells cover the view).
+    let scores = crate::par::prefix(scores, op.n_head_kv * n * m);
     let out = Ptr(scores.as_mut_ptr().cast());
     let qs = &*qs;
     parallel(threads, &|t, nth| {

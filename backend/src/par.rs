@@ -15,3 +15,14 @@ impl Ptr {
         unsafe { self.0.add(offset) }
     }
 }
+
+/// The first `len` elements of `v`, which grows (zero-filled) only where it was shorter: for
+/// buffers reused from node to node whose first `len` elements the caller then writes in full.
+/// `Vec::resize` to a length between two nodes' would zero-fill the difference again each time
+/// (attention's query rows alternate between a `kq` node's few and a `kqv` node's many).
+pub(crate) fn prefix<T: Copy + Default>(v: &mut Vec<T>, len: usize) -> &mut [T] {
+    if v.len() < len {
+        v.resize(len, T::default());
+    }
+    &mut v[..len]
+}
