@@ -242,45 +242,17 @@ pub fn agrees_with_ggml() -> bool {
             _ => rnd(4.0),
         })
         .collect();
-    // SAFETY: a private ggml context with room for three tensors, a graph and its work; the
-    // data pointers are that context's, sized as created.
-    let want = unsafe {
-        let params = g::ggml_init_params {
-            mem_size: 16 << 20,
-            mem_buffer: std::ptr::null_mut(),
-            no_alloc: false,
-        };
-        let ctx = g::ggml_init(params);
-        if ctx.is_null() {
-            return false;
-        }
-        let a = g::ggml_new_tensor_2d(ctx, g::GGML_TYPE_F32, NC as i64, NR as i64);
-        let b = g::ggml_new_tensor_2d(ctx, g::GGML_TYPE_F32, NC as i64, NR as i64);
-        std::ptr::copy_nonoverlapping(x.as_ptr(), (*a).data.cast(), NC * NR);
-        std::ptr::copy_nonoverlapping(gv.as_ptr(), (*b).data.cast(), NC * NR);
-        let out = g::ggml_geglu_split(ctx, a, b);
-        let gf = g::ggml_new_graph(ctx);
-        g::ggml_build_forward_expand(gf, out);
-        let st = g::ggml_graph_compute_with_ctx(ctx, gf, 1);
-        let r = (st == g::GGML_STATUS_SUCCESS)
-            .then(|| std::slice::from_raw_parts((*out).data as *const f32, NC * NR).to_vec());
-        g::ggml_free(ctx);
-        match r {
-            Some(r) => r,
-            None => return false,
-        }
+    let Some(want) = ggml_unit(&x, &gv, NC, llama_cpp_sys_2::ggml_geglu_split) else {
+        return false;
     };
     let mut got = vec![0f32; NC * NR];
     geglu(table, &x, &gv, &mut got);
-    want.iter()
-        .zip(&got)
-        .all(|(w, g)| w.to_bits() == g.to_bits())
+    got.iter().map(|v| v.to_bits()).eq(want)
 }
 
 /// Whether SwiGLU's unit with `exp` gives ggml's own `SWIGLU` op bit for bit: rows of a
 /// length that leaves a tail, values past the exponential's cut-offs, zeros, infinities.
 pub fn swiglu_agrees_with_ggml(exp: Exp) -> bool {
-    use llama_cpp_sys_2 as sys;
     const NC: usize = 1539;
     const NR: usize = 3;
     let mut rnd = crate::check_values(0x6A09_E667_F3BC_C908u64);
@@ -296,41 +268,35 @@ pub fn swiglu_agrees_with_ggml(exp: Exp) -> bool {
         })
         .collect();
     let gv: Vec<f32> = (0..NC * NR).map(|_| rnd(4.0)).collect();
-    // SAFETY: a private ggml context with room for the tensors, a graph and its work; data
-    // written before the graph runs.
-    let want = unsafe {
-        let ctx = sys::ggml_init(sys::ggml_init_params {
-            mem_size: 16 << 20,
-            mem_buffer: std::ptr::null_mut(),
-            no_alloc: false,
-        });
-        if ctx.is_null() {
-            return false;
-        }
-        let a = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, NC as i64, NR as i64);
-        let b = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, NC as i64, NR as i64);
-        std::ptr::copy_nonoverlapping(x.as_ptr(), sys::ggml_get_data(a).cast(), NC * NR);
-        std::ptr::copy_nonoverlapping(gv.as_ptr(), sys::ggml_get_data(b).cast(), NC * NR);
-        let out = sys::ggml_swiglu_split(ctx, a, b);
-        let gf = sys::ggml_new_graph(ctx);
-        sys::ggml_build_forward_expand(gf, out);
-        let st = sys::ggml_graph_compute_with_ctx(ctx, gf, 2);
-        let r = (st == sys::GGML_STATUS_SUCCESS).then(|| {
-            std::slice::from_raw_parts(sys::ggml_get_data(out) as *const f32, NC * NR).to_vec()
-        });
-        sys::ggml_free(ctx);
-        match r {
-            Some(r) => r,
-            None => return false,
-        }
+    let Some(want) = ggml_unit(&x, &gv, NC, llama_cpp_sys_2::ggml_swiglu_split) else {
+        return false;
     };
     let mut got = vec![0f32; NC * NR];
     for ((x, g), y) in x.chunks(NC).zip(gv.chunks(NC)).zip(got.chunks_mut(NC)) {
         leap_kernels::softmax::swiglu(exp, x, g, y);
     }
-    want.iter()
-        .zip(&got)
-        .all(|(w, g)| w.to_bits() == g.to_bits())
+    got.iter().map(|v| v.to_bits()).eq(want)
+}
+
+/// ggml's own gated unit `unit` (`ggml_geglu_split`, `ggml_swiglu_split`) over rows of `nc` of
+/// gates `x` and values `g`, as f32 bits; `None` when the graph fails.
+fn ggml_unit(
+    x: &[f32],
+    g: &[f32],
+    nc: usize,
+    unit: unsafe extern "C" fn(
+        *mut llama_cpp_sys_2::ggml_context,
+        *mut llama_cpp_sys_2::ggml_tensor,
+        *mut llama_cpp_sys_2::ggml_tensor,
+    ) -> *mut llama_cpp_sys_2::ggml_tensor,
+) -> Option<Vec<u32>> {
+    let ctx = crate::check::Ctx::new()?;
+    let ne = [nc as i64, (x.len() / nc) as i64, 1, 1];
+    // SAFETY: tensors of the private context, written before its graph runs.
+    unsafe {
+        let out = unit(ctx.0, ctx.tensor_of(ne, x), ctx.tensor_of(ne, g));
+        ctx.ggml(out)
+    }
 }
 
 #[cfg(test)]

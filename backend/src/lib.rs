@@ -40,6 +40,7 @@
 //! loads it through `GGML_BACKEND_PATH`.
 
 pub mod attn;
+mod check;
 mod device;
 mod est;
 pub mod f16;

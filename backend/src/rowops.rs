@@ -28,6 +28,7 @@
 
 use std::sync::OnceLock;
 
+use crate::check::Ctx;
 use crate::ffi as g;
 use crate::par::{parallel, Ptr};
 
@@ -612,116 +613,17 @@ unsafe fn rope(node: &mut g::ggml_tensor, threads: usize, fusion: Fusion) {
     }
 }
 
-/// A private ggml context for a check's few tensors and graph.
-struct Ctx(*mut llama_cpp_sys_2::ggml_context);
-
-impl Ctx {
-    fn new() -> Option<Ctx> {
-        // SAFETY: ggml allocates the context's memory itself.
-        let ctx = unsafe {
-            llama_cpp_sys_2::ggml_init(llama_cpp_sys_2::ggml_init_params {
-                mem_size: 32 << 20,
-                mem_buffer: std::ptr::null_mut(),
-                no_alloc: false,
-            })
-        };
-        (!ctx.is_null()).then_some(Ctx(ctx))
-    }
-
-    /// A new f32 tensor of shape `ne` holding `values` (repeated as needed).
-    fn tensor(
-        &self,
-        ne: [i64; 4],
-        values: &mut impl FnMut() -> f32,
-    ) -> *mut llama_cpp_sys_2::ggml_tensor {
-        use llama_cpp_sys_2 as sys;
-        // SAFETY: a tensor of the context, its data as large as its elements.
-        unsafe {
-            let t = sys::ggml_new_tensor_4d(self.0, sys::GGML_TYPE_F32, ne[0], ne[1], ne[2], ne[3]);
-            let n = ne.iter().product::<i64>() as usize;
-            let d = std::slice::from_raw_parts_mut(sys::ggml_get_data(t).cast::<f32>(), n);
-            d.iter_mut().for_each(|v| *v = values());
-            t
-        }
-    }
-
-    /// ggml's result for `out` (its CPU backend, 2 threads), or `None` when the graph fails.
-    ///
-    /// # Safety
-    /// `out` is a node of this context whose sources are its tensors.
-    unsafe fn ggml(&self, out: *mut llama_cpp_sys_2::ggml_tensor) -> Option<Vec<u32>> {
-        use llama_cpp_sys_2 as sys;
-        let gf = sys::ggml_new_graph(self.0);
-        sys::ggml_build_forward_expand(gf, out);
-        (sys::ggml_graph_compute_with_ctx(self.0, gf, 2) == sys::GGML_STATUS_SUCCESS).then(|| {
-            let n = sys::ggml_nelements(out) as usize;
-            std::slice::from_raw_parts(sys::ggml_get_data(out).cast::<u32>(), n).to_vec()
+/// Whether the device's ops give ggml's result for `out`.
+///
+/// # Safety
+/// As [`Ctx::device`].
+unsafe fn same(ctx: &Ctx, out: *mut llama_cpp_sys_2::ggml_tensor) -> bool {
+    ctx.ggml(out).is_some_and(|want| {
+        ctx.device(out, &want, &|n, t| {
+            // SAFETY: the graph's nodes are this module's ops, allocated with data.
+            unsafe { compute(n, t) }
         })
-    }
-
-    /// Whether `compute` run on every node of `out`'s graph in order (views skipped; the
-    /// nodes' outputs spoiled first) gives `want`, with 1 and 2 threads.
-    ///
-    /// # Safety
-    /// `out` is a node of this context whose sources are its tensors; `compute` computes
-    /// each of the graph's nodes.
-    unsafe fn device(
-        &self,
-        out: *mut llama_cpp_sys_2::ggml_tensor,
-        want: &[u32],
-        compute: &dyn Fn(&mut g::ggml_tensor, usize),
-    ) -> bool {
-        use llama_cpp_sys_2 as sys;
-        let gf = sys::ggml_new_graph(self.0);
-        sys::ggml_build_forward_expand(gf, out);
-        let nodes: Vec<&mut g::ggml_tensor> = (0..sys::ggml_graph_n_nodes(gf))
-            .map(|i| &mut *sys::ggml_graph_node(gf, i).cast::<g::ggml_tensor>())
-            .filter(|t| {
-                !matches!(
-                    t.op,
-                    g::GGML_OP_VIEW
-                        | g::GGML_OP_PERMUTE
-                        | g::GGML_OP_TRANSPOSE
-                        | g::GGML_OP_RESHAPE
-                )
-            })
-            .collect();
-        let data = sys::ggml_get_data(out).cast::<u32>();
-        [1, 2].into_iter().all(|threads| {
-            for t in &nodes {
-                std::ptr::write_bytes(
-                    t.data.cast::<u8>(),
-                    0xff,
-                    sys::ggml_nbytes((*t as *const g::ggml_tensor).cast()),
-                );
-            }
-            for t in &nodes {
-                let t = *t as *const g::ggml_tensor as *mut g::ggml_tensor;
-                compute(&mut *t, threads);
-            }
-            std::slice::from_raw_parts(data, want.len()) == want
-        })
-    }
-
-    /// Whether the device's ops give ggml's result for `out`.
-    ///
-    /// # Safety
-    /// As [`Ctx::device`].
-    unsafe fn same(&self, out: *mut llama_cpp_sys_2::ggml_tensor) -> bool {
-        self.ggml(out).is_some_and(|want| {
-            self.device(out, &want, &|n, t| {
-                // SAFETY: the graph's nodes are this module's ops, allocated with data.
-                unsafe { compute(n, t) }
-            })
-        })
-    }
-}
-
-impl Drop for Ctx {
-    fn drop(&mut self) {
-        // SAFETY: the context `new` made.
-        unsafe { llama_cpp_sys_2::ggml_free(self.0) }
-    }
+    })
 }
 
 /// Values for the checks: spread over several magnitudes, with zeros, a negative zero,
@@ -757,9 +659,9 @@ pub fn agrees_with_ggml() -> bool {
             let x = ctx.tensor([n as i64, rows as i64, 1, 1], &mut v);
             let w = ctx.tensor([n as i64, 1, 1, 1], &mut v);
             let norm = sys::ggml_rms_norm(c, x, 1e-6);
-            ok &= ctx.same(norm);
+            ok &= same(&ctx, norm);
             let fused = sys::ggml_mul(c, sys::ggml_rms_norm(c, x, 1e-5), w);
-            ok &= ctx.same(fused);
+            ok &= same(&ctx, fused);
         }
         let a = ctx.tensor([64, 6, 4, 2], &mut v);
         for ne in [
@@ -770,26 +672,26 @@ pub fn agrees_with_ggml() -> bool {
             [16, 6, 2, 1],
         ] {
             let b = ctx.tensor(ne, &mut v);
-            ok &= ctx.same(sys::ggml_mul(c, a, b));
-            ok &= ctx.same(sys::ggml_add(c, a, b));
+            ok &= same(&ctx, sys::ggml_mul(c, a, b));
+            ok &= same(&ctx, sys::ggml_add(c, a, b));
         }
         // Rows with a tail past the last 16 elements, and one shorter than 16.
         for ne0 in [1003i64, 7] {
             let a = ctx.tensor([ne0, 3, 1, 1], &mut v);
             for ne in [[ne0, 3, 1, 1], [ne0, 1, 1, 1]] {
                 let b = ctx.tensor(ne, &mut v);
-                ok &= ctx.same(sys::ggml_mul(c, a, b));
-                ok &= ctx.same(sys::ggml_add(c, a, b));
+                ok &= same(&ctx, sys::ggml_mul(c, a, b));
+                ok &= same(&ctx, sys::ggml_add(c, a, b));
             }
         }
         let s = ctx.tensor([1000, 3, 2, 1], &mut v);
-        ok &= ctx.same(sys::ggml_scale(c, s, 0.0625));
-        ok &= ctx.same(sys::ggml_scale(c, s, 0.3));
+        ok &= same(&ctx, sys::ggml_scale(c, s, 0.0625));
+        ok &= same(&ctx, sys::ggml_scale(c, s, 0.3));
         let p = ctx.tensor([64, 5, 9, 1], &mut v);
-        ok &= ctx.same(sys::ggml_cont(c, sys::ggml_permute(c, p, 0, 2, 1, 3)));
-        ok &= ctx.same(sys::ggml_cont(c, sys::ggml_transpose(c, p)));
+        ok &= same(&ctx, sys::ggml_cont(c, sys::ggml_permute(c, p, 0, 2, 1, 3)));
+        ok &= same(&ctx, sys::ggml_cont(c, sys::ggml_transpose(c, p)));
         let perm = sys::ggml_permute(c, p, 0, 2, 1, 3);
-        ok &= ctx.same(sys::ggml_cont_2d(c, perm, 64 * 9, 5));
+        ok &= same(&ctx, sys::ggml_cont_2d(c, perm, 64 * 9, 5));
         ok
     }
 }
