@@ -535,6 +535,13 @@ fn supports(
     }
 }
 
+/// Whether `t`'s name is `name`, compared in place (no `strlen`: asked for graph nodes).
+pub(crate) fn named(t: &g::ggml_tensor, name: &[u8]) -> bool {
+    let n = name.len();
+    // `name` is a NUL-terminated char array inside the tensor.
+    t.name.len() > n && t.name[n] == 0 && t.name[..n].iter().zip(name).all(|(&a, &b)| a as u8 == b)
+}
+
 /// Pseudo-random values for the kernels' checks against ggml ([`leap_kernels::rng`] from
 /// `seed`): each call gives a value in `[-scale / 2, scale / 2)`.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]

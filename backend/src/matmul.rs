@@ -71,7 +71,7 @@ pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
     // on-demand projection asks for it, `take_output`): Leap's on-demand projection stops
     // the graph there through the eval callback, and ggml's scheduler only stops the split it
     // is in (a split of this device's would still run after it).
-    if !take_output && tensor_name(op).as_bytes() == OUTPUT {
+    if !take_output && crate::named(op, OUTPUT) {
         return false;
     }
     let (s0, s1) = (op.src[0], op.src[1]);

@@ -47,7 +47,7 @@ const OUTPUT_NORM: &[u8] = b"result_norm";
 /// stops only the split the eval callback stops in, so a projection in a split after the
 /// device's would still run).
 pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
-    if !take_output && op.op == g::GGML_OP_MUL && name_is(op, OUTPUT_NORM) {
+    if !take_output && op.op == g::GGML_OP_MUL && crate::named(op, OUTPUT_NORM) {
         return false;
     }
     let ok = match op.op {
@@ -56,20 +56,11 @@ pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
         g::GGML_OP_SCALE => scale_ok(op),
         g::GGML_OP_CONT => cont_ok(op),
         g::GGML_OP_ROPE => {
-            return rope_ok(op)
-                && checked()
-                && Rope::of(op).is_some_and(|r| rope_fusion(r.neox).is_some())
+            rope_ok(op) && Rope::of(op).is_some_and(|r| rope_fusion(r.neox).is_some())
         }
         _ => false,
     };
     ok && checked()
-}
-
-/// Whether `t`'s name is `name`.
-fn name_is(t: &g::ggml_tensor, name: &[u8]) -> bool {
-    let n = name.len();
-    // `name` is a NUL-terminated char array inside the tensor; the name fits it.
-    t.name.len() > n && t.name[n] == 0 && t.name[..n].iter().zip(name).all(|(&a, &b)| a as u8 == b)
 }
 
 /// f32 with contiguous elements (rows may be strided).
