@@ -5,8 +5,8 @@
 //! Their arithmetic is a few operations an element. What they cost in a decoding call is the
 //! switch of backends around them: ggml's scheduler cuts a layer's graph wherever the device's
 //! nodes and the CPU backend's meet, and each CPU split is a graph of its own (a plan, a
-//! thread pool made and freed, a parallel region, a barrier a node): about 2-3 us with two
-//! threads for a split whose arithmetic takes 0.3 us, and Gemma 3's one-token graph had 181
+//! thread pool made and freed, a parallel region, a barrier a node): 2-5 us with two threads
+//! on the EPYC VM for a split whose arithmetic takes 0.3 us, and Gemma 3's one-token graph had 181
 //! splits, SmolLM2's 361. With these ops on the device a layer is one split, and a one-row
 //! node runs on the calling thread (the other thread has nothing to do in a one-row norm in
 //! either backend).
