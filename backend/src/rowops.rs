@@ -499,27 +499,28 @@ thread_local! {
 /// Positions' rotations [`ROTATIONS`] keeps before it starts over.
 const ROTATIONS_KEPT: usize = 1024;
 
-/// [`rope_cache`] for position `p` into `cache` (`ne0` long), from [`ROTATIONS`] when this
-/// thread computed it before.
-fn rotations(r: &Rope, p: i32, cache: &mut [f32]) {
+/// The rotations of position `p` for rows of `ne0` ([`rope_cache`]) in `kept` ([`ROTATIONS`]'s
+/// map on this thread), computed there the first time.
+fn rotations<'m>(
+    kept: &'m mut std::collections::HashMap<RotationsKey, Box<[f32]>>,
+    r: &Rope,
+    p: i32,
+    ne0: usize,
+) -> &'m [f32] {
     let key = RotationsKey {
         pos: p,
-        ne0: cache.len(),
+        ne0,
         n_dims: r.n_dims,
         params: [r.freq_base, r.freq_scale, r.attn_factor].map(f32::to_bits),
     };
-    ROTATIONS.with(|m| {
-        let mut m = m.borrow_mut();
-        if let Some(c) = m.get(&key) {
-            cache.copy_from_slice(c);
-            return;
-        }
-        rope_cache(r, p, cache.len(), cache);
-        if m.len() >= ROTATIONS_KEPT {
-            m.clear();
-        }
-        m.insert(key, cache.into());
-    });
+    if !kept.contains_key(&key) && kept.len() >= ROTATIONS_KEPT {
+        kept.clear();
+    }
+    kept.entry(key).or_insert_with(|| {
+        let mut cache = vec![0f32; ne0];
+        rope_cache(r, p, ne0, &mut cache);
+        cache.into()
+    })
 }
 
 /// One row's rotation (`ne0` elements at `x`, written at `y`) from `cache`.
@@ -572,28 +573,30 @@ unsafe fn rope(node: &mut g::ggml_tensor, threads: usize, fusion: Fusion) {
     let fused = fusion != (Fuse::None, Fuse::None);
     let rows = dst.rows();
     let run = |range: std::ops::Range<usize>| {
-        let mut cache = vec![0f32; ne0];
-        let mut last = usize::MAX;
-        for row in range {
-            let [_, i2, _] = dst.index(row);
-            if i2 != last {
-                rotations(&r, pos[i2], &mut cache);
-                last = i2;
-            }
-            // SAFETY: row `row` of the source and destination hold ne0 floats; rows are
-            // disjoint between threads.
-            unsafe {
-                let (xr, yr) = (
-                    x.at(s0.row_at(row)).cast::<f32>().cast_const(),
-                    y.at(dst.row_at(row)).cast::<f32>(),
-                );
-                if fused {
-                    rotate_fma(&r, fusion, &cache, xr, yr, ne0);
-                } else {
-                    rotate(&r, fusion, &cache, xr, yr, ne0);
+        ROTATIONS.with(|kept| {
+            let kept = &mut kept.borrow_mut();
+            let (mut cache, mut last): (&[f32], usize) = (&[], usize::MAX);
+            for row in range {
+                let [_, i2, _] = dst.index(row);
+                if i2 != last {
+                    cache = rotations(kept, &r, pos[i2], ne0);
+                    last = i2;
+                }
+                // SAFETY: row `row` of the source and destination hold ne0 floats; rows are
+                // disjoint between threads.
+                unsafe {
+                    let (xr, yr) = (
+                        x.at(s0.row_at(row)).cast::<f32>().cast_const(),
+                        y.at(dst.row_at(row)).cast::<f32>(),
+                    );
+                    if fused {
+                        rotate_fma(&r, fusion, cache, xr, yr, ne0);
+                    } else {
+                        rotate(&r, fusion, cache, xr, yr, ne0);
+                    }
                 }
             }
-        }
+        })
     };
     if rows * ne0 < SERIAL || threads <= 1 || rows == 1 {
         run(0..rows);
