@@ -220,6 +220,103 @@ mod simd {
         sumf as f32
     }
 
+    /// [`super::Steps::scalar`] sixteen cells at a time: the visible cells' arguments
+    /// `x = score * scale + mask` (a product then a sum, as ggml's), packed to the front of a
+    /// register; their running maxima by a prefix scan in the register (log2 16 steps of
+    /// "the later value where it is greater, else the earlier", which is ggml's `x > M` fold
+    /// and associative, so the maxima are the fold's values); a cell raised the maximum where
+    /// `x` is greater than the maximum before it, and its exponential's argument is that
+    /// maximum minus `x`, else `x` minus it: the same subtractions of the same values. Returns
+    /// false (the steps unset) where a visible argument is NaN, which the scan would not order
+    /// as the fold does; the caller then takes the scalar pass.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `c0 <= c1`, both slices of `keys` hold cell `c1 - 1`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn steps(
+        st: &mut super::Steps,
+        keys: super::Keys<'_>,
+        scale: f32,
+        c0: usize,
+        c1: usize,
+    ) -> bool {
+        let n = c1 - c0;
+        st.cells.clear();
+        st.e.clear();
+        st.raised.clear();
+        st.cells.reserve(n);
+        st.e.reserve(n);
+        st.raised.reserve(n);
+        let (pc, pe, pr) = (
+            st.cells.as_mut_ptr(),
+            st.e.as_mut_ptr(),
+            st.raised.as_mut_ptr(),
+        );
+        let (sp, mp) = (keys.scores.as_ptr(), keys.mask.as_ptr());
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let vscale = _mm512_set1_ps(scale);
+        let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let one = _mm512_set1_epi32(1);
+        let mut m = f32::NEG_INFINITY;
+        let mut len = 0usize;
+        let mut c = c0;
+        while c < c1 {
+            let k = if c1 - c >= 16 {
+                0xFFFFu16
+            } else {
+                (1u16 << (c1 - c)) - 1
+            };
+            let sc = _mm512_maskz_loadu_ps(k, sp.add(c));
+            let mv = _mm512_maskz_loadu_ps(k, mp.add(c));
+            let x = _mm512_add_ps(_mm512_mul_ps(sc, vscale), mv);
+            // ggml skips `mv == -INFINITY`; a NaN mask value is not skipped (unordered: true).
+            let vis = k & _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(mv, ninf);
+            if _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(vis, x, x) != 0 {
+                st.cells.clear();
+                st.e.clear();
+                st.raised.clear();
+                return false;
+            }
+            let nv = vis.count_ones() as usize;
+            if nv > 0 {
+                let first = _mm512_set1_ps(m);
+                // The visible arguments in lanes 0..nv, -inf after (no maximum moves there).
+                let xs = _mm512_mask_compress_ps(ninf, vis, x);
+                let mut p = xs;
+                for sh in [1i32, 2, 4, 8] {
+                    let idx = _mm512_sub_epi32(lane, _mm512_set1_epi32(sh));
+                    let earlier = _mm512_mask_permutexvar_ps(ninf, !((1u16 << sh) - 1), idx, p);
+                    p = _mm512_max_ps(p, earlier);
+                }
+                // With the maximum before this block: later where greater, else earlier.
+                let p = _mm512_max_ps(p, first);
+                let before =
+                    _mm512_mask_permutexvar_ps(first, 0xFFFE, _mm512_sub_epi32(lane, one), p);
+                let live = ((1u32 << nv) - 1) as u16;
+                let up = _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(live, xs, before);
+                let e =
+                    _mm512_mask_blend_ps(up, _mm512_sub_ps(xs, before), _mm512_sub_ps(before, xs));
+                let cells = _mm512_maskz_compress_epi32(
+                    vis,
+                    _mm512_add_epi32(lane, _mm512_set1_epi32(c as i32)),
+                );
+                _mm512_mask_storeu_epi32(pc.add(len).cast(), live, cells);
+                _mm512_mask_storeu_ps(pe.add(len), live, e);
+                _mm512_mask_storeu_epi32(pr.add(len).cast(), live, _mm512_maskz_mov_epi32(up, one));
+                let last = _mm512_permutexvar_ps(_mm512_set1_epi32(nv as i32 - 1), p);
+                m = _mm512_cvtss_f32(last);
+                len += nv;
+            }
+            c += 16;
+        }
+        // SAFETY: the first len elements of each were written above (capacity n >= len).
+        st.cells.set_len(len);
+        st.e.set_len(len);
+        st.raised.set_len(len);
+        st.m = m;
+        true
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn half(x: f32) -> u16 {
         _mm_extract_epi16::<0>(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x))) as u16
@@ -387,15 +484,39 @@ fn row_with(
 struct Steps {
     cells: Vec<u32>,
     e: Vec<f32>,
-    raised: Vec<bool>,
+    /// 1 where the cell raised the maximum (a whole word, as AVX-512 stores a lane).
+    raised: Vec<u32>,
     m: f32,
     /// Scratch for a split row's chunk accumulator ([`row_with`]).
     partial: Vec<f32>,
 }
 
 impl Steps {
-    /// The steps of cells `c0..c1` of `keys` at `scale`.
+    /// The steps of cells `c0..c1` of `keys` at `scale`: sixteen cells at a time where the CPU
+    /// has AVX-512 ([`simd::steps`]), else one at a time ([`Steps::scalar`]); the same steps
+    /// either way.
     fn of(&mut self, keys: Keys<'_>, scale: f32, c0: usize, c1: usize) {
+        assert!(c0 <= c1 && c1 <= keys.mask.len() && c1 <= keys.scores.len());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512F (checked); cells c0..c1 are inside both slices.
+        if simd::zmm_ok() && unsafe { simd::steps(self, keys, scale, c0, c1) } {
+            self.exps();
+            return;
+        }
+        self.scalar(keys, scale, c0, c1);
+        self.exps();
+    }
+
+    /// The exponentials of the steps' arguments (libm's `expf`, as ggml's).
+    fn exps(&mut self) {
+        for e in self.e.iter_mut() {
+            *e = e.exp();
+        }
+    }
+
+    /// [`Steps::of`]'s maxima pass one cell at a time, as ggml's loop (the arguments of the
+    /// exponentials in `e`).
+    fn scalar(&mut self, keys: Keys<'_>, scale: f32, c0: usize, c1: usize) {
         self.cells.clear();
         self.e.clear();
         self.raised.clear();
@@ -409,15 +530,12 @@ impl Steps {
             self.cells.push(c as u32);
             if x > m {
                 self.e.push(m - x);
-                self.raised.push(true);
+                self.raised.push(1);
                 m = x;
             } else {
                 self.e.push(x - m);
-                self.raised.push(false);
+                self.raised.push(0);
             }
-        }
-        for e in self.e.iter_mut() {
-            *e = e.exp();
         }
         self.m = m;
     }
@@ -427,7 +545,7 @@ impl Steps {
     fn at(&self, k: usize) -> (usize, f32, f32) {
         let e = self.e[k];
         let c = self.cells[k] as usize;
-        if self.raised[k] {
+        if self.raised[k] != 0 {
             (c, e, 1.0)
         } else {
             (c, 1.0, e)
@@ -466,7 +584,7 @@ fn chunk_scalar(steps: &Steps, values: Values<'_>, sum_fused: bool, out: &mut [f
     let mut acc = vec![0u16; dv];
     for k in 0..steps.cells.len() {
         let (c, ms, vs) = steps.at(k);
-        if steps.raised[k] {
+        if steps.raised[k] != 0 {
             scale_f16(&mut acc, ms);
         }
         let v = c * values.stride;
@@ -548,7 +666,7 @@ mod regs {
                 let vp = values.data.as_ptr();
                 for k in 0..steps.cells.len() {
                     let (c, ms, vs) = steps.at(k);
-                    if steps.raised[k] {
+                    if steps.raised[k] != 0 {
                         let w = $set1(ms);
                         for a in acc.iter_mut() {
                             *a = $round($mul(*a, w));
@@ -772,6 +890,103 @@ mod tests {
             assert!(got.iter().all(|&g| g == 0.0));
         }
         assert!(split_differs);
+    }
+
+    /// The AVX-512 maxima pass gives the scalar pass's steps exactly: chunks starting and
+    /// ending inside a block of sixteen, shorter than one, masked runs (a sliding window's
+    /// start, a tail, scattered cells, whole blocks), ties and signed zeros, rising keys (the
+    /// maximum moving in most blocks), a cell at -inf that is not masked, and a NaN (which
+    /// takes the scalar pass).
+    #[test]
+    fn vector_maxima_pass_gives_the_scalar_steps() {
+        #[cfg(target_arch = "x86_64")]
+        if !simd::zmm_ok() {
+            eprintln!("no AVX-512 here: the scalar pass is the only one");
+            return;
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        return;
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut rng = XorShift::new(23);
+            let mut checked = 0;
+            for case in 0..400usize {
+                let n = 1 + (case * 37) % 300;
+                let rising = case % 3 == 1;
+                let mut scores: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let v = rng.centered() * 4.0;
+                        let v = if case % 5 == 0 {
+                            (v * 2.0).round() * 0.5
+                        } else {
+                            v
+                        };
+                        v + if rising { i as f32 * 0.05 } else { 0.0 }
+                    })
+                    .collect();
+                if case % 7 == 0 {
+                    // Zeros of both signs tie for the maximum.
+                    for (i, v) in scores.iter_mut().enumerate() {
+                        *v = if i % 4 == 1 {
+                            if i % 8 == 1 {
+                                0.0
+                            } else {
+                                -0.0
+                            }
+                        } else {
+                            -v.abs()
+                        };
+                    }
+                }
+                if case % 11 == 3 {
+                    scores[n / 2] = f32::NEG_INFINITY;
+                }
+                let nan = case % 50 == 9;
+                if nan {
+                    scores[n / 3] = f32::NAN;
+                }
+                let window = if case % 4 == 2 { n / 3 } else { 0 };
+                let mask: Vec<f32> = (0..n)
+                    .map(|c| {
+                        if c < window || c + 5 >= n && case % 2 == 0 || c % 29 == 7 {
+                            f32::NEG_INFINITY
+                        } else if case % 7 == 0 {
+                            // x keeps the score's sign of zero (-0 + -0 = -0).
+                            -0.0
+                        } else if case % 6 == 5 {
+                            -0.5 * (c % 3) as f32
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let keys = Keys {
+                    scores: &scores,
+                    mask: &mask,
+                };
+                let (c0, c1) = ((case * 13) % n.min(40), n - (case % 17).min(n / 2));
+                if c0 > c1 {
+                    continue;
+                }
+                let mut want = Steps::default();
+                want.scalar(keys, 0.125, c0, c1);
+                let mut got = Steps::default();
+                // SAFETY: AVX-512F checked; cells c0..c1 are inside both slices.
+                let took = unsafe { simd::steps(&mut got, keys, 0.125, c0, c1) };
+                let has_nan = (c0..c1).any(|c| scores[c].is_nan() && mask[c] != f32::NEG_INFINITY);
+                assert_eq!(took, !has_nan, "case {case}");
+                if !took {
+                    continue;
+                }
+                assert_eq!(got.cells, want.cells, "case {case}");
+                assert_eq!(got.raised, want.raised, "case {case}");
+                assert_eq!(got.m.to_bits(), want.m.to_bits(), "case {case}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got.e), bits(&want.e), "case {case}");
+                checked += 1;
+            }
+            assert!(checked > 300);
+        }
     }
 
     /// The register kernels give the halves-in-memory arithmetic's bits: head sizes the
