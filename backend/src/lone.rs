@@ -8,7 +8,7 @@ use leap_kernels::f16::{from_f32, to_f32};
 
 use crate::ffi as g;
 pub use leap_kernels::lone::{
-    ariths, dot_zmm, roundings, row, Arith, Dot, Keys, Merge, Rounding, Values, SPLIT_FROM,
+    ariths, dot_zmm, roundings, row, rows, Arith, Dot, Keys, Merge, Rounding, Values, SPLIT_FROM,
 };
 
 /// Query rows of a flash-attention node the device computes the lone way. ggml's CPU backend
@@ -112,6 +112,9 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
 }
 
 thread_local! {
+    /// A thread's block of [`compute`]'s key dot products, `[cell][query]`, before they are
+    /// written across as rows.
+    static SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// [`compute`]'s rounded query rows and scores, reused from node to node on the calling
     /// thread (a layer's scores are ~100 KB: an allocation that size can be a fresh mapping
     /// every time).
@@ -168,28 +171,26 @@ unsafe fn compute_with(
     let qs = &*qs;
     parallel(threads, &|t, nth| {
         let (c0, c1) = (t * n / nth, (t + 1) * n / nth);
-        let mut sums = vec![0f32; (c1 - c0) * m];
-        for hk in 0..op.n_head_kv {
-            dots(
-                arith.dot,
-                op.k.add(hk * op.k_head + c0 * op.k_row),
-                op.k_row,
-                c1 - c0,
-                &qs[hk * m * d..(hk + 1) * m * d],
-                d,
-                &mut sums,
-            );
-            for col in 0..m {
-                // SAFETY: cells c0..c1 of each query row of kv head hk: this thread's only.
-                let dst = std::slice::from_raw_parts_mut(
-                    out.at(((hk * m + col) * n + c0) * 4).cast::<f32>(),
+        SUMS.with(|s| {
+            let sums = &mut *s.borrow_mut();
+            // Every element is written by `dots` before it is read.
+            let sums = crate::par::prefix(sums, (c1 - c0) * m);
+            for hk in 0..op.n_head_kv {
+                dots(
+                    arith.dot,
+                    op.k.add(hk * op.k_head + c0 * op.k_row),
+                    op.k_row,
                     c1 - c0,
+                    &qs[hk * m * d..(hk + 1) * m * d],
+                    d,
+                    sums,
                 );
-                for (c, v) in dst.iter_mut().enumerate() {
-                    *v = sums[c * m + col];
-                }
+                // SAFETY: cells c0..c1 of each query row of kv head hk: this thread's only.
+                leap_kernels::transpose::columns_to(sums, m, c1 - c0, |col| {
+                    out.at(((hk * m + col) * n + c0) * 4).cast::<f32>()
+                });
             }
-        }
+        })
     });
     // Each row's mask as f32 over its view, shared by its heads (zeros where there is none).
     let masks: Vec<Vec<f32>> = masks
@@ -202,13 +203,21 @@ unsafe fn compute_with(
         .collect();
     let (scores, masks) = (&*scores, &masks);
     let dst = Ptr(op.dst);
-    let tasks = n_q * op.n_head;
     let stride = op.v_row / 2;
+    // The (row, head) tasks by key-value head and view, so that the rows that read the same
+    // values over the same view come together: each thread takes a run of them, and
+    // `leap_kernels::lone::rows` walks a run's cells together.
+    let mut order: Vec<(usize, usize, usize)> = (0..op.n_head_kv)
+        .flat_map(|hk| (0..n_q).flat_map(move |i| (0..per).map(move |j| (hk, i, j))))
+        .collect();
+    order.sort_by_key(|&(hk, i, _)| (hk, masks[i].len()));
+    let order = &order;
+    let tasks = order.len();
     parallel(threads.min(tasks), &|t, nth| {
-        for task in (t..tasks).step_by(nth) {
-            let (i, h) = (task / op.n_head, task % op.n_head);
-            let (hk, j) = (h / per, h % per);
-            let view = masks[i].len();
+        let mine = &order[t * tasks / nth..(t + 1) * tasks / nth];
+        for run in mine.chunk_by(|a, b| a.0 == b.0 && masks[a.1].len() == masks[b.1].len()) {
+            let (hk, i0, _) = run[0];
+            let view = masks[i0].len();
             let values = std::slice::from_raw_parts(
                 op.v.add(hk * op.v_head).cast::<u16>(),
                 if view == 0 {
@@ -217,22 +226,33 @@ unsafe fn compute_with(
                     (view - 1) * stride + dv
                 },
             );
-            // SAFETY: row i, head h of dst, written by this task only.
-            let o = std::slice::from_raw_parts_mut(
-                dst.at(i * op.dst_row + h * op.dst_head).cast::<f32>(),
-                dv,
-            );
-            let at = (hk * m + i * per + j) * n;
-            let keys = Keys {
-                scores: &scores[at..at + n],
-                mask: &masks[i],
-            };
+            let keys: Vec<Keys<'_>> = run
+                .iter()
+                .map(|&(hk, i, j)| {
+                    let at = (hk * m + i * per + j) * n;
+                    Keys {
+                        scores: &scores[at..at + n],
+                        mask: &masks[i],
+                    }
+                })
+                .collect();
+            let mut outs: Vec<&mut [f32]> = run
+                .iter()
+                .map(|&(hk, i, j)| {
+                    // SAFETY: row i, head h of dst, this task's only.
+                    std::slice::from_raw_parts_mut(
+                        dst.at(i * op.dst_row + (hk * per + j) * op.dst_head)
+                            .cast::<f32>(),
+                        dv,
+                    )
+                })
+                .collect();
             let vals = Values {
                 data: values,
                 stride,
                 dv,
             };
-            row(keys, op.scale, vals, threads, arith.rounding, o);
+            rows(&keys, op.scale, vals, threads, arith.rounding, &mut outs);
         }
     });
 }

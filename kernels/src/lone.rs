@@ -414,6 +414,132 @@ thread_local! {
     static STEPS: std::cell::RefCell<Steps> = std::cell::RefCell::new(Steps::default());
 }
 
+/// How many rows [`rows`] walks the cells with at once here (one value row converted for all
+/// of them): 6 with AVX-512, 3 with AVX2, 1 (each row alone) elsewhere.
+pub fn rows_at_once() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd::zmm_ok() {
+            return shared::ZMM_ROWS;
+        }
+        if simd::ok() {
+            return shared::YMM_ROWS;
+        }
+    }
+    1
+}
+
+/// Rows that read the same value rows over views of the same length (the query heads of a
+/// key-value head, the rows of a verification batch), each computed exactly as [`row`]
+/// computes it alone: the same chunks, steps and updates, but a chunk's updates of up to
+/// [`rows_at_once`] rows walk the cells together, each value row loaded and converted once for
+/// all of them. `outs[i]` gets row `i`'s `dv` outputs.
+pub fn rows(
+    keys: &[Keys<'_>],
+    scale: f32,
+    values: Values<'_>,
+    threads: usize,
+    rounding: Rounding,
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(keys.len(), outs.len());
+    let Some(first) = keys.first() else {
+        return;
+    };
+    let (n, dv) = (first.mask.len(), values.dv);
+    assert!(keys.iter().all(|k| k.mask.len() == n));
+    #[cfg(target_arch = "x86_64")]
+    if keys.len() > 1 && shared::fits(dv, true) {
+        GROUP.with(|g| {
+            let g = &mut *g.borrow_mut();
+            for (keys, outs) in keys
+                .chunks(rows_at_once())
+                .zip(outs.chunks_mut(rows_at_once()))
+            {
+                rows_together(keys, scale, values, threads, rounding, outs, g);
+            }
+        });
+        return;
+    }
+    for (k, o) in keys.iter().zip(outs.iter_mut()) {
+        row(*k, scale, values, threads, rounding, o);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// [`rows`]' steps and accumulators, reused on each thread.
+    static GROUP: std::cell::RefCell<Group> = std::cell::RefCell::new(Group::default());
+}
+
+/// The state of [`rows_together`]: a row's steps, the rows' chunk accumulators, the cells any
+/// of them sees.
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+struct Group {
+    steps: Vec<Steps>,
+    accs: Vec<f32>,
+    union: Vec<u32>,
+}
+
+/// [`rows`] for at most [`rows_at_once`] rows.
+#[cfg(target_arch = "x86_64")]
+fn rows_together(
+    keys: &[Keys<'_>],
+    scale: f32,
+    values: Values<'_>,
+    threads: usize,
+    rounding: Rounding,
+    outs: &mut [&mut [f32]],
+    g: &mut Group,
+) {
+    let (n, dv, count) = (keys[0].mask.len(), values.dv, keys.len());
+    for k in keys {
+        assert!(k.scores.len() >= n);
+    }
+    for o in outs.iter() {
+        assert_eq!(o.len(), dv);
+    }
+    assert!(n == 0 || values.data.len() >= (n - 1) * values.stride + dv);
+    if g.steps.len() < count {
+        g.steps.resize_with(count, Steps::default);
+    }
+    g.accs.resize(count * dv, 0.0);
+    let mut merged: Vec<Merged<'_>> = outs.iter_mut().map(|o| Merged::new(o, n)).collect();
+    for (c0, c1) in chunks(n, threads) {
+        for (st, k) in g.steps.iter_mut().zip(keys) {
+            st.of(*k, scale, c0, c1);
+        }
+        let steps = &g.steps[..count];
+        // The cells any row sees, in order.
+        g.union.clear();
+        let mut seen = vec![false; c1 - c0];
+        for st in steps {
+            for &c in &st.cells {
+                seen[c as usize - c0] = true;
+            }
+        }
+        g.union
+            .extend((c0..c1).filter(|&c| seen[c - c0]).map(|c| c as u32));
+        // SAFETY: `fits(dv, true)` held (the CPU runs the kernel, dv a whole number of its slices);
+        // every step's value row is inside `values.data` (asserted above for the view), and
+        // `accs` holds count * dv.
+        unsafe { shared::run(steps, &g.union, values, &mut g.accs, true) };
+        for (r, m) in merged.iter_mut().enumerate() {
+            let st = &steps[r];
+            m.add(
+                st.m,
+                st.sum(rounding.sum_fused),
+                &g.accs[r * dv..(r + 1) * dv],
+                rounding,
+            );
+        }
+    }
+    for m in merged {
+        m.finish();
+    }
+}
+
 fn row_with(
     keys: Keys<'_>,
     scale: f32,
@@ -423,28 +549,14 @@ fn row_with(
     out: &mut [f32],
     steps: &mut Steps,
 ) {
-    let (n_kv, dv) = (keys.mask.len(), values.dv);
-    if n_kv < SPLIT_FROM {
-        let (_, s) = chunk(keys, scale, values, 0, n_kv, rounding.sum_fused, out, steps);
-        let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
-        for o in out.iter_mut() {
-            *o *= inv;
-        }
-        return;
-    }
-    let size = n_kv.div_ceil(threads);
-    let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
-    out.fill(0.0);
+    let dv = values.dv;
     // A chunk's accumulator, kept with the steps from row to row.
     let mut acc = std::mem::take(&mut steps.partial);
     acc.resize(dv, 0.0);
-    for t in 0..threads {
-        let c0 = t * size;
-        if c0 >= n_kv {
-            continue;
-        }
-        let c1 = (c0 + size).min(n_kv);
-        let (pm, ps) = chunk(
+    let n = keys.mask.len();
+    let mut merged = Merged::new(out, n);
+    for (c0, c1) in chunks(n, threads) {
+        let (m, s) = chunk(
             keys,
             scale,
             values,
@@ -454,21 +566,74 @@ fn row_with(
             &mut acc,
             steps,
         );
-        if ps == 0.0 {
-            continue;
+        merged.add(m, s, &acc, rounding);
+    }
+    merged.finish();
+    steps.partial = acc;
+}
+
+/// The chunks ggml computes a lone row's view of `n` cells in: one below [`SPLIT_FROM`] cells,
+/// else one of `ceil(n / threads)` cells per thread (empty ones left out).
+fn chunks(n: usize, threads: usize) -> impl Iterator<Item = (usize, usize)> {
+    let (size, count) = if n < SPLIT_FROM {
+        (n, 1)
+    } else {
+        let size = n.div_ceil(threads);
+        (size, n.div_ceil(size))
+    };
+    (0..count).map(move |t| (t * size, ((t + 1) * size).min(n)))
+}
+
+/// A row's output as its chunks come, as ggml's: an unsplit row's one chunk is its
+/// accumulator; a split row's chunks are merged in order into zeros (empty ones skipped); the
+/// whole is divided by the sum at the end.
+struct Merged<'a> {
+    out: &'a mut [f32],
+    split: bool,
+    m: f32,
+    s: f32,
+}
+
+impl<'a> Merged<'a> {
+    /// A row over a view of `n` cells.
+    fn new(out: &'a mut [f32], n: usize) -> Self {
+        let split = n >= SPLIT_FROM;
+        if split {
+            out.fill(0.0);
         }
-        let mn = m.max(pm);
-        let (so, sn) = ((m - mn).exp(), (pm - mn).exp());
-        for (o, a) in out.iter_mut().zip(&acc) {
+        Merged {
+            out,
+            split,
+            m: f32::NEG_INFINITY,
+            s: 0.0,
+        }
+    }
+
+    /// The next chunk's running maximum `pm`, sum `ps` and accumulator.
+    fn add(&mut self, pm: f32, ps: f32, acc: &[f32], rounding: Rounding) {
+        if !self.split {
+            self.out.copy_from_slice(&acc[..self.out.len()]);
+            self.s = ps;
+            return;
+        }
+        if ps == 0.0 {
+            return;
+        }
+        let mn = self.m.max(pm);
+        let (so, sn) = ((self.m - mn).exp(), (pm - mn).exp());
+        for (o, a) in self.out.iter_mut().zip(acc) {
             *o = rounding.merge.apply(*o, so, *a, sn);
         }
-        s = rounding.merge.apply(s, so, ps, sn);
-        m = mn;
+        self.s = rounding.merge.apply(self.s, so, ps, sn);
+        self.m = mn;
     }
-    steps.partial = acc;
-    if s != 0.0 {
-        let inv = 1.0 / s;
-        for o in out.iter_mut() {
+
+    fn finish(self) {
+        if self.split && self.s == 0.0 {
+            return;
+        }
+        let inv = if self.s == 0.0 { 0.0 } else { 1.0 / self.s };
+        for o in self.out.iter_mut() {
             *o *= inv;
         }
     }
@@ -538,6 +703,20 @@ impl Steps {
             }
         }
         self.m = m;
+    }
+
+    /// The chunk's sum S of the weights: ggml's `S = S*ms + vs` over the steps.
+    fn sum(&self, fused: bool) -> f32 {
+        let mut s = 0.0f32;
+        for k in 0..self.cells.len() {
+            let (_, ms, vs) = self.at(k);
+            s = if fused {
+                s.mul_add(ms, vs)
+            } else {
+                s * ms + vs
+            };
+        }
+        s
     }
 
     /// Step `k`: its cell, and `(ms, vs)`.
@@ -693,24 +872,169 @@ mod regs {
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn load16(p: *const u16) -> __m512 {
+    pub(super) unsafe fn load16(p: *const u16) -> __m512 {
         _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
     }
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn round16(x: __m512) -> __m512 {
+    pub(super) unsafe fn round16(x: __m512) -> __m512 {
         _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(p: *const u16) -> __m256 {
+    pub(super) unsafe fn load8(p: *const u16) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn round8(x: __m256) -> __m256 {
+    pub(super) unsafe fn round8(x: __m256) -> __m256 {
         _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x))
     }
+
+    kernel!(
+        zmm,
+        "avx512f",
+        __m512,
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_mul_ps,
+        _mm512_fmadd_ps,
+        load16,
+        round16,
+        _mm512_storeu_ps
+    );
+    kernel!(
+        ymm,
+        "avx2,fma,f16c",
+        __m256,
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_mul_ps,
+        _mm256_fmadd_ps,
+        load8,
+        round8,
+        _mm256_storeu_ps
+    );
+}
+
+/// [`rows`]' value updates: rows' accumulators for a slice of four registers of the values
+/// each, in registers together (six rows with AVX-512, three with AVX2), walking the cells any
+/// of them sees; at each cell the slice of the value row is loaded and converted once, and each
+/// row that sees the cell takes its update (its rescaling first where it raised the maximum),
+/// rounded through f16 as [`regs`] rounds it. Rows and slices are independent element for
+/// element, so each row's values are [`regs`]' (and [`chunk_scalar`]'s).
+#[cfg(target_arch = "x86_64")]
+mod shared {
+    use super::{Steps, Values};
+    use std::arch::x86_64::*;
+
+    pub(super) const ZMM_ROWS: usize = 6;
+    pub(super) const YMM_ROWS: usize = 3;
+    /// Registers of values a row keeps per pass.
+    const REGS: usize = 4;
+
+    /// Whether [`run`] takes value rows of `dv` here (with `wide`, AVX-512's kernel where the
+    /// CPU has it).
+    pub(super) fn fits(dv: usize, wide: bool) -> bool {
+        if wide && super::simd::zmm_ok() {
+            dv.is_multiple_of(REGS * 16)
+        } else {
+            super::simd::ok() && dv.is_multiple_of(REGS * 8)
+        }
+    }
+
+    /// Each row's chunk accumulator (`accs[r * dv..]`, f16 values widened) from its steps, over
+    /// the cells `union` (ascending, every cell of every row's steps).
+    ///
+    /// # Safety
+    /// [`fits`] holds for `values.dv` and `wide`; every cell's value row is inside
+    /// `values.data`; `accs` holds `steps.len() * dv`.
+    pub(super) unsafe fn run(
+        steps: &[Steps],
+        union: &[u32],
+        values: Values<'_>,
+        accs: &mut [f32],
+        wide: bool,
+    ) {
+        let dv = values.dv;
+        macro_rules! go {
+            ($f:ident, $lanes:literal, $max:expr) => {{
+                for (g, part) in steps.chunks($max).enumerate() {
+                    let out = accs.as_mut_ptr().add(g * $max * dv);
+                    for off in (0..dv).step_by(REGS * $lanes) {
+                        match part.len() {
+                            1 => $f::<1>(part, union, values, off, out),
+                            2 => $f::<2>(part, union, values, off, out),
+                            3 => $f::<3>(part, union, values, off, out),
+                            4 => $f::<4>(part, union, values, off, out),
+                            5 => $f::<5>(part, union, values, off, out),
+                            _ => $f::<6>(part, union, values, off, out),
+                        }
+                    }
+                }
+            }};
+        }
+        if wide && super::simd::zmm_ok() {
+            go!(zmm, 16, ZMM_ROWS)
+        } else {
+            go!(ymm, 8, YMM_ROWS)
+        }
+    }
+
+    macro_rules! kernel {
+        ($name:ident, $feat:literal, $v:ty, $lanes:literal, $zero:ident, $set1:ident,
+         $mul:ident, $fma:ident, $load:ident, $round:ident, $store:ident) => {
+            /// Values `off..off + REGS * lanes` of the `G` rows' accumulators.
+            #[target_feature(enable = $feat)]
+            unsafe fn $name<const G: usize>(
+                steps: &[Steps],
+                union: &[u32],
+                values: Values<'_>,
+                off: usize,
+                out: *mut f32,
+            ) {
+                let steps: [&Steps; G] = std::array::from_fn(|r| &steps[r]);
+                let mut acc: [[$v; REGS]; G] = [[$zero(); REGS]; G];
+                let mut next = [0usize; G];
+                let vp = values.data.as_ptr().add(off);
+                for &c in union {
+                    let v = vp.add(c as usize * values.stride);
+                    let x: [$v; REGS] = std::array::from_fn(|j| $load(v.add($lanes * j)));
+                    for r in 0..G {
+                        let (st, k) = (steps[r], next[r]);
+                        if k >= st.cells.len() || *st.cells.get_unchecked(k) != c {
+                            continue;
+                        }
+                        next[r] = k + 1;
+                        let e = *st.e.get_unchecked(k);
+                        let vs = if *st.raised.get_unchecked(k) != 0 {
+                            let w = $set1(e);
+                            for a in acc[r].iter_mut() {
+                                *a = $round($mul(*a, w));
+                            }
+                            1.0
+                        } else {
+                            e
+                        };
+                        let w = $set1(vs);
+                        for j in 0..REGS {
+                            acc[r][j] = $round($fma(x[j], w, acc[r][j]));
+                        }
+                    }
+                }
+                let dv = values.dv;
+                for r in 0..G {
+                    for j in 0..REGS {
+                        $store(out.add(r * dv + off + $lanes * j), acc[r][j]);
+                    }
+                }
+            }
+        };
+    }
+
+    use super::regs::{load16, load8, round16, round8};
 
     kernel!(
         zmm,
@@ -986,6 +1310,141 @@ mod tests {
                 checked += 1;
             }
             assert!(checked > 300);
+        }
+    }
+
+    /// Random rows over one set of values: keys rising on some rows (the maximum moves all
+    /// along), each row's own hidden cells (a window's start on some, a tail past the row, a
+    /// scattered few), and one row that sees nothing.
+    fn batch(
+        rng: &mut XorShift,
+        rows: usize,
+        n: usize,
+        dv: usize,
+    ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<u16>) {
+        let scores = (0..rows)
+            .map(|r| {
+                (0..n)
+                    .map(|i| rng.centered() * 5.0 + if r % 3 == 1 { i as f32 * 0.02 } else { 0.0 })
+                    .collect()
+            })
+            .collect();
+        let masks = (0..rows)
+            .map(|r| {
+                (0..n)
+                    .map(|c| {
+                        let hidden = r == 4
+                            || (r % 2 == 1 && c < n / 4)
+                            || c + rows > n + r
+                            || (c * 7 + r) % 31 == 3;
+                        if hidden {
+                            f32::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let values = (0..n * (dv + 16))
+            .map(|_| from_f32(rng.centered() * 2.0))
+            .collect();
+        (scores, masks, values)
+    }
+
+    /// The shared walk gives each row the register kernel's (and the halves' arithmetic's)
+    /// accumulator bit for bit, with both widths, groups of one to more than a register file
+    /// holds, and rows that see different cells.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn shared_updates_are_each_rows_own() {
+        let mut rng = XorShift::new(29);
+        let mut compared = 0;
+        for dv in [64usize, 128, 256] {
+            for count in [1usize, 2, 3, 5, 6, 8] {
+                let n = 333;
+                let (scores, masks, data) = batch(&mut rng, count, n, dv);
+                let vals = Values {
+                    data: &data,
+                    stride: dv + 16,
+                    dv,
+                };
+                let steps: Vec<Steps> = (0..count)
+                    .map(|r| {
+                        let mut st = Steps::default();
+                        let keys = Keys {
+                            scores: &scores[r],
+                            mask: &masks[r],
+                        };
+                        st.of(keys, 0.11, 5, n);
+                        st
+                    })
+                    .collect();
+                let mut union: Vec<u32> = steps.iter().flat_map(|s| s.cells.clone()).collect();
+                union.sort_unstable();
+                union.dedup();
+                for wide in [true, false] {
+                    if !shared::fits(dv, wide) {
+                        continue;
+                    }
+                    let mut accs = vec![0f32; count * dv];
+                    // SAFETY: fits checked; the cells' rows are inside data; accs sized.
+                    unsafe { shared::run(&steps, &union, vals, &mut accs, wide) };
+                    for (r, st) in steps.iter().enumerate() {
+                        let mut want = vec![0f32; dv];
+                        chunk_scalar(st, vals, true, &mut want);
+                        let got = &accs[r * dv..(r + 1) * dv];
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "dv {dv}, {count} rows, row {r}, wide {wide}"
+                        );
+                        compared += 1;
+                    }
+                }
+            }
+        }
+        assert!(compared > 50);
+    }
+
+    /// [`rows`] gives each row [`row`]'s output bit for bit: views below and above the split,
+    /// one to three threads, both sums' roundings and every merge, value rows the shared walk
+    /// takes and one it does not (48), and more rows than go at once.
+    #[test]
+    fn rows_are_each_row_alone() {
+        let mut rng = XorShift::new(31);
+        for dv in [64usize, 256, 48] {
+            for (n, threads) in [(300usize, 2usize), (1024, 2), (1000, 3), (700, 1)] {
+                for count in [1usize, 2, 7, 13] {
+                    let (scores, masks, data) = batch(&mut rng, count, n, dv);
+                    let vals = Values {
+                        data: &data,
+                        stride: dv + 16,
+                        dv,
+                    };
+                    let keys: Vec<Keys<'_>> = (0..count)
+                        .map(|r| Keys {
+                            scores: &scores[r],
+                            mask: &masks[r],
+                        })
+                        .collect();
+                    for rounding in roundings() {
+                        let mut got = vec![0f32; count * dv];
+                        let mut outs: Vec<&mut [f32]> = got.chunks_mut(dv).collect();
+                        rows(&keys, 0.13, vals, threads, rounding, &mut outs);
+                        for (r, k) in keys.iter().enumerate() {
+                            let mut want = vec![0f32; dv];
+                            row(*k, 0.13, vals, threads, rounding, &mut want);
+                            let g = &got[r * dv..(r + 1) * dv];
+                            assert!(
+                                g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "dv {dv}, n {n}, {threads} threads, {count} rows, row {r}, {rounding:?}"
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 
