@@ -82,6 +82,9 @@ pub(crate) fn supports(op: &g::ggml_tensor, cfg: &crate::DeviceConfig, capturing
         && checked().is_some()
 }
 
+/// A hidden cell's mask value (f16 -inf).
+const HIDDEN: u16 = 0xfc00;
+
 /// The key view of a row: llama.cpp pads a call's view to 256 cells past the highest cell in
 /// use (`llama_kv_cache::get_n_kv`); for a row, the highest cell it sees (its sequence's past
 /// and itself; the rows after it in a verification batch are not in use yet when it is decoded
@@ -162,15 +165,30 @@ unsafe fn compute_with(
         .collect();
     let views: Vec<usize> = masks.iter().map(|m| lone_view(*m, n_kv)).collect();
     let n = views.iter().copied().max().unwrap_or(0);
-    // Scores of every cell a row's view holds, `[hk][query][cell]` (each row's contiguous for
-    // its chunks' pass), the cells cut over the threads: each computes its cells' `[cell][query]`
-    // block and writes it across.
-    // Every element is written below (the threads' cells cover the view).
+    // The cells some row sees (a sliding window hides the view's start from every row): a
+    // hidden cell's score is never read.
+    let (lo, hi) = masks
+        .iter()
+        .zip(&views)
+        .filter_map(|(mk, &view)| match mk {
+            None => Some((0, view)),
+            Some(mk) => {
+                let seen = |c: &usize| mk[*c] != HIDDEN;
+                let first = (0..view).find(seen)?;
+                Some((first, (first..view).rfind(seen).map_or(first, |c| c + 1)))
+            }
+        })
+        .fold((n, 0), |(lo, hi), (a, b)| (lo.min(a), hi.max(b)));
+    let span = hi.saturating_sub(lo);
+    // Scores of the cells some row sees, `[hk][query][cell]` over the view (each row's
+    // contiguous for its chunks' pass), the cells cut over the threads: each computes its
+    // cells' `[cell][query]` block and writes it across.
+    // Every element read is written below (the threads' cells cover lo..hi).
     let scores = crate::par::prefix(scores, op.n_head_kv * n * m);
     let out = Ptr(scores.as_mut_ptr().cast());
     let qs = &*qs;
     parallel(threads, &|t, nth| {
-        let (c0, c1) = (t * n / nth, (t + 1) * n / nth);
+        let (c0, c1) = (lo + t * span / nth, lo + (t + 1) * span / nth);
         SUMS.with(|s| {
             let sums = &mut *s.borrow_mut();
             // Every element is written by `dots` before it is read.
@@ -552,8 +570,10 @@ mod tests {
             let q: Vec<f32> = (0..rows * heads * d).map(|_| rnd(2.0)).collect();
             let k: Vec<u16> = (0..cells).map(|_| from_f32(rnd(2.0))).collect();
             let v: Vec<u16> = (0..cells).map(|_| from_f32(rnd(1.0))).collect();
-            // Row i at cell first + i sees its past, a window's start hidden on odd rows.
-            let visible = |i: usize, c: usize| c <= first + i && (i.is_multiple_of(2) || c >= 200);
+            // Row i at cell first + i sees its past from cell 50 (no row sees the first 50), a
+            // window's start hidden on odd rows.
+            let visible =
+                |i: usize, c: usize| c <= first + i && c >= 50 && (i.is_multiple_of(2) || c >= 200);
             let mask: Vec<u16> = (0..pad)
                 .flat_map(|i| (0..n_kv).map(move |c| (i, c)))
                 .map(|(i, c)| {
