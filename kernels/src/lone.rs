@@ -456,10 +456,10 @@ pub fn rows(
     let Some(first) = keys.first() else {
         return;
     };
-    let (n, dv) = (first.mask.len(), values.dv);
+    let n = first.mask.len();
     assert!(keys.iter().all(|k| k.mask.len() == n));
     #[cfg(target_arch = "x86_64")]
-    if keys.len() > 1 && shared::fits(dv) {
+    if keys.len() > 1 && shared::fits(values.dv) {
         GROUP.with(|g| {
             let g = &mut *g.borrow_mut();
             for (keys, outs) in keys
@@ -489,6 +489,7 @@ thread_local! {
 struct Group {
     steps: Vec<Steps>,
     accs: Vec<f32>,
+    seen: Vec<bool>,
     union: Vec<u32>,
 }
 
@@ -523,12 +524,14 @@ fn rows_together(
         let steps = &g.steps[..count];
         // The cells any row sees, in order.
         g.union.clear();
-        let mut seen = vec![false; c1 - c0];
+        g.seen.clear();
+        g.seen.resize(c1 - c0, false);
         for st in steps {
             for &c in &st.cells {
-                seen[c as usize - c0] = true;
+                g.seen[c as usize - c0] = true;
             }
         }
+        let seen = &g.seen;
         g.union
             .extend((c0..c1).filter(|&c| seen[c - c0]).map(|c| c as u32));
         // SAFETY: `fits(dv)` held (the CPU runs the kernel, dv a whole number of its slices);
@@ -716,6 +719,7 @@ impl Steps {
     }
 
     /// The chunk's sum S of the weights: ggml's `S = S*ms + vs` over the steps.
+    #[cfg(target_arch = "x86_64")]
     fn sum(&self, fused: bool) -> f32 {
         let mut s = 0.0f32;
         for k in 0..self.cells.len() {
