@@ -27,15 +27,14 @@
 //!
 //! A verification's rows are many lone rows over the same cache: [`rows`] computes the rows
 //! that read one key-value head's values over one view length together, each exactly as
-//! [`row`] would, with the value updates of up to [`rows_at_once`] rows walking the cells
+//! [`row`] would, with the value updates of up to six rows walking the cells
 //! together (a value row loaded and converted once for all of them: SmolLM2's 8-row call with
 //! lone attention went from 9.6-9.8 to 8.3-8.6 ms of flash attention). Each chunk's maxima
 //! are a scalar pass in ggml's order, or with AVX-512 a prefix scan sixteen cells at a time
 //! that gives the same steps (13.9-14.4 to 11.9-12.4 ms before that). Both take AVX-512:
 //! with AVX2 and on AArch64 [`rows`] computes each row alone and the maxima pass is scalar;
-//! the place for NEON to follow is `shared` (fewer rows at once than AVX-512's six: AVX2's
-//! sixteen registers spilled three rows' accumulators and lost time, see [`rows_at_once`];
-//! NEON has 32) and `simd::steps`.
+//! the place for NEON to follow is `shared` (AVX2's sixteen registers spilled three rows'
+//! accumulators and lost time, see `shared::ROWS`; NEON has 32) and `simd::steps`.
 
 use crate::f16::{from_f32, to_f32};
 
@@ -426,24 +425,11 @@ thread_local! {
     static STEPS: std::cell::RefCell<Steps> = std::cell::RefCell::new(Steps::default());
 }
 
-/// How many rows [`rows`] walks the cells with at once here (one value row converted for all
-/// of them): 6 with AVX-512, else 1 (each row alone: with AVX2's sixteen registers three
-/// rows' accumulators spilled, and SmolLM2's 8-row call took 12.7-13.6 ms of lone attention
-/// against 11.6-12.0 row by row, Gemma's 4.8-4.9 against 4.2-4.4; AVX-512 turned off on this
-/// machine for the A/B).
-pub fn rows_at_once() -> usize {
-    #[cfg(target_arch = "x86_64")]
-    if shared::ok() {
-        return shared::ROWS;
-    }
-    1
-}
-
 /// Rows that read the same value rows over views of the same length (the query heads of a
 /// key-value head, the rows of a verification batch), each computed exactly as [`row`]
-/// computes it alone: the same chunks, steps and updates, but a chunk's updates of up to
-/// [`rows_at_once`] rows walk the cells together, each value row loaded and converted once for
-/// all of them. `outs[i]` gets row `i`'s `dv` outputs.
+/// computes it alone: the same chunks, steps and updates, but with AVX-512 a chunk's updates
+/// of up to six rows walk the cells together ([`shared`]), each value row loaded and converted
+/// once for all of them. `outs[i]` gets row `i`'s `dv` outputs.
 pub fn rows(
     keys: &[Keys<'_>],
     scale: f32,
@@ -456,17 +442,35 @@ pub fn rows(
     let Some(first) = keys.first() else {
         return;
     };
-    let n = first.mask.len();
-    assert!(keys.iter().all(|k| k.mask.len() == n));
+    let (n, dv) = (first.mask.len(), values.dv);
+    for (k, o) in keys.iter().zip(outs.iter()) {
+        assert!(k.mask.len() == n && k.scores.len() >= n && o.len() == dv);
+    }
+    assert!(n == 0 || values.data.len() >= (n - 1) * values.stride + dv);
     #[cfg(target_arch = "x86_64")]
-    if keys.len() > 1 && shared::fits(values.dv) {
+    if keys.len() > 1 && shared::fits(dv) {
         GROUP.with(|g| {
             let g = &mut *g.borrow_mut();
-            for (keys, outs) in keys
-                .chunks(rows_at_once())
-                .zip(outs.chunks_mut(rows_at_once()))
-            {
-                rows_together(keys, scale, values, threads, rounding, outs, g);
+            g.accs.resize(shared::ROWS * dv, 0.0);
+            for (keys, outs) in keys.chunks(shared::ROWS).zip(outs.chunks_mut(shared::ROWS)) {
+                let mut merged: [Option<Merged<'_>>; shared::ROWS] = std::array::from_fn(|_| None);
+                for (m, o) in merged.iter_mut().zip(outs.iter_mut()) {
+                    *m = Some(Merged::new(o, n));
+                }
+                for (c0, c1) in chunks(n, threads) {
+                    g.of(keys, scale, c0, c1);
+                    let steps = &g.steps[..keys.len()];
+                    // SAFETY: `fits(dv)` held (the CPU runs the walk, dv a whole number of its
+                    // slices); every step's value row is inside `values.data` (asserted above
+                    // for the view); at most ROWS rows, `accs` holds ROWS * dv.
+                    let sums = unsafe {
+                        shared::run(steps, &g.union, values, rounding.sum_fused, &mut g.accs)
+                    };
+                    for (r, m) in merged.iter_mut().flatten().enumerate() {
+                        m.add(steps[r].m, sums[r], &g.accs[r * dv..(r + 1) * dv], rounding);
+                    }
+                }
+                merged.into_iter().flatten().for_each(Merged::finish);
             }
         });
         return;
@@ -482,7 +486,7 @@ thread_local! {
     static GROUP: std::cell::RefCell<Group> = std::cell::RefCell::new(Group::default());
 }
 
-/// The state of [`rows_together`]: a row's steps, the rows' chunk accumulators, the cells any
+/// The state of [`rows`]' walk: each row's steps, the rows' chunk accumulators, the cells any
 /// of them sees.
 #[cfg(target_arch = "x86_64")]
 #[derive(Default)]
@@ -493,63 +497,36 @@ struct Group {
     union: Vec<u32>,
 }
 
-/// [`rows`] for at most [`rows_at_once`] rows.
 #[cfg(target_arch = "x86_64")]
-fn rows_together(
-    keys: &[Keys<'_>],
-    scale: f32,
-    values: Values<'_>,
-    threads: usize,
-    rounding: Rounding,
-    outs: &mut [&mut [f32]],
-    g: &mut Group,
-) {
-    let (n, dv, count) = (keys[0].mask.len(), values.dv, keys.len());
-    for k in keys {
-        assert!(k.scores.len() >= n);
-    }
-    for o in outs.iter() {
-        assert_eq!(o.len(), dv);
-    }
-    assert!(n == 0 || values.data.len() >= (n - 1) * values.stride + dv);
-    if g.steps.len() < count {
-        g.steps.resize_with(count, Steps::default);
-    }
-    g.accs.resize(count * dv, 0.0);
-    let mut merged: Vec<Merged<'_>> = outs.iter_mut().map(|o| Merged::new(o, n)).collect();
-    for (c0, c1) in chunks(n, threads) {
-        for (st, k) in g.steps.iter_mut().zip(keys) {
-            st.of(*k, scale, c0, c1);
+impl Group {
+    /// Each row's steps over cells `c0..c1`, and the cells any of them sees, in order.
+    fn of(&mut self, keys: &[Keys<'_>], scale: f32, c0: usize, c1: usize) {
+        if self.steps.len() < keys.len() {
+            self.steps.resize_with(keys.len(), Steps::default);
         }
-        let steps = &g.steps[..count];
-        // The cells any row sees, in order.
-        g.union.clear();
-        g.seen.clear();
-        g.seen.resize(c1 - c0, false);
-        for st in steps {
+        self.seen.clear();
+        self.seen.resize(c1 - c0, false);
+        for (st, k) in self.steps.iter_mut().zip(keys) {
+            st.of(*k, scale, c0, c1);
             for &c in &st.cells {
-                g.seen[c as usize - c0] = true;
+                self.seen[c as usize - c0] = true;
             }
         }
-        let seen = &g.seen;
-        g.union
+        let seen = &self.seen;
+        self.union.clear();
+        self.union
             .extend((c0..c1).filter(|&c| seen[c - c0]).map(|c| c as u32));
-        // SAFETY: `fits(dv)` held (the CPU runs the kernel, dv a whole number of its slices);
-        // every step's value row is inside `values.data` (asserted above for the view), and
-        // `accs` holds count * dv.
-        unsafe { shared::run(steps, &g.union, values, &mut g.accs) };
-        for (r, m) in merged.iter_mut().enumerate() {
-            let st = &steps[r];
-            m.add(
-                st.m,
-                st.sum(rounding.sum_fused),
-                &g.accs[r * dv..(r + 1) * dv],
-                rounding,
-            );
-        }
     }
-    for m in merged {
-        m.finish();
+}
+
+/// ggml's running sum of a chunk's weights, `S = S*ms + vs`, fused or not as the loaded
+/// ggml's compiler made it.
+#[inline(always)]
+fn add_weight(s: f32, ms: f32, vs: f32, fused: bool) -> f32 {
+    if fused {
+        s.mul_add(ms, vs)
+    } else {
+        s * ms + vs
     }
 }
 
@@ -718,21 +695,6 @@ impl Steps {
         self.m = m;
     }
 
-    /// The chunk's sum S of the weights: ggml's `S = S*ms + vs` over the steps.
-    #[cfg(target_arch = "x86_64")]
-    fn sum(&self, fused: bool) -> f32 {
-        let mut s = 0.0f32;
-        for k in 0..self.cells.len() {
-            let (_, ms, vs) = self.at(k);
-            s = if fused {
-                s.mul_add(ms, vs)
-            } else {
-                s * ms + vs
-            };
-        }
-        s
-    }
-
     /// Step `k`: its cell, and `(ms, vs)`.
     #[inline]
     fn at(&self, k: usize) -> (usize, f32, f32) {
@@ -782,11 +744,7 @@ fn chunk_scalar(steps: &Steps, values: Values<'_>, sum_fused: bool, out: &mut [f
         }
         let v = c * values.stride;
         mad_f16(&mut acc, &values.data[v..v + dv], vs);
-        s = if sum_fused {
-            s.mul_add(ms, vs)
-        } else {
-            s * ms + vs
-        };
+        s = add_weight(s, ms, vs, sum_fused);
     }
     for (o, a) in out.iter_mut().zip(acc) {
         *o = to_f32(a);
@@ -870,11 +828,7 @@ mod regs {
                     for (j, a) in acc.iter_mut().enumerate() {
                         *a = $round($fma($load(v.add($lanes * j)), w, *a));
                     }
-                    s = if sum_fused {
-                        s.mul_add(ms, vs)
-                    } else {
-                        s * ms + vs
-                    };
+                    s = super::add_weight(s, ms, vs, sum_fused);
                 }
                 for (j, a) in acc.iter().enumerate() {
                     $store(out.as_mut_ptr().add($lanes * j), *a);
@@ -944,58 +898,69 @@ mod shared {
     use super::{Steps, Values};
     use std::arch::x86_64::*;
 
-    /// Rows walked together.
+    /// Rows walked together. AVX2 has no such walk: with its sixteen registers three rows'
+    /// accumulators spilled, and SmolLM2's 8-row call took 12.7-13.6 ms of lone attention
+    /// against 11.6-12.0 row by row, Gemma's 4.8-4.9 against 4.2-4.4 (AVX-512 turned off on
+    /// this machine for the A/B).
     pub(super) const ROWS: usize = 6;
     /// Registers of values a row keeps per pass.
     const REGS: usize = 4;
     /// Values a pass covers.
     const SLICE: usize = REGS * 16;
 
-    /// Whether the CPU runs [`run`].
-    pub(super) fn ok() -> bool {
-        super::simd::zmm_ok()
-    }
-
-    /// Whether [`run`] takes value rows of `dv` here.
+    /// Whether [`run`] takes value rows of `dv` here (the CPU runs it, whole slices).
     pub(super) fn fits(dv: usize) -> bool {
-        ok() && dv.is_multiple_of(SLICE)
+        super::simd::zmm_ok() && dv.is_multiple_of(SLICE)
     }
 
     /// Each row's chunk accumulator (`accs[r * dv..]`, f16 values widened) from its steps, over
-    /// the cells `union` (ascending, every cell of every row's steps).
+    /// the cells `union` (ascending, every cell of every row's steps); returns each row's sum S
+    /// (`sums[r]`, [`super::add_weight`] with `fused`), folded as the walk goes.
     ///
     /// # Safety
-    /// [`fits`] holds for `values.dv`; every cell's value row is inside `values.data`; `accs`
-    /// holds `steps.len() * dv`.
-    pub(super) unsafe fn run(steps: &[Steps], union: &[u32], values: Values<'_>, accs: &mut [f32]) {
-        let dv = values.dv;
-        for (g, part) in steps.chunks(ROWS).enumerate() {
-            let out = accs.as_mut_ptr().add(g * ROWS * dv);
-            for off in (0..dv).step_by(SLICE) {
-                match part.len() {
-                    1 => walk::<1>(part, union, values, off, out),
-                    2 => walk::<2>(part, union, values, off, out),
-                    3 => walk::<3>(part, union, values, off, out),
-                    4 => walk::<4>(part, union, values, off, out),
-                    5 => walk::<5>(part, union, values, off, out),
-                    _ => walk::<6>(part, union, values, off, out),
-                }
+    /// [`fits`] holds for `values.dv`; at most [`ROWS`] rows; every cell's value row is inside
+    /// `values.data`; `accs` holds `steps.len() * dv`.
+    pub(super) unsafe fn run(
+        steps: &[Steps],
+        union: &[u32],
+        values: Values<'_>,
+        fused: bool,
+        accs: &mut [f32],
+    ) -> [f32; ROWS] {
+        assert!(steps.len() <= ROWS && accs.len() >= steps.len() * values.dv);
+        let mut sums = [0f32; ROWS];
+        let out = accs.as_mut_ptr();
+        // Every slice folds the same sums (a chain that waits on nothing the vectors do).
+        let s = &mut sums;
+        for off in (0..values.dv).step_by(SLICE) {
+            match steps.len() {
+                1 => walk::<1>(steps, union, values, off, fused, out, s),
+                2 => walk::<2>(steps, union, values, off, fused, out, s),
+                3 => walk::<3>(steps, union, values, off, fused, out, s),
+                4 => walk::<4>(steps, union, values, off, fused, out, s),
+                5 => walk::<5>(steps, union, values, off, fused, out, s),
+                _ => walk::<6>(steps, union, values, off, fused, out, s),
             }
         }
+        sums
     }
 
-    /// Values `off..off + SLICE` of the `G` rows' accumulators.
+    /// Values `off..off + SLICE` of the `G` rows' accumulators, and their sums in `sums`.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     unsafe fn walk<const G: usize>(
         steps: &[Steps],
         union: &[u32],
         values: Values<'_>,
         off: usize,
+        fused: bool,
         out: *mut f32,
+        sums: &mut [f32],
     ) {
         use super::regs::{load16, round16};
         let steps: [&Steps; G] = std::array::from_fn(|r| &steps[r]);
         let mut acc = [[_mm512_setzero_ps(); REGS]; G];
+        let mut s = [0f32; G];
         let mut next = [0usize; G];
         let vp = values.data.as_ptr().add(off);
         for &c in union {
@@ -1008,19 +973,20 @@ mod shared {
                 }
                 next[r] = k + 1;
                 let e = *st.e.get_unchecked(k);
-                let vs = if *st.raised.get_unchecked(k) != 0 {
+                let (ms, vs) = if *st.raised.get_unchecked(k) != 0 {
                     let w = _mm512_set1_ps(e);
                     for a in acc[r].iter_mut() {
                         *a = round16(_mm512_mul_ps(*a, w));
                     }
-                    1.0
+                    (e, 1.0)
                 } else {
-                    e
+                    (1.0, e)
                 };
                 let w = _mm512_set1_ps(vs);
                 for (a, xj) in acc[r].iter_mut().zip(&x) {
                     *a = round16(_mm512_fmadd_ps(*xj, w, *a));
                 }
+                s[r] = super::add_weight(s[r], ms, vs, fused);
             }
         }
         let dv = values.dv;
@@ -1029,6 +995,7 @@ mod shared {
                 _mm512_storeu_ps(out.add(r * dv + off + 16 * j), *a);
             }
         }
+        sums[..G].copy_from_slice(&s);
     }
 }
 
@@ -1320,15 +1287,19 @@ mod tests {
         (scores, masks, values)
     }
 
-    /// The shared walk gives each row the halves' arithmetic's accumulator bit for bit, in
-    /// groups of one to more than go at once, rows that see different cells.
+    /// The shared walk gives each row the halves' arithmetic's accumulator and sum bit for bit,
+    /// with either sum's rounding, one to six rows that see different cells.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn shared_updates_are_each_rows_own() {
         let mut rng = XorShift::new(29);
         let mut compared = 0;
         for dv in [64usize, 128, 256] {
-            for count in [1usize, 2, 3, 5, 6, 8] {
+            if !shared::fits(dv) {
+                eprintln!("no shared walk here (AVX-512)");
+                return;
+            }
+            for (count, fused) in [(1usize, true), (2, false), (3, true), (5, false), (6, true)] {
                 let n = 333;
                 let (scores, masks, data) = batch(&mut rng, count, n, dv);
                 let vals = Values {
@@ -1350,26 +1321,26 @@ mod tests {
                 let mut union: Vec<u32> = steps.iter().flat_map(|s| s.cells.clone()).collect();
                 union.sort_unstable();
                 union.dedup();
-                {
-                    if !shared::fits(dv) {
-                        eprintln!("no shared walk here (AVX-512)");
-                        return;
-                    }
-                    let mut accs = vec![0f32; count * dv];
-                    // SAFETY: fits checked; the cells' rows are inside data; accs sized.
-                    unsafe { shared::run(&steps, &union, vals, &mut accs) };
-                    for (r, st) in steps.iter().enumerate() {
-                        let mut want = vec![0f32; dv];
-                        chunk_scalar(st, vals, true, &mut want);
-                        let got = &accs[r * dv..(r + 1) * dv];
-                        assert!(
-                            got.iter()
-                                .zip(&want)
-                                .all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "dv {dv}, {count} rows, row {r}"
-                        );
-                        compared += 1;
-                    }
+                let mut accs = vec![0f32; count * dv];
+                // SAFETY: fits checked; at most six rows; the cells' rows are inside data; accs
+                // sized.
+                let sums = unsafe { shared::run(&steps, &union, vals, fused, &mut accs) };
+                for (r, st) in steps.iter().enumerate() {
+                    let mut want = vec![0f32; dv];
+                    let s = chunk_scalar(st, vals, fused, &mut want);
+                    assert_eq!(
+                        sums[r].to_bits(),
+                        s.to_bits(),
+                        "dv {dv}, {count} rows, row {r}: S"
+                    );
+                    let got = &accs[r * dv..(r + 1) * dv];
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "dv {dv}, {count} rows, row {r}"
+                    );
+                    compared += 1;
                 }
             }
         }
