@@ -85,18 +85,23 @@ pub(crate) fn supports(op: &g::ggml_tensor, cfg: &crate::DeviceConfig, capturing
 /// A hidden cell's mask value (f16 -inf).
 const HIDDEN: u16 = 0xfc00;
 
-/// The key view of a row: llama.cpp pads a call's view to 256 cells past the highest cell in
-/// use (`llama_kv_cache::get_n_kv`); for a row, the highest cell it sees (its sequence's past
-/// and itself; the rows after it in a verification batch are not in use yet when it is decoded
-/// alone). At most the call's view.
-fn lone_view(mask: Option<&[u16]>, n_kv: usize) -> usize {
-    let last = match mask {
-        None => n_kv,
-        Some(m) => m[..n_kv]
-            .iter()
-            .rposition(|&h| leap_kernels::f16::to_f32(h) != f32::NEG_INFINITY)
-            .map_or(n_kv, |c| c + 1),
+/// The cells a row's mask leaves visible: the first, and one past the last, of the call's
+/// `n_kv` (all of them without a mask; `None` where it hides every cell).
+fn seen(mask: Option<&[u16]>, n_kv: usize) -> Option<(usize, usize)> {
+    let Some(m) = mask else {
+        return Some((0, n_kv));
     };
+    let visible = |c: &usize| m[*c] != HIDDEN;
+    let first = (0..n_kv).find(visible)?;
+    Some((first, (first..n_kv).rfind(visible).map_or(first, |c| c + 1)))
+}
+
+/// The key view of a row whose visible cells are `seen` ([`seen`]): llama.cpp pads a call's
+/// view to 256 cells past the highest cell in use (`llama_kv_cache::get_n_kv`); for a row, the
+/// highest cell it sees (its sequence's past and itself; the rows after it in a verification
+/// batch are not in use yet when it is decoded alone). At most the call's view.
+fn lone_view(seen: Option<(usize, usize)>, n_kv: usize) -> usize {
+    let last = seen.map_or(n_kv, |(_, end)| end);
     n_kv.min(last.next_multiple_of(256).max(256))
 }
 
@@ -163,22 +168,15 @@ unsafe fn compute_with(
             })
         })
         .collect();
-    let views: Vec<usize> = masks.iter().map(|m| lone_view(*m, n_kv)).collect();
+    let spans: Vec<Option<(usize, usize)>> = masks.iter().map(|m| seen(*m, n_kv)).collect();
+    let views: Vec<usize> = spans.iter().map(|s| lone_view(*s, n_kv)).collect();
     let n = views.iter().copied().max().unwrap_or(0);
     // The cells some row sees (a sliding window hides the view's start from every row): a
     // hidden cell's score is never read.
-    let (lo, hi) = masks
+    let (lo, hi) = spans
         .iter()
-        .zip(&views)
-        .filter_map(|(mk, &view)| match mk {
-            None => Some((0, view)),
-            Some(mk) => {
-                let seen = |c: &usize| mk[*c] != HIDDEN;
-                let first = (0..view).find(seen)?;
-                Some((first, (first..view).rfind(seen).map_or(first, |c| c + 1)))
-            }
-        })
-        .fold((n, 0), |(lo, hi), (a, b)| (lo.min(a), hi.max(b)));
+        .flatten()
+        .fold((n, 0), |(lo, hi), &(a, b)| (lo.min(a), hi.max(b)));
     let span = hi.saturating_sub(lo);
     // Scores of the cells some row sees, `[hk][query][cell]` over the view (each row's
     // contiguous for its chunks' pass), the cells cut over the threads: each computes its
