@@ -252,9 +252,7 @@ mod simd {
         c1: usize,
     ) -> bool {
         let n = c1 - c0;
-        st.cells.clear();
-        st.e.clear();
-        st.raised.clear();
+        st.clear();
         st.cells.reserve(n);
         st.e.reserve(n);
         st.raised.reserve(n);
@@ -283,9 +281,7 @@ mod simd {
             // ggml skips `mv == -INFINITY`; a NaN mask value is not skipped (unordered: true).
             let vis = k & _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(mv, ninf);
             if _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(vis, x, x) != 0 {
-                st.cells.clear();
-                st.e.clear();
-                st.raised.clear();
+                st.clear();
                 return false;
             }
             let nv = vis.count_ones() as usize;
@@ -662,6 +658,13 @@ impl Steps {
         self.exps();
     }
 
+    /// No steps.
+    fn clear(&mut self) {
+        self.cells.clear();
+        self.e.clear();
+        self.raised.clear();
+    }
+
     /// The exponentials of the steps' arguments (libm's `expf`, as ggml's).
     fn exps(&mut self) {
         for e in self.e.iter_mut() {
@@ -672,9 +675,7 @@ impl Steps {
     /// [`Steps::of`]'s maxima pass one cell at a time, as ggml's loop (the arguments of the
     /// exponentials in `e`).
     fn scalar(&mut self, keys: Keys<'_>, scale: f32, c0: usize, c1: usize) {
-        self.cells.clear();
-        self.e.clear();
-        self.raised.clear();
+        self.clear();
         let mut m = f32::NEG_INFINITY;
         for c in c0..c1 {
             let mv = keys.mask[c];
