@@ -137,10 +137,9 @@ unsafe fn compute_with(
     qs: &mut Vec<f32>,
     scores: &mut Vec<f32>,
 ) {
-    use crate::par::{parallel, Ptr};
     let arith = checked().expect("supports checked the arithmetic");
     let op = &crate::attn::Operands::of(node);
-    let (d, dv, n_q, n_kv) = (op.d, op.dv, op.n_q, op.n_kv);
+    let (d, n_q, n_kv) = (op.d, op.n_q, op.n_kv);
     ROWS_COMPUTED.fetch_add(n_q as u64, std::sync::atomic::Ordering::Relaxed);
     let per = op.n_head / op.n_head_kv;
     // Query rows of a KV head `hk`, in the order (row i, head j of the group), rounded to f16
@@ -177,14 +176,43 @@ unsafe fn compute_with(
         .iter()
         .flatten()
         .fold((n, 0), |(lo, hi), &(a, b)| (lo.min(a), hi.max(b)));
-    let span = hi.saturating_sub(lo);
-    // Scores of the cells some row sees, `[hk][query][cell]` over the view (each row's
-    // contiguous for its chunks' pass), the cells cut over the threads: each computes its
-    // cells' `[cell][query]` block and writes it across.
-    // Every element read is written below (the threads' cells cover lo..hi).
+    // Every element is written below where it is read.
     let scores = crate::par::prefix(scores, op.n_head_kv * n * m);
+    key_products(op, arith.dot, qs, m, lo..hi, n, threads, scores);
+    // Each row's mask as f32 over its view, shared by its heads (zeros where there is none).
+    let masks: Vec<Vec<f32>> = masks
+        .iter()
+        .zip(&views)
+        .map(|(mk, &view)| match mk {
+            Some(mk) => mk[..view].iter().map(|&h| to_f32(h)).collect(),
+            None => vec![0f32; view],
+        })
+        .collect();
+    weighted_values(op, arith.rounding, scores, &masks, n, threads);
+}
+
+/// The scores of `cells` (the cells some row sees) into `scores`, `[hk][query][cell]` over
+/// views of `n` cells (each row's contiguous for its chunks' pass), for the `m` rounded query
+/// rows of each key-value head in `qs`: the cells cut over the threads, each computing its
+/// cells' `[cell][query]` block and writing it across.
+///
+/// # Safety
+/// `op`'s pointers hold the node's data; `cells` lies inside its key view.
+#[allow(clippy::too_many_arguments)]
+unsafe fn key_products(
+    op: &crate::attn::Operands,
+    dot: Dot,
+    qs: &[f32],
+    m: usize,
+    cells: std::ops::Range<usize>,
+    n: usize,
+    threads: usize,
+    scores: &mut [f32],
+) {
+    use crate::par::{parallel, Ptr};
+    let d = op.d;
+    let (lo, span) = (cells.start, cells.len());
     let out = Ptr(scores.as_mut_ptr().cast());
-    let qs = &*qs;
     parallel(threads, &|t, nth| {
         let (c0, c1) = (lo + t * span / nth, lo + (t + 1) * span / nth);
         SUMS.with(|s| {
@@ -193,7 +221,7 @@ unsafe fn compute_with(
             let sums = crate::par::prefix(sums, (c1 - c0) * m);
             for hk in 0..op.n_head_kv {
                 dots(
-                    arith.dot,
+                    dot,
                     op.k.add(hk * op.k_head + c0 * op.k_row),
                     op.k_row,
                     c1 - c0,
@@ -208,21 +236,29 @@ unsafe fn compute_with(
             }
         })
     });
-    // Each row's mask as f32 over its view, shared by its heads (zeros where there is none).
-    let masks: Vec<Vec<f32>> = masks
-        .iter()
-        .zip(&views)
-        .map(|(mk, &view)| match mk {
-            Some(mk) => mk[..view].iter().map(|&h| to_f32(h)).collect(),
-            None => vec![0f32; view],
-        })
-        .collect();
-    let (scores, masks) = (&*scores, &masks);
+}
+
+/// Every (row, head)'s output from its scores (as [`key_products`] lays them out over views of
+/// `n` cells) and its row's mask (`masks[i]`, as long as the row's view): the tasks by
+/// key-value head and view, so that the rows that read the same values over the same view come
+/// together; each thread takes a run of them, and `leap_kernels::lone::rows` walks a run's
+/// cells together.
+///
+/// # Safety
+/// `op`'s pointers hold the node's data; every cell a row's view holds is in the value cache.
+unsafe fn weighted_values(
+    op: &crate::attn::Operands,
+    rounding: Rounding,
+    scores: &[f32],
+    masks: &[Vec<f32>],
+    n: usize,
+    threads: usize,
+) {
+    use crate::par::{parallel, Ptr};
+    let (dv, n_q, per) = (op.dv, op.n_q, op.n_head / op.n_head_kv);
+    let m = n_q * per;
     let dst = Ptr(op.dst);
     let stride = op.v_row / 2;
-    // The (row, head) tasks by key-value head and view, so that the rows that read the same
-    // values over the same view come together: each thread takes a run of them, and
-    // `leap_kernels::lone::rows` walks a run's cells together.
     let mut order: Vec<(usize, usize, usize)> = (0..op.n_head_kv)
         .flat_map(|hk| (0..n_q).flat_map(move |i| (0..per).map(move |j| (hk, i, j))))
         .collect();
@@ -268,7 +304,7 @@ unsafe fn compute_with(
                 stride,
                 dv,
             };
-            rows(&keys, op.scale, vals, threads, arith.rounding, &mut outs);
+            rows(&keys, op.scale, vals, threads, rounding, &mut outs);
         }
     });
 }
