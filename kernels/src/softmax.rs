@@ -247,16 +247,9 @@ mod tests {
                         let (mut want, mut got) = (vec![0f32; n], vec![0f32; n]);
                         row_scalar(exp, &xs, mask, scale, &mut want);
                         row(exp, &xs, mask, scale, &mut got);
-                        for i in 0..n {
-                            // A NaN's payload is whichever operand the compiler put first.
-                            let same = want[i].to_bits() == got[i].to_bits()
-                                || (want[i].is_nan() && got[i].is_nan());
-                            assert!(
-                                same,
-                                "{exp:?} n {n} case {case} scale {scale} element {i}: {} vs {}",
-                                want[i], got[i]
-                            );
-                        }
+                        same_bits(&want, &got, |i| {
+                            format!("{exp:?} n {n} case {case} scale {scale} element {i}")
+                        });
                         checked += 1;
                     }
                 }
@@ -264,6 +257,16 @@ mod tests {
         }
         if checked > 0 {
             eprintln!("{checked} rows checked");
+        }
+    }
+
+    /// `got` is `want` bit for bit, NaNs aside (a NaN's payload is whichever operand the
+    /// compiler put first); `what(i)` names element i in the failure.
+    fn same_bits(want: &[f32], got: &[f32], what: impl Fn(usize) -> String) {
+        assert_eq!(want.len(), got.len());
+        for (i, (w, g)) in want.iter().zip(got).enumerate() {
+            let same = w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan());
+            assert!(same, "{}: {w} vs {g}", what(i));
         }
     }
 
@@ -305,15 +308,9 @@ mod tests {
                     .collect();
                 let mut got = vec![0f32; n];
                 swiglu(exp, &x, &g, &mut got);
-                for i in 0..n {
-                    let same = want[i].to_bits() == got[i].to_bits()
-                        || (want[i].is_nan() && got[i].is_nan());
-                    assert!(
-                        same,
-                        "{exp:?} n {n} element {i} (x {}): {} vs {}",
-                        x[i], want[i], got[i]
-                    );
-                }
+                same_bits(&want, &got, |i| {
+                    format!("{exp:?} n {n} element {i} (x {})", x[i])
+                });
             }
         }
     }
