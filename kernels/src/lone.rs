@@ -28,10 +28,12 @@
 //! A verification's rows are many lone rows over the same cache: [`rows`] computes the rows
 //! that read one key-value head's values over one view length together, each exactly as
 //! [`row`] would, with the value updates of up to six rows walking the cells
-//! together (a value row loaded and converted once for all of them: SmolLM2's 8-row call with
-//! lone attention went from 9.6-9.8 to 8.3-8.6 ms of flash attention). Each chunk's maxima
-//! are a scalar pass in ggml's order, or with AVX-512 a prefix scan sixteen cells at a time
-//! that gives the same steps (13.9-14.4 to 11.9-12.4 ms before that). Both take AVX-512:
+//! together (a value row loaded and converted once for all of them, each row's sum folded on
+//! the way: SmolLM2's 8-row call with lone attention went from 9.6-9.8 to 8.3-8.6 ms of flash
+//! attention, and to 7.6-7.7 with the sums in the walk). Each chunk's maxima are a scalar pass
+//! in ggml's order, or with AVX-512 a prefix scan sixteen cells at a time that gives the same
+//! steps (13.9-14.4 to 11.9-12.4 ms before that). How these were timed (`leap profile` with a
+//! one-line local edit): docs/measurements.md, "Verification rows' lone attention together". Both take AVX-512:
 //! with AVX2 and on AArch64 [`rows`] computes each row alone and the maxima pass is scalar;
 //! the place for NEON to follow is `shared` (AVX2's sixteen registers spilled three rows'
 //! accumulators and lost time, see `shared::ROWS`; NEON has 32) and `simd::steps`.
