@@ -1,6 +1,6 @@
 //! Running a node's work on the threads ggml's CPU backend uses.
 
-pub(crate) use leap_host::par::parallel;
+pub(crate) use leap_host::par::{parallel, parallel_phased};
 
 /// A pointer shared with the worker threads (each writes disjoint elements).
 #[derive(Clone, Copy)]

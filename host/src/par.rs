@@ -100,6 +100,72 @@ pub fn parallel(threads: usize, f: Job<'_>) {
     });
 }
 
+/// Where the threads of a [`parallel_phased`] region wait for each other.
+pub struct Phase {
+    /// libgomp's team barrier (`#pragma omp barrier`, as ggml's own graphs wait): spins a
+    /// while, then sleeps, so a thread whose partner lost its core gives its own up.
+    gomp: Option<unsafe extern "C" fn()>,
+    /// The scoped threads' barrier where there is no OpenMP.
+    std: Option<std::sync::Barrier>,
+}
+
+impl Phase {
+    /// Return once every thread of the region has called this (as many times).
+    pub fn wait(&self) {
+        if let Some(b) = self.gomp {
+            // SAFETY: called inside the region's parallel function, by every team thread.
+            unsafe { b() };
+        } else if let Some(b) = &self.std {
+            b.wait();
+        }
+    }
+}
+
+/// [`parallel`], the threads able to wait for each other ([`Phase::wait`]) between steps:
+/// one region where two in a row would each pay a start. Every thread must call `wait` the
+/// same number of times.
+pub fn parallel_phased(threads: usize, f: &(dyn Fn(usize, usize, &Phase) + Sync)) {
+    static BARRIER: OnceLock<Option<unsafe extern "C" fn()>> = OnceLock::new();
+    let none = Phase {
+        gomp: None,
+        std: None,
+    };
+    if threads <= 1 {
+        return f(0, 1, &none);
+    }
+    let barrier = *BARRIER.get_or_init(|| {
+        gomp()?;
+        // SAFETY: dlsym on the global namespace with a NUL-terminated name; the symbol, when
+        // present, is libgomp's `void GOMP_barrier(void)`.
+        unsafe {
+            let p = libc::dlsym(libc::RTLD_DEFAULT, c"GOMP_barrier".as_ptr());
+            (!p.is_null()).then(|| std::mem::transmute::<*mut c_void, unsafe extern "C" fn()>(p))
+        }
+    });
+    match barrier {
+        Some(b) => {
+            let phase = Phase {
+                gomp: Some(b),
+                std: None,
+            };
+            parallel(threads, &|t, n| f(t, n, &phase));
+        }
+        _ => {
+            let phase = Phase {
+                gomp: None,
+                std: Some(std::sync::Barrier::new(threads)),
+            };
+            let phase = &phase;
+            std::thread::scope(|s| {
+                for t in 1..threads {
+                    s.spawn(move || f(t, threads, phase));
+                }
+                f(0, threads, phase);
+            });
+        }
+    }
+}
+
 /// Let the OpenMP team of the calling thread go (its worker threads end), when the process
 /// has OpenMP's `omp_pause_resource_all` (libgomp since GCC 9, LLVM's libomp); the next
 /// parallel region on this thread makes a new one (tens of microseconds). Call it when a
@@ -134,6 +200,30 @@ pub fn release_team() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// After a [`Phase::wait`], every thread sees what every other wrote before it, however
+    /// late the others come to it; and the waits can repeat.
+    #[test]
+    fn a_phase_waits_for_every_thread() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        for threads in [1, 2, 3] {
+            let slots: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
+            let seen = AtomicUsize::new(0);
+            parallel_phased(threads, &|t, n, phase| {
+                assert_eq!(n, threads);
+                for round in 1..=2 {
+                    std::thread::sleep(std::time::Duration::from_millis(10 * t as u64));
+                    slots[t].store(round, Ordering::Relaxed);
+                    phase.wait();
+                    if slots.iter().all(|s| s.load(Ordering::Relaxed) == round) {
+                        seen.fetch_add(1, Ordering::Relaxed);
+                    }
+                    phase.wait();
+                }
+            });
+            assert_eq!(seen.into_inner(), 2 * threads, "{threads} threads");
+        }
+    }
 
     #[test]
     fn hyper_threads_count_once() {
