@@ -25,9 +25,10 @@ pub struct ProfileArgs {
     #[arg(long, default_value_t = 10)]
     reps: usize,
     /// Which paths to time, comma separated: `llama` (llama.cpp's call with every row's logits,
-    /// and with the last row's only) and `engine` (Leap's: the call cut before the output
-    /// projection, then every row projected in one pass). One path alone takes about half
-    /// the time of both.
+    /// and with the last row's only, the output projection by ggml as in Leap's own contexts;
+    /// llama.cpp built with Leap, `--spec-type leap`, has Leap's device compute it, for less)
+    /// and `engine` (Leap's: the call cut before the output projection, then every row
+    /// projected in one pass). One path alone takes about half the time of both.
     #[arg(long, value_delimiter = ',', default_value = "llama,engine", value_parser = ["llama", "engine"])]
     paths: Vec<String>,
     /// Also show where each call's time goes: the time Leap's device spent on each kind of
