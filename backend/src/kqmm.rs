@@ -133,7 +133,7 @@ unsafe fn visible(
         let row = (mask.data as *const u8).add(t * mask.nb[1]);
         let hidden = |c: usize| {
             if mask.type_ == g::GGML_TYPE_F16 {
-                *row.cast::<u16>().add(c) == 0xfc00
+                *row.cast::<u16>().add(c) == leap_kernels::f16::NEG_INFINITY
             } else {
                 *row.cast::<f32>().add(c) == f32::NEG_INFINITY
             }

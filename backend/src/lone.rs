@@ -82,16 +82,13 @@ pub(crate) fn supports(op: &g::ggml_tensor, cfg: &crate::DeviceConfig, capturing
         && checked().is_some()
 }
 
-/// A hidden cell's mask value (f16 -inf).
-const HIDDEN: u16 = 0xfc00;
-
 /// The cells a row's mask leaves visible: the first, and one past the last, of the call's
 /// `n_kv` (all of them without a mask; `None` where it hides every cell).
 fn seen(mask: Option<&[u16]>, n_kv: usize) -> Option<(usize, usize)> {
     let Some(m) = mask else {
         return Some((0, n_kv));
     };
-    let visible = |c: &usize| m[*c] != HIDDEN;
+    let visible = |c: &usize| m[*c] != leap_kernels::f16::NEG_INFINITY;
     let first = (0..n_kv).find(visible)?;
     Some((first, (first..n_kv).rfind(visible).map_or(first, |c| c + 1)))
 }

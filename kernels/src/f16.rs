@@ -4,6 +4,9 @@
 //! `acc += w · v`), with F16C/FMA where the build has them (`x86_64/f16.rs`) and portable code
 //! elsewhere.
 
+/// The half of -inf: what ggml's f16 attention masks hold where a cell is hidden.
+pub const NEG_INFINITY: u16 = 0xfc00;
+
 /// IEEE half to single (exact; a NaN keeps its payload, made quiet).
 #[inline]
 pub fn to_f32(h: u16) -> f32 {

@@ -51,9 +51,6 @@ pub(super) struct Head {
 /// Which keys a (row, head) pair attends (for recall measurements).
 pub type Chosen = Vec<u32>;
 
-/// f16 bits of -inf: a masked key.
-const F16_NEG_INF: u16 = 0xfc00;
-
 /// Keys kept of `n` visible at fraction `keep` (never fewer than the sinks and the window).
 fn budget(keep: f32, n: usize, cfg: &Sparse) -> usize {
     ((keep * n as f32).ceil() as usize).max(cfg.sink + cfg.recent)
@@ -83,7 +80,7 @@ unsafe fn prepare(
     } else {
         let m = std::slice::from_raw_parts(op.mask.add(i * op.mask_row).cast::<u16>(), op.n_kv);
         for (j, &b) in m.iter().enumerate() {
-            if b != F16_NEG_INF {
+            if b != leap_kernels::f16::NEG_INFINITY {
                 r.cand.push(j as u32);
                 r.bias.push(if b == 0 { 0.0 } else { f16::to_f32(b) });
             }
