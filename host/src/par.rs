@@ -8,10 +8,21 @@ use std::sync::OnceLock;
 
 type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
 type OmpInt = unsafe extern "C" fn() -> c_int;
+type GompBarrier = unsafe extern "C" fn();
 
-/// libgomp's entry points when the process has them (ggml's CPU backend brings OpenMP).
-fn gomp() -> Option<(GompParallel, OmpInt, OmpInt)> {
-    static GOMP: OnceLock<Option<(GompParallel, OmpInt, OmpInt)>> = OnceLock::new();
+/// libgomp's entry points (ggml's CPU backend brings OpenMP).
+#[derive(Clone, Copy)]
+struct Gomp {
+    parallel: GompParallel,
+    thread: OmpInt,
+    threads: OmpInt,
+    /// `GOMP_barrier`, for [`parallel_phased`].
+    barrier: Option<GompBarrier>,
+}
+
+/// libgomp's entry points when the process has them.
+fn gomp() -> Option<Gomp> {
+    static GOMP: OnceLock<Option<Gomp>> = OnceLock::new();
     *GOMP.get_or_init(|| {
         // SAFETY: dlsym on the global namespace with NUL-terminated names; the symbols, when
         // present, have these C signatures (libgomp's ABI, also provided by LLVM's libomp).
@@ -19,14 +30,16 @@ fn gomp() -> Option<(GompParallel, OmpInt, OmpInt)> {
             let p = libc::dlsym(libc::RTLD_DEFAULT, c"GOMP_parallel".as_ptr());
             let t = libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_thread_num".as_ptr());
             let n = libc::dlsym(libc::RTLD_DEFAULT, c"omp_get_num_threads".as_ptr());
+            let b = libc::dlsym(libc::RTLD_DEFAULT, c"GOMP_barrier".as_ptr());
             if p.is_null() || t.is_null() || n.is_null() {
                 return None;
             }
-            Some((
-                std::mem::transmute::<*mut c_void, GompParallel>(p),
-                std::mem::transmute::<*mut c_void, OmpInt>(t),
-                std::mem::transmute::<*mut c_void, OmpInt>(n),
-            ))
+            Some(Gomp {
+                parallel: std::mem::transmute::<*mut c_void, GompParallel>(p),
+                thread: std::mem::transmute::<*mut c_void, OmpInt>(t),
+                threads: std::mem::transmute::<*mut c_void, OmpInt>(n),
+                barrier: (!b.is_null()).then(|| std::mem::transmute::<*mut c_void, GompBarrier>(b)),
+            })
         }
     })
 }
@@ -66,7 +79,13 @@ pub fn parallel(threads: usize, f: Job<'_>) {
         f(0, 1);
         return;
     }
-    if let Some((par, tid, nth)) = gomp() {
+    if let Some(Gomp {
+        parallel: par,
+        thread: tid,
+        threads: nth,
+        ..
+    }) = gomp()
+    {
         struct Data<'a> {
             f: Job<'a>,
             tid: OmpInt,
@@ -92,6 +111,11 @@ pub fn parallel(threads: usize, f: Job<'_>) {
         };
         return;
     }
+    scoped(threads, f);
+}
+
+/// Run `f(thread, threads)` on `threads` scoped threads, the calling thread one of them.
+fn scoped(threads: usize, f: Job<'_>) {
     std::thread::scope(|s| {
         for t in 1..threads {
             s.spawn(move || f(t, threads));
@@ -101,22 +125,28 @@ pub fn parallel(threads: usize, f: Job<'_>) {
 }
 
 /// Where the threads of a [`parallel_phased`] region wait for each other.
-pub struct Phase {
+pub struct Phase(Wait);
+
+enum Wait {
+    /// One thread: nothing to wait for.
+    Alone,
     /// libgomp's team barrier (`#pragma omp barrier`, as ggml's own graphs wait): spins a
     /// while, then sleeps, so a thread whose partner lost its core gives its own up.
-    gomp: Option<unsafe extern "C" fn()>,
+    Team(GompBarrier),
     /// The scoped threads' barrier where there is no OpenMP.
-    std: Option<std::sync::Barrier>,
+    Scoped(std::sync::Barrier),
 }
 
 impl Phase {
     /// Return once every thread of the region has called this (as many times).
     pub fn wait(&self) {
-        if let Some(b) = self.gomp {
+        match &self.0 {
+            Wait::Alone => {}
             // SAFETY: called inside the region's parallel function, by every team thread.
-            unsafe { b() };
-        } else if let Some(b) = &self.std {
-            b.wait();
+            Wait::Team(b) => unsafe { b() },
+            Wait::Scoped(b) => {
+                b.wait();
+            }
         }
     }
 }
@@ -125,45 +155,22 @@ impl Phase {
 /// one region where two in a row would each pay a start. Every thread must call `wait` the
 /// same number of times.
 pub fn parallel_phased(threads: usize, f: &(dyn Fn(usize, usize, &Phase) + Sync)) {
-    static BARRIER: OnceLock<Option<unsafe extern "C" fn()>> = OnceLock::new();
-    let none = Phase {
-        gomp: None,
-        std: None,
-    };
     if threads <= 1 {
-        return f(0, 1, &none);
+        return f(0, 1, &Phase(Wait::Alone));
     }
-    let barrier = *BARRIER.get_or_init(|| {
-        gomp()?;
-        // SAFETY: dlsym on the global namespace with a NUL-terminated name; the symbol, when
-        // present, is libgomp's `void GOMP_barrier(void)`.
-        unsafe {
-            let p = libc::dlsym(libc::RTLD_DEFAULT, c"GOMP_barrier".as_ptr());
-            (!p.is_null()).then(|| std::mem::transmute::<*mut c_void, unsafe extern "C" fn()>(p))
-        }
-    });
-    match barrier {
+    match gomp().and_then(|g| g.barrier) {
         Some(b) => {
-            let phase = Phase {
-                gomp: Some(b),
-                std: None,
-            };
+            let phase = Phase(Wait::Team(b));
             parallel(threads, &|t, n| f(t, n, &phase));
         }
-        _ => {
-            let phase = Phase {
-                gomp: None,
-                std: Some(std::sync::Barrier::new(threads)),
-            };
-            let phase = &phase;
-            std::thread::scope(|s| {
-                for t in 1..threads {
-                    s.spawn(move || f(t, threads, phase));
-                }
-                f(0, threads, phase);
-            });
-        }
+        None => phased_scoped(threads, f),
     }
+}
+
+/// [`parallel_phased`] on scoped threads (no OpenMP, or no `GOMP_barrier`).
+fn phased_scoped(threads: usize, f: &(dyn Fn(usize, usize, &Phase) + Sync)) {
+    let phase = Phase(Wait::Scoped(std::sync::Barrier::new(threads)));
+    scoped(threads, &|t, n| f(t, n, &phase));
 }
 
 /// Let the OpenMP team of the calling thread go (its worker threads end), when the process
@@ -202,14 +209,18 @@ mod tests {
     use super::*;
 
     /// After a [`Phase::wait`], every thread sees what every other wrote before it, however
-    /// late the others come to it; and the waits can repeat.
+    /// late the others come to it; and the waits can repeat. On an OpenMP team and on scoped
+    /// threads.
     #[test]
     fn a_phase_waits_for_every_thread() {
         use std::sync::atomic::{AtomicUsize, Ordering};
-        for threads in [1, 2, 3] {
+        type Phased = fn(usize, &(dyn Fn(usize, usize, &Phase) + Sync));
+        // The OpenMP team's barrier where the process has it, and the scoped threads' one.
+        let runs: [(Phased, &str); 2] = [(parallel_phased, "team"), (phased_scoped, "scoped")];
+        for ((run, name), threads) in runs.into_iter().flat_map(|r| [1, 2, 3].map(|t| (r, t))) {
             let slots: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
             let seen = AtomicUsize::new(0);
-            parallel_phased(threads, &|t, n, phase| {
+            run(threads, &|t, n, phase| {
                 assert_eq!(n, threads);
                 for round in 1..=2 {
                     std::thread::sleep(std::time::Duration::from_millis(10 * t as u64));
@@ -221,7 +232,7 @@ mod tests {
                     phase.wait();
                 }
             });
-            assert_eq!(seen.into_inner(), 2 * threads, "{threads} threads");
+            assert_eq!(seen.into_inner(), 2 * threads, "{name}, {threads} threads");
         }
     }
 
