@@ -55,6 +55,10 @@ pub struct Generation {
     /// ([`crate::ahead`]), and how many were the resident best (kept as drafts).
     pub guesses: u64,
     pub guesses_kept: u64,
+    /// There, the tokens of retrieval chains that rode in a step's call after the round's
+    /// drafts, and how many stood as drafts.
+    pub rides: u64,
+    pub rides_kept: u64,
 }
 
 /// Run the prompt through the target (sequence 0 from position 0), logits for the last token

@@ -451,6 +451,41 @@ fn self_drafting_over_a_resident_vocabulary_is_plain_greedy() {
     }
 }
 
+/// Self-drafting over text the prompt holds: after a round's first drafts, retrieval chains
+/// ride in its steps' calls (`Rounds::ride_after`) and stand as drafts, and the output is
+/// still plain greedy decoding's, on both models.
+#[test]
+fn retrieval_chains_ride_in_self_drafting_steps_and_output_stays_plain() {
+    use leap_spec::vocab::VocabConfig;
+    const COPY: &str = "Copy this list exactly, twice.\nList: apples, pears, plums, \
+        cherries, grapes, lemons, melons, figs, dates, limes, peaches.\nCopy 1: apples, \
+        pears, plums, cherries, grapes, lemons, melons, figs, dates, limes, peaches.\nCopy 2:";
+    for name in [SMOLLM, GEMMA] {
+        let m = model(name);
+        let mut pc = ctx(name, 1);
+        let (mut ec, od) = leap_context(name, 2048, 1);
+        let mut engine = Engine::new(EngineConfig {
+            vocab: Some(VocabConfig {
+                resident: leap_spec::vocab::Resident::Always,
+                ..Default::default()
+            }),
+            ..EngineConfig::default()
+        })
+        .with_on_demand(od);
+        let toks = m.tokenize(COPY, true, false).unwrap();
+        let want = plain_greedy(&mut pc, &toks, 40);
+        let got = leap_greedy(&mut engine, &mut ec, &toks, 40);
+        assert_eq!(got.tokens, want.tokens, "{name}");
+        assert!(got.self_drafted, "{name}");
+        assert!(
+            got.rides_kept > 0 && got.rides >= got.rides_kept,
+            "{name}: {} ride tokens, {} kept",
+            got.rides,
+            got.rides_kept
+        );
+    }
+}
+
 /// Whether the target drafts for itself ([`leap_spec::vocab::Resident::Auto`]) is read off the
 /// model's weights, not timed: Gemma 3's tied 262k-row head is most of what a call reads,
 /// SmolLM2's is not, and the figure is the same however often (and under whatever load) it

@@ -3,8 +3,9 @@
 //! 1. [`Rounds::chain`]: a retrieval chain after the next token (or the head's guess,
 //!    [`crate::ahead`]) rides in the call that token needs, kept while each token is the
 //!    resident vocabulary's best after the one before;
-//! 2. [`Rounds::steps`]: one-row steps (two with the head's guess), each drafting the
-//!    resident best, as many as the cost model chose;
+//! 2. [`Rounds::steps`]: steps, each drafting the resident best, as many as the cost model
+//!    chose; a retrieval chain after the drafts so far (or the head's guess) rides in a
+//!    step's call and stands as the first call's does;
 //! 3. [`Rounds::project`]: one pass over the output weights for every state;
 //! 4. [`Rounds::walk`]: the target's token after each state (under a grammar, the best it
 //!    allows); a draft stands while it is that token;
@@ -19,7 +20,7 @@ use leap_host::grammar::Grammar;
 use leap_host::project::{DraftVocab, OnDemand};
 use leap_host::{Batch, Context, Model, Result, Token};
 
-use super::{run, VocabConfig, VocabState, GROW, MAX_CHAIN};
+use super::{run, VocabConfig, VocabState, GROW, MAX_CHAIN, RIDE};
 use crate::draft::{ContextDrafter, Drafter, Proposal};
 use crate::plain::{argmax, Generation};
 
@@ -142,7 +143,7 @@ impl<'a> Rounds<'a> {
     /// head's guess ([`Rounds::guess`]), a chain of one. The drafts it keeps go to `drafts`;
     /// the next draft, when checking the chain already found it.
     fn chain(&mut self, k: usize) -> Result<Option<Token>> {
-        let (n, left) = (self.n, self.max_tokens - self.g.tokens.len() - 1);
+        let left = self.max_tokens - self.g.tokens.len() - 1;
         let td = Instant::now();
         let mut chain: Vec<Token> = Vec::new();
         let mut ahead = None;
@@ -186,38 +187,24 @@ impl<'a> Rounds<'a> {
         if chain.is_empty() {
             self.state.record_step(seconds);
         } else {
-            // The chain stands while each token is the resident vocabulary's best after the
-            // one before; from the first that is not, its rows are dropped (that token is not
-            // the target's: its best is the resident best or a token outside).
             let td = Instant::now();
-            let mut kept = 0;
-            for (j, h) in hs.chunks_exact(n).enumerate() {
-                match (chain.get(j), self.vocab.argmax(h).map(|(r, _)| r)) {
-                    (Some(&c), Some(r)) if r == c => kept += 1,
-                    // The resident best after the last state kept is the next draft.
-                    (_, r) => {
-                        ahead = r;
-                        break;
-                    }
-                }
-            }
-            hs.truncate((kept + 1) * n);
-            self.drafts.extend_from_slice(&chain[..kept]);
+            let kept;
+            (kept, ahead) = self.keep_chain(&chain, 0, self.pos);
             if guessed {
                 self.state.record_guess(kept == 1, seconds);
                 self.g.guesses += 1;
                 self.g.guesses_kept += kept as u64;
             }
             self.g.draft_seconds += td.elapsed().as_secs_f64();
-            ctx.seq_rm(0, self.pos + 1 + kept as i32, -1);
         }
         self.g.target_calls += 1;
         Ok(ahead)
     }
 
-    /// One-row steps until `k` drafts (or an end of generation, or the output's limit): each
-    /// drafts the resident best after the last state (`ahead` first, when the chain found
-    /// it) and runs it through the blocks. Under a grammar, a draft it refuses ends them.
+    /// Steps until `k` drafts (or an end of generation, or the output's limit): each drafts
+    /// the resident best after the last state (`ahead` first, when a chain found it) and runs
+    /// it through the blocks, with what [`Rounds::ride_after`] puts in the same call. Under a
+    /// grammar, a draft it refuses ends them.
     fn steps(&mut self, k: usize, mut ahead: Option<Token>) -> Result<()> {
         let n = self.n;
         // Under a grammar, a copy of it after the drafts so far (made at the first step).
@@ -255,61 +242,100 @@ impl<'a> Rounds<'a> {
                 self.g.draft_seconds += td.elapsed().as_secs_f64();
                 break;
             }
-            // The head's guess after `d` rides in `d`'s call, while the drafts stay within
-            // `k` and the output's limit (not under a grammar: its walk would need the guess).
-            let guess = if self.grammar.is_none()
-                && self.drafts.len() < k
-                && self.g.tokens.len() + self.drafts.len() + 1 < self.max_tokens
-                && self.state.guess_pays(self.cfg.always_guess)
-            {
-                self.guess(Some(self.hs.len() / n - 1), d)
-            } else {
-                None
-            };
+            let (ride, guessed) = self.ride_after(d, k);
             self.g.draft_seconds += td.elapsed().as_secs_f64();
-            self.od
-                .prefetch(self.drafts.len() + usize::from(guess.is_some()) >= k);
+            self.od.prefetch(self.drafts.len() + ride.len() >= k);
             let ts = Instant::now();
             let at = self.pos + self.drafts.len() as i32;
-            let chain: &[Token] = match &guess {
-                Some(g) => std::slice::from_ref(g),
-                None => &[],
-            };
             run(
                 self.ctx,
                 self.od,
                 &mut self.batch,
                 d,
-                chain,
+                &ride,
                 at,
                 &mut self.hs,
             )?;
             let seconds = ts.elapsed().as_secs_f64();
             self.g.target_calls += 1;
-            self.g.verify_rows += 1 + chain.len() as u64;
-            let Some(g) = guess else {
+            self.g.verify_rows += 1 + ride.len() as u64;
+            if ride.is_empty() {
                 self.state.record_step(seconds);
                 continue;
-            };
-            // The guess stands when it is the resident best after `d` (as a chain's token
-            // does); else its row goes, and that best is the next draft.
+            }
             let td = Instant::now();
-            let h = &self.hs[self.hs.len() - 2 * n..self.hs.len() - n];
-            let best = self.vocab.argmax(h).map(|(r, _)| r);
-            let right = best == Some(g);
-            self.state.record_guess(right, seconds);
-            self.g.guesses += 1;
-            self.g.guesses_kept += u64::from(right);
-            if right {
-                self.drafts.push(g);
+            let kept;
+            (kept, ahead) = self.keep_chain(&ride, self.hs.len() / n - 1 - ride.len(), at);
+            if guessed {
+                self.state.record_guess(kept == 1, seconds);
+                self.g.guesses += 1;
+                self.g.guesses_kept += kept as u64;
             } else {
-                self.hs.truncate(self.hs.len() - n);
-                self.ctx.seq_rm(0, at + 1, -1);
-                ahead = best;
+                self.g.rides += ride.len() as u64;
+                self.g.rides_kept += kept as u64;
             }
             self.g.draft_seconds += td.elapsed().as_secs_f64();
         }
         Ok(())
+    }
+
+    /// What rides in the call of draft `d` (the last of `drafts`), not under a grammar (its
+    /// walk would need them): a retrieval chain after the drafts so far, as after `next` in
+    /// the round's first call ([`Rounds::chain`]), so a round that comes to text the request
+    /// holds copies it a call at a time rather than a step a token; else the head's guess
+    /// after `d`, while the drafts stay within `k`. Whether it is the guess.
+    fn ride_after(&mut self, d: Token, k: usize) -> (Vec<Token>, bool) {
+        if self.grammar.is_some() {
+            return (Vec::new(), false);
+        }
+        // Drafts past what the output may still take are not drafted.
+        let left = self.max_tokens - self.g.tokens.len() - 1 - self.drafts.len();
+        let budget = RIDE.min(self.cfg.max_draft).min(left);
+        if let Some(p) = self
+            .context
+            .as_ref()
+            .and_then(|c| c.propose_after(&self.drafts, budget))
+        {
+            let mut chain = p.tokens;
+            // Nothing follows an end of generation.
+            if let Some(e) = chain.iter().position(|&t| self.model.is_eog(t)) {
+                chain.truncate(e + 1);
+            }
+            return (chain, false);
+        }
+        if self.drafts.len() < k && left > 0 && self.state.guess_pays(self.cfg.always_guess) {
+            let row = self.hs.len() / self.n - 1;
+            if let Some(g) = self.guess(Some(row), d) {
+                return (vec![g], true);
+            }
+        }
+        (Vec::new(), false)
+    }
+
+    /// Which tokens of `chain`, run after the state in row `base` of `hs` (the chain's own
+    /// states the rows after it, the last of `hs`) at position `at`, stand: each while it is
+    /// the resident vocabulary's best after the one before; from the first that is not
+    /// (not the target's token: its best is the resident best or a token outside) the rows
+    /// and cache cells go. The kept tokens join `drafts`. How many stood, and the resident
+    /// best after the last that did where a token did not (the next draft; else the next
+    /// step finds it).
+    fn keep_chain(&mut self, chain: &[Token], base: usize, at: i32) -> (usize, Option<Token>) {
+        let n = self.n;
+        let mut kept = 0;
+        let mut next = None;
+        for (j, &c) in chain.iter().enumerate() {
+            let h = &self.hs[(base + j) * n..(base + j + 1) * n];
+            let best = self.vocab.argmax(h).map(|(r, _)| r);
+            if best != Some(c) {
+                next = best;
+                break;
+            }
+            kept += 1;
+        }
+        self.hs.truncate((base + kept + 1) * n);
+        self.drafts.extend_from_slice(&chain[..kept]);
+        self.ctx.seq_rm(0, at + 1 + kept as i32, -1);
+        (kept, next)
     }
 
     /// The head's guess at the token after `d`, chosen after state `row` of `hs` (`None`:
