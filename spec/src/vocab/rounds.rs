@@ -281,9 +281,10 @@ impl<'a> Rounds<'a> {
 
     /// What rides in the call of draft `d` (the last of `drafts`), not under a grammar (its
     /// walk would need them): a retrieval chain after the drafts so far, as after `next` in
-    /// the round's first call ([`Rounds::chain`]), so a round that comes to text the request
-    /// holds copies it a call at a time rather than a step a token; else the head's guess
-    /// after `d`, while the drafts stay within `k`. Whether it is the guess.
+    /// the round's first call ([`Rounds::chain`]) but at most [`RIDE`] tokens, so a round
+    /// that comes to text the request holds copies up to `RIDE + 1` tokens a call rather than
+    /// one; else the head's guess after `d`, while the drafts stay within `k`. Whether it is
+    /// the guess.
     fn ride_after(&mut self, d: Token, k: usize) -> (Vec<Token>, bool) {
         if self.grammar.is_some() {
             return (Vec::new(), false);
