@@ -74,11 +74,19 @@ impl ContextDrafter {
     }
 
     /// Up to `budget` tokens that may follow the text and then `drafts`, tokens not taken in
-    /// (a self-drafting round's drafts, which only the round's pass accepts): where the
-    /// longest suffix of the two together, `min_match` tokens or more, first occurred in the
-    /// text. A suffix of more than [`TAIL`] text tokens plus the drafts is matched as that
-    /// long (the controller's evidence buckets end at 17).
-    pub fn propose_after(&self, drafts: &[Token], budget: usize) -> Option<Proposal> {
+    /// (a self-drafting round's drafts, which only the round's pass accepts), into `out`
+    /// (cleared first, so a caller drafting every step keeps one buffer): what followed the
+    /// first occurrence in the text of the longest suffix of the two together, `min_match`
+    /// tokens or more. That suffix's length, or `None` (`out` empty) where there is none or
+    /// nothing follows it. A suffix of more than [`TAIL`] text tokens plus the drafts is
+    /// matched as that long.
+    pub fn continue_after(
+        &self,
+        drafts: &[Token],
+        budget: usize,
+        out: &mut Vec<Token>,
+    ) -> Option<usize> {
+        out.clear();
         if drafts.is_empty() || budget == 0 {
             return None;
         }
@@ -88,16 +96,13 @@ impl ContextDrafter {
             m.push(&self.sam, t);
         }
         let m = m.current(&self.sam).filter(|m| m.len >= self.min_match)?;
-        let tokens = continuation(&self.sam, m, budget);
-        (!tokens.is_empty()).then_some(Proposal {
-            tokens,
-            match_len: m.len,
-            source: Source::Request,
-        })
+        // A request's text holds no SEPARATOR (that is the history's): no cut.
+        out.extend_from_slice(self.sam.continuation(m, budget));
+        (!out.is_empty()).then_some(m.len)
     }
 }
 
-/// Text tokens [`ContextDrafter::propose_after`] matches before the drafts.
+/// Text tokens [`ContextDrafter::continue_after`] matches before the drafts.
 pub const TAIL: usize = 32;
 
 impl Drafter for ContextDrafter {
@@ -335,23 +340,26 @@ mod tests {
         // "4 5" then "6 7" follow "3" in the text; the text ends in "2 3", the drafts are "4".
         let mut d = ContextDrafter::new(3);
         d.begin(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 2, 3]);
-        let p = d.propose_after(&[4], 3).unwrap();
-        assert_eq!((p.tokens, p.match_len), (vec![5, 6, 7], 3));
-        assert_eq!(p.source, Source::Request);
-        // The drafts stay out of the text: the same drafts again, the same proposal.
-        assert_eq!(d.propose_after(&[4], 2).unwrap().tokens, [5, 6]);
+        let mut out = vec![99];
+        assert_eq!(d.continue_after(&[4], 3, &mut out), Some(3));
+        assert_eq!(out, [5, 6, 7]);
+        // The drafts stay out of the text: the same drafts again, the same continuation.
+        assert_eq!(d.continue_after(&[4], 2, &mut out), Some(3));
+        assert_eq!(out, [5, 6]);
         // A longer draft matches further on; the budget caps the continuation at the text's end.
-        let p = d.propose_after(&[4, 5, 6], 9).unwrap();
-        assert_eq!((p.tokens, p.match_len), (vec![7, 8, 9, 2, 3], 5));
+        assert_eq!(d.continue_after(&[4, 5, 6], 9, &mut out), Some(5));
+        assert_eq!(out, [7, 8, 9, 2, 3]);
         // Suffixes shorter than min_match (here "3 9" never occurs: "9" alone, one token).
-        assert_eq!(d.propose_after(&[9], 4), None);
+        assert_eq!(d.continue_after(&[9], 4, &mut out), None);
+        assert!(out.is_empty());
         // No drafts (the round's first call drafts with `propose`) or no budget: nothing.
-        assert_eq!(d.propose_after(&[], 4), None);
-        assert_eq!(d.propose_after(&[4], 0), None);
+        assert_eq!(d.continue_after(&[], 4, &mut out), None);
+        assert_eq!(d.continue_after(&[4], 0, &mut out), None);
         // A match that ends where the text does has nothing after it.
         let mut e = ContextDrafter::new(2);
         e.begin(&[7, 1, 2]);
-        assert_eq!(e.propose_after(&[1, 2], 4), None);
+        assert_eq!(e.continue_after(&[1, 2], 4, &mut out), None);
+        assert!(out.is_empty());
     }
 
     #[test]

@@ -55,6 +55,8 @@ pub(super) struct Rounds<'a> {
     /// The state `next` was chosen after (the last round's), for the head's guess in the
     /// round's first call; empty in the first round (its token came from llama.cpp's logits).
     prev: Vec<f32>,
+    /// What rides in a step's call after its draft ([`Rounds::ride_after`]).
+    ride: Vec<Token>,
     /// The head's scratch ([`Rounds::guess`]): the next token's row, the query, the input.
     guess_buf: Vec<f32>,
     n: usize,
@@ -103,6 +105,7 @@ impl<'a> Rounds<'a> {
             proposals: Vec::new(),
             hs: Vec::new(),
             prev: Vec::new(),
+            ride: Vec::new(),
             guess_buf: Vec::new(),
             n: od.n_embd(),
             drafts: Vec::new(),
@@ -242,9 +245,9 @@ impl<'a> Rounds<'a> {
                 self.g.draft_seconds += td.elapsed().as_secs_f64();
                 break;
             }
-            let (ride, guessed) = self.ride_after(d, k);
+            let guessed = self.ride_after(d, k);
             self.g.draft_seconds += td.elapsed().as_secs_f64();
-            self.od.prefetch(self.drafts.len() + ride.len() >= k);
+            self.od.prefetch(self.drafts.len() + self.ride.len() >= k);
             let ts = Instant::now();
             let at = self.pos + self.drafts.len() as i32;
             run(
@@ -252,18 +255,20 @@ impl<'a> Rounds<'a> {
                 self.od,
                 &mut self.batch,
                 d,
-                &ride,
+                &self.ride,
                 at,
                 &mut self.hs,
             )?;
             let seconds = ts.elapsed().as_secs_f64();
             self.g.target_calls += 1;
-            self.g.verify_rows += 1 + ride.len() as u64;
-            if ride.is_empty() {
+            self.g.verify_rows += 1 + self.ride.len() as u64;
+            if self.ride.is_empty() {
                 self.state.record_step(seconds);
                 continue;
             }
             let td = Instant::now();
+            // Out of `self` while `keep_chain` takes it, and back after (the buffer is kept).
+            let ride = std::mem::take(&mut self.ride);
             let kept;
             (kept, ahead) = self.keep_chain(&ride, self.hs.len() / n - 1 - ride.len(), at);
             if guessed {
@@ -274,43 +279,45 @@ impl<'a> Rounds<'a> {
                 self.g.rides += ride.len() as u64;
                 self.g.rides_kept += kept as u64;
             }
+            self.ride = ride;
             self.g.draft_seconds += td.elapsed().as_secs_f64();
         }
         Ok(())
     }
 
-    /// What rides in the call of draft `d` (the last of `drafts`), not under a grammar (its
-    /// walk would need them): a retrieval chain after the drafts so far, as after `next` in
-    /// the round's first call ([`Rounds::chain`]) but at most [`RIDE`] tokens, so a round
-    /// that comes to text the request holds copies up to `RIDE + 1` tokens a call rather than
-    /// one; else the head's guess after `d`, while the drafts stay within `k`. Whether it is
-    /// the guess.
-    fn ride_after(&mut self, d: Token, k: usize) -> (Vec<Token>, bool) {
+    /// What rides in the call of draft `d` (the last of `drafts`), into `ride`, not under a
+    /// grammar (its walk would need it): a retrieval chain after the drafts so far, as after
+    /// `next` in the round's first call ([`Rounds::chain`]) but at most [`RIDE`] tokens, so a
+    /// round that comes to text the request holds copies up to `RIDE + 1` tokens a call rather
+    /// than one; else the head's guess after `d`, while the drafts stay within `k`. Whether it
+    /// is the guess.
+    fn ride_after(&mut self, d: Token, k: usize) -> bool {
+        self.ride.clear();
         if self.grammar.is_some() {
-            return (Vec::new(), false);
+            return false;
         }
         // Drafts past what the output may still take are not drafted.
         let left = self.max_tokens - self.g.tokens.len() - 1 - self.drafts.len();
         let budget = RIDE.min(self.cfg.max_draft).min(left);
-        if let Some(p) = self
-            .context
-            .as_ref()
-            .and_then(|c| c.propose_after(&self.drafts, budget))
-        {
-            let mut chain = p.tokens;
-            // Nothing follows an end of generation.
-            if let Some(e) = chain.iter().position(|&t| self.model.is_eog(t)) {
-                chain.truncate(e + 1);
+        if let Some(c) = self.context.as_ref() {
+            if c.continue_after(&self.drafts, budget, &mut self.ride)
+                .is_some()
+            {
+                // Nothing follows an end of generation.
+                if let Some(e) = self.ride.iter().position(|&t| self.model.is_eog(t)) {
+                    self.ride.truncate(e + 1);
+                }
+                return false;
             }
-            return (chain, false);
         }
         if self.drafts.len() < k && left > 0 && self.state.guess_pays(self.cfg.always_guess) {
             let row = self.hs.len() / self.n - 1;
             if let Some(g) = self.guess(Some(row), d) {
-                return (vec![g], true);
+                self.ride.push(g);
+                return true;
             }
         }
-        (Vec::new(), false)
+        false
     }
 
     /// Which tokens of `chain`, run after the state in row `base` of `hs` (the chain's own
