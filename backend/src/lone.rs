@@ -29,6 +29,21 @@ pub fn rows_computed() -> u64 {
     ROWS_COMPUTED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Set when the device was asked to take a flash-attention node the lone way and
+/// [`agrees_with_ggml`] had found no arithmetic that reproduces the loaded ggml's: ggml then
+/// computes a verification's rows in one chunk each, otherwise than each row alone.
+static UNREPRODUCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process met flash attention whose verification rows the device could not
+/// compute as the loaded ggml computes a lone row (for a host such as llama.cpp's `--spec-type
+/// leap`, whose verified drafts would then not be plain decoding's tokens). ggml builds that
+/// accumulate the values in half precision (x86-64 with AVX512-FP16, AArch64 with FP16 vector
+/// arithmetic, under `-march=native`) are such: [`leap_kernels::lone`] keeps the accumulator
+/// in f32 arithmetic rounded to f16.
+pub fn verification_rows_inexact() -> bool {
+    UNREPRODUCED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The arithmetic the loaded ggml takes ([`agrees_with_ggml`], once per process).
 fn checked() -> Option<Arith> {
     use std::sync::OnceLock;
@@ -79,7 +94,13 @@ pub(crate) fn supports(op: &g::ggml_tensor, cfg: &crate::DeviceConfig, capturing
         && ROWS.contains(&q.ne[1])
         && crate::attn::f16_cache_shape(op, q, k, v)
         && v.ne[0] % 64 == 0
-        && checked().is_some()
+        && {
+            let ok = checked().is_some();
+            if !ok {
+                UNREPRODUCED.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            ok
+        }
 }
 
 /// The cells a row's mask leaves visible: the first, and one past the last, of the call's

@@ -189,6 +189,12 @@ pub unsafe extern "C" fn leap_drafter_begin(
     })
 }
 
+/// Logged once where [`leap_backend::lone::verification_rows_inexact`]: `--spec-type leap`
+/// then drafts nothing, so its output stays `--spec-type none`'s.
+const DRAFTS_OFF: &str = "Leap's device cannot compute flash attention's verification rows as \
+this ggml computes a row alone (it accumulates in half precision): drafting nothing, so the \
+output stays plain decoding's; with -fa off Leap drafts";
+
 /// `leap_status leap_drafter_draft(leap_drafter *, const int32_t *tokens, size_t n_tokens,
 /// int32_t id_last, int32_t max, int32_t *out, size_t *n_out)`.
 ///
@@ -221,6 +227,13 @@ pub unsafe extern "C" fn leap_drafter_draft(
         }
         if out.is_null() && max > 0 {
             return Err(Error::Null { what: "out" });
+        }
+        if leap_backend::lone::verification_rows_inexact() {
+            // The host's verification rows would round otherwise than its plain steps: no
+            // drafts keeps its output plain decoding's (`n_out` is 0).
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| log::warn!("{DRAFTS_OFF}"));
+            return Ok(());
         }
         let mut drafter = lock(d)?;
         let draft = drafter.draft(tokens, id_last, max as usize);

@@ -16,7 +16,10 @@ computes the verification rows as the lone row, and says so); with -fa off as we
 -fa off with the settings --spec-type leap turns on then); sampled completions with a seed are the same
 text too (the server samples every position of a draft from the target's own distribution with
 the seed's random stream, so drafting changes how many calls, not which tokens); bad
-combinations stop the server at start-up with a message, not mid-request."""
+combinations stop the server at start-up with a message, not mid-request. Where the binary's
+ggml accumulates flash attention's values in half precision (-march=native on a CPU with
+AVX512-FP16), which the device does not reproduce, --spec-type leap drafts nothing with flash
+attention on, says so, and the same texts are checked."""
 
 import os
 import platform
@@ -47,6 +50,11 @@ INVARIANT = ["--no-repack"]
 X86 = platform.machine() in ("x86_64", "AMD64")
 LONE = "flash-attention query rows as ggml computes a lone row"
 REPACKED = "batch rows over repacked Q4_K weights as ggml computes a lone row"
+# A ggml whose flash attention accumulates in half precision (built with -march=native on a CPU
+# with AVX512-FP16, or AArch64's FP16 arithmetic), which Leap's lone rows do not reproduce yet:
+# the device says so, and --spec-type leap then drafts nothing, so its output stays exact.
+UNREPRODUCED = "lone-row flash attention does not reproduce ggml's here"
+DRAFTS_OFF = "drafting nothing, so the output stays plain decoding's"
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +104,14 @@ def test_spec_type_leap_gives_plain_decodings_tokens(llama_bin, model, request):
         err = s.stop()
     assert [t for t, _ in leap] == [t for t, _ in plain]
     assert [t for t, _ in leap_sampled] == [t for t, _ in plain_sampled]
-    # Drafts were verified and taken (so verification batches differed from plain steps).
     drafted = sum(t.get("draft_n", 0) for _, t in leap + leap_sampled)
     accepted = sum(t.get("draft_n_accepted", 0) for _, t in leap + leap_sampled)
+    if UNREPRODUCED in err:
+        # This CPU's ggml: exact because nothing was drafted (issue 35's note).
+        assert DRAFTS_OFF in err and drafted == 0, (drafted, err[-2000:])
+        assert LONE not in err, err[-2000:]
+        return
+    # Drafts were verified and taken (so verification batches differed from plain steps).
     assert drafted > 0 and accepted > 10, (drafted, accepted)
     # Leap's device computed in it, the verification rows' attention included.
     assert "leap-cpu computed" in err, err[-2000:]
@@ -129,7 +142,9 @@ def test_llama_cli_with_spec_type_leap_writes_plain_decodings_text(llama_bin, sm
     assert "cherry" in plain, plain
     assert leap == plain
     assert "leap-cpu computed" in err
-    assert (LONE in err) == (not fa), err[-2000:]
+    assert (LONE in err) == (not fa and UNREPRODUCED not in err), err[-2000:]
+    # Without flash attention the device's rows need no lone rows: Leap drafts.
+    assert DRAFTS_OFF not in err or not fa, err[-2000:]
 
 
 @pytest.mark.parametrize("args, ubatch", [
