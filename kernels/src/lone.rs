@@ -22,8 +22,16 @@
 //! and the merge `a*so + b*sn` may each be contracted to fused multiply-adds. [`Rounding`] names
 //! the choices; the caller finds the one the loaded ggml made (`leap_backend::lone`).
 //!
-//! AArch64 with FP16 vector arithmetic (ARMv8.2-A) accumulates in half precision natively,
-//! which this does not reproduce; a check against such a ggml fails.
+//! A ggml built for FP16 vector arithmetic accumulates in half precision natively, which this
+//! does not reproduce, and a check against it fails: AArch64 with ARMv8.2-A's FP16, and x86-64
+//! with AVX512-FP16 (`-march=native` on such a Xeon: ggml's `simd-mappings.h` then takes
+//! `_mm512_fmadd_ph` and `_mm512_mul_ph` with the weight rounded to f16 first, 32 halves a
+//! register and 128 a step, so value rows of 128 halves or more; shorter ones keep the f32
+//! loop). What reproducing it would take: the update `f16(acc + v * f16(w))` rounded once,
+//! which one f64 fused multiply-add gives exactly for every operand the softmax makes (weights
+//! at most 1, values within f16's range: at most 40 significant bits), then an f64-to-f16
+//! conversion rounded to nearest-even, with AVX512-FP16's own instructions for speed. Until
+//! then the host's `--spec-type leap` drafts nothing there (`leap_backend::lone`).
 //!
 //! A verification's rows are many lone rows over the same cache: [`rows`] computes the rows
 //! that read one key-value head's values over one view length together, each exactly as
