@@ -27,11 +27,12 @@
 //! with AVX512-FP16 (`-march=native` on such a Xeon: ggml's `simd-mappings.h` then takes
 //! `_mm512_fmadd_ph` and `_mm512_mul_ph` with the weight rounded to f16 first, 32 halves a
 //! register and 128 a step, so value rows of 128 halves or more; shorter ones keep the f32
-//! loop). What reproducing it would take: the update `f16(acc + v * f16(w))` rounded once,
-//! which one f64 fused multiply-add gives exactly for every operand the softmax makes (weights
-//! at most 1, values within f16's range: at most 40 significant bits), then an f64-to-f16
-//! conversion rounded to nearest-even, with AVX512-FP16's own instructions for speed. Until
-//! then the host's `--spec-type leap` drafts nothing there (`leap_backend::lone`).
+//! loop). What reproducing it would take: the update `f16(acc + v * f16(w))` rounded once.
+//! By this count (not yet checked against such a ggml) an f64 fused multiply-add and then one
+//! rounding to f16 give it: with weights at most 1 the f64 sum is inexact only where the smaller
+//! addend lies far below half an f16 unit of the larger, which can then not be moved across a
+//! rounding boundary. AVX512-FP16's own instructions would be the fast way. Until then the
+//! host's `--spec-type leap` drafts nothing there (`leap_backend::lone`).
 //!
 //! A verification's rows are many lone rows over the same cache: [`rows`] computes the rows
 //! that read one key-value head's values over one view length together, each exactly as
