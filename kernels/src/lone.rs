@@ -60,6 +60,22 @@ pub struct Rounding {
     /// The merge of chunk partials `a*so + b*sn`: unfused, `fma(a, so, b*sn)` or
     /// `fma(b, sn, a*so)`.
     pub merge: Merge,
+    /// The value updates' SIMD step where ggml takes them in half-precision arithmetic, or 0
+    /// (f32 arithmetic rounded to f16, every other build). A build for AVX512-FP16 updates the
+    /// first `dv / half * half` halves of a row (steps of [`HALF_STEP_AVX512FP16`]) in halves:
+    /// the weight rounded to f16, then one rounding of the exact product and sum ([`mad_half`],
+    /// [`scale_half`]); the rest as the other builds do.
+    pub half: usize,
+}
+
+/// ggml's `GGML_F16_STEP` where `__AVX512FP16__` is defined: 128 halves, four registers.
+pub const HALF_STEP_AVX512FP16: usize = 128;
+
+impl Rounding {
+    /// The halves of a `dv`-long value row updated in half-precision arithmetic.
+    pub fn half_len(self, dv: usize) -> usize {
+        dv.checked_div(self.half).map_or(0, |steps| steps * self.half)
+    }
 }
 
 /// See [`Rounding::merge`].
@@ -83,13 +99,42 @@ impl Merge {
     }
 }
 
-/// Every [`Rounding`], the likeliest (GCC's default contraction) first.
+/// Every [`Rounding`] this CPU can compute, the likeliest first: half-precision updates first
+/// where the CPU has them (a ggml built for this CPU, llama.cpp's default, takes them), then
+/// GCC's default contraction.
 pub fn roundings() -> impl Iterator<Item = Rounding> {
-    [true, false].into_iter().flat_map(|sum_fused| {
-        [Merge::FirstFused, Merge::SecondFused, Merge::Plain]
-            .into_iter()
-            .map(move |merge| Rounding { sum_fused, merge })
+    let halves: &[usize] = if half_ok() {
+        &[HALF_STEP_AVX512FP16, 0]
+    } else {
+        &[0]
+    };
+    halves.iter().flat_map(|&half| {
+        [true, false].into_iter().flat_map(move |sum_fused| {
+            [Merge::FirstFused, Merge::SecondFused, Merge::Plain]
+                .into_iter()
+                .map(move |merge| Rounding {
+                    sum_fused,
+                    merge,
+                    half,
+                })
+        })
     })
+}
+
+/// Whether the CPU computes [`mad_half`] and [`scale_half`] in its own half-precision
+/// arithmetic (x86-64 with AVX512-FP16), which a ggml built for it takes and Leap then
+/// reproduces at speed. Elsewhere the functions compute the same numbers in portable code,
+/// too slowly for decoding and never needed: a ggml built for half-precision arithmetic does
+/// not run on a CPU without it.
+pub fn half_ok() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        simd::half_ok()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// How the loaded ggml's `vec_dot_f16` sums a key row with a query: its build's SIMD width.
@@ -196,6 +241,64 @@ pub fn scale_f16(acc: &mut [u16], w: f32) {
     }
 }
 
+/// `acc[i] = f16(f16(w) * v[i] + acc[i])`, the product and sum rounded once: ggml's
+/// `ggml_vec_mad_f16` in half-precision arithmetic (`_mm512_fmadd_ph` with the weight
+/// `_mm512_set1_ph`'s half).
+pub fn mad_half(acc: &mut [u16], v: &[u16], w: f32) {
+    assert!(v.len() >= acc.len());
+    let wh = from_f32(w);
+    #[cfg(target_arch = "x86_64")]
+    if half_ok() {
+        // SAFETY: the CPU has AVX512-FP16; `v` is at least as long as `acc`.
+        return unsafe { simd::mad_ph(acc, v, wh) };
+    }
+    mad_half_portable(acc, v, wh);
+}
+
+/// [`mad_half`] in portable code, the weight already a half.
+fn mad_half_portable(acc: &mut [u16], v: &[u16], wh: u16) {
+    let w = f64::from(to_f32(wh));
+    for (a, &v) in acc.iter_mut().zip(v) {
+        *a = half_of(f64::from(to_f32(v)).mul_add(w, f64::from(to_f32(*a))));
+    }
+}
+
+/// `acc[i] = f16(acc[i] * f16(w))`, rounded once: ggml's `ggml_vec_scale_f16` in
+/// half-precision arithmetic (`_mm512_mul_ph`).
+pub fn scale_half(acc: &mut [u16], w: f32) {
+    let wh = from_f32(w);
+    #[cfg(target_arch = "x86_64")]
+    if half_ok() {
+        // SAFETY: the CPU has AVX512-FP16.
+        return unsafe { simd::scale_ph(acc, wh) };
+    }
+    // Two halves' product is exact in f32 (22 significant bits, exponents in range).
+    let w = to_f32(wh);
+    for a in acc.iter_mut() {
+        *a = from_f32(to_f32(*a) * w);
+    }
+}
+
+/// `x` rounded once to the nearest half (ties to even), for `x` the f64 sum of a half and a
+/// product of two halves. Such a sum is exact in f64 unless the smaller addend lies below
+/// 2^-31 of the larger, far under half a unit of the larger's half, where it moves nothing.
+/// Through f32 the rounding would be double; rounded toward zero to f32 with the lost bits
+/// kept as the last bit (round to odd), thirteen bits more than a half holds, one rounding to
+/// nearest then gives the half the exact value rounds to.
+fn half_of(x: f64) -> u16 {
+    let f = x as f32;
+    if !f.is_finite() || f64::from(f) == x {
+        return from_f32(f);
+    }
+    // Nearest rounded away from zero: step back toward zero (same sign, one unit less).
+    let t = if f64::from(f).abs() > x.abs() {
+        f32::from_bits(f.to_bits() - 1)
+    } else {
+        f
+    };
+    from_f32(f32::from_bits(t.to_bits() | 1))
+}
+
 /// The two f16 accumulator updates with F16C's conversions (nearest-even, as ggml's
 /// `_mm256_cvtps_ph(x, 0)`), eight halves a step, the rest one at a time with the same
 /// arithmetic.
@@ -217,6 +320,95 @@ mod simd {
         use std::sync::OnceLock;
         static OK: OnceLock<bool> = OnceLock::new();
         *OK.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
+    }
+
+    pub(super) fn half_ok() -> bool {
+        use std::sync::OnceLock;
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512fp16")
+        })
+    }
+
+    /// `a = f16(b * c + a)` on 32 halves: AVX512-FP16's `vfmadd231ph` (Rust has no stable
+    /// intrinsic for it; the instruction is the one GCC emits for `_mm512_fmadd_ph`).
+    ///
+    /// # Safety
+    /// The CPU has AVX512-FP16.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn fmadd_ph(a: __m512i, b: __m512i, c: __m512i) -> __m512i {
+        let mut a = a;
+        std::arch::asm!(
+            "vfmadd231ph {a}, {b}, {c}",
+            a = inout(zmm_reg) a,
+            b = in(zmm_reg) b,
+            c = in(zmm_reg) c,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        a
+    }
+
+    /// `f16(a * b)` on 32 halves: AVX512-FP16's `vmulph`.
+    ///
+    /// # Safety
+    /// The CPU has AVX512-FP16.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn mul_ph(a: __m512i, b: __m512i) -> __m512i {
+        let r: __m512i;
+        std::arch::asm!(
+            "vmulph {r}, {a}, {b}",
+            r = lateout(zmm_reg) r,
+            a = in(zmm_reg) a,
+            b = in(zmm_reg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        r
+    }
+
+    /// [`super::mad_half`] with AVX512-FP16, 32 halves a step and a masked step for the rest.
+    ///
+    /// # Safety
+    /// The CPU has AVX512-FP16; `v` is at least as long as `acc`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn mad_ph(acc: &mut [u16], v: &[u16], w: u16) {
+        let (a, x) = (acc.as_mut_ptr(), v.as_ptr());
+        let ww = _mm512_set1_epi16(w as i16);
+        let mut i = 0;
+        while i < acc.len() {
+            let k = if acc.len() - i >= 32 {
+                u32::MAX
+            } else {
+                (1u32 << (acc.len() - i)) - 1
+            };
+            let y = _mm512_maskz_loadu_epi16(k, a.add(i).cast());
+            let xv = _mm512_maskz_loadu_epi16(k, x.add(i).cast());
+            _mm512_mask_storeu_epi16(a.add(i).cast(), k, fmadd_ph(y, xv, ww));
+            i += 32;
+        }
+    }
+
+    /// [`super::scale_half`] with AVX512-FP16.
+    ///
+    /// # Safety
+    /// The CPU has AVX512-FP16.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn scale_ph(acc: &mut [u16], w: u16) {
+        let a = acc.as_mut_ptr();
+        let ww = _mm512_set1_epi16(w as i16);
+        let mut i = 0;
+        while i < acc.len() {
+            let k = if acc.len() - i >= 32 {
+                u32::MAX
+            } else {
+                (1u32 << (acc.len() - i)) - 1
+            };
+            let y = _mm512_maskz_loadu_epi16(k, a.add(i).cast());
+            _mm512_mask_storeu_epi16(a.add(i).cast(), k, mul_ph(y, ww));
+            i += 32;
+        }
     }
 
     /// [`super::dot_zmm`] in 512-bit registers (the same lanes, the same additions).
@@ -455,7 +647,7 @@ pub fn rows(
     }
     assert!(n == 0 || values.data.len() >= (n - 1) * values.stride + dv);
     #[cfg(target_arch = "x86_64")]
-    if keys.len() > 1 && shared::fits(dv) {
+    if keys.len() > 1 && rounding.half_len(dv) == 0 && shared::fits(dv) {
         GROUP.with(|g| {
             let g = &mut *g.borrow_mut();
             g.accs.resize(shared::ROWS * dv, 0.0);
@@ -553,16 +745,7 @@ fn row_with(
     let n = keys.mask.len();
     let mut merged = Merged::new(out, n);
     for (c0, c1) in chunks(n, threads) {
-        let (m, s) = chunk(
-            keys,
-            scale,
-            values,
-            c0,
-            c1,
-            rounding.sum_fused,
-            &mut acc,
-            steps,
-        );
+        let (m, s) = chunk(keys, scale, values, c0, c1, rounding, &mut acc, steps);
         merged.add(m, s, &acc, rounding);
     }
     merged.finish();
@@ -723,7 +906,8 @@ impl Steps {
 /// One chunk's online softmax over cells `c0..c1`: returns its running maximum M and sum S and
 /// writes its value accumulator (f16 values, widened) to `acc`. With AVX-512 (or AVX2) and a
 /// head size the registers hold, the accumulator stays in registers as f32 values rounded
-/// through f16 after every update ([`regs`]); elsewhere [`chunk_scalar`].
+/// through f16 after every update ([`regs`]), or as halves where `rounding` updates the whole
+/// row in half-precision arithmetic and the CPU has it; elsewhere [`chunk_scalar`].
 #[allow(clippy::too_many_arguments)]
 fn chunk(
     keys: Keys<'_>,
@@ -731,32 +915,45 @@ fn chunk(
     values: Values<'_>,
     c0: usize,
     c1: usize,
-    sum_fused: bool,
+    rounding: Rounding,
     acc: &mut [f32],
     steps: &mut Steps,
 ) -> (f32, f32) {
     steps.of(keys, scale, c0, c1);
     #[cfg(target_arch = "x86_64")]
-    if let Some(s) = regs::chunk(steps, values, sum_fused, acc, simd::zmm_ok()) {
-        return (steps.m, s);
+    {
+        let fused = rounding.sum_fused;
+        let s = match rounding.half_len(values.dv) {
+            0 => regs::chunk(steps, values, fused, acc, simd::zmm_ok()),
+            h if h == values.dv => regs::chunk_half(steps, values, fused, acc),
+            _ => None,
+        };
+        if let Some(s) = s {
+            return (steps.m, s);
+        }
     }
-    (steps.m, chunk_scalar(steps, values, sum_fused, acc))
+    (steps.m, chunk_scalar(steps, values, rounding, acc))
 }
 
-/// [`chunk`]'s updates with the accumulator in halves, by [`mad_f16`] and [`scale_f16`]
-/// (ggml's own steps, one cell at a time); returns S.
-fn chunk_scalar(steps: &Steps, values: Values<'_>, sum_fused: bool, out: &mut [f32]) -> f32 {
+/// [`chunk`]'s updates with the accumulator in halves, by [`mad_f16`] and [`scale_f16`], or
+/// [`mad_half`] and [`scale_half`] over the part `rounding` updates in halves (ggml's own
+/// steps, one cell at a time); returns S.
+fn chunk_scalar(steps: &Steps, values: Values<'_>, rounding: Rounding, out: &mut [f32]) -> f32 {
     let dv = values.dv;
+    let h = rounding.half_len(dv);
     let mut s = 0.0f32;
     let mut acc = vec![0u16; dv];
     for k in 0..steps.cells.len() {
         let (c, ms, vs) = steps.at(k);
+        let (halves, singles) = acc.split_at_mut(h);
         if steps.raised[k] != 0 {
-            scale_f16(&mut acc, ms);
+            scale_half(halves, ms);
+            scale_f16(singles, ms);
         }
         let v = c * values.stride;
-        mad_f16(&mut acc, &values.data[v..v + dv], vs);
-        s = add_weight(s, ms, vs, sum_fused);
+        mad_half(halves, &values.data[v..v + h], vs);
+        mad_f16(singles, &values.data[v + h..v + dv], vs);
+        s = add_weight(s, ms, vs, rounding.sum_fused);
     }
     for (o, a) in out.iter_mut().zip(acc) {
         *o = to_f32(a);
@@ -848,6 +1045,78 @@ mod regs {
                 s
             }
         };
+    }
+
+    /// [`chunk`] where every half of the row is updated in half-precision arithmetic: `dv / 32`
+    /// registers of halves, AVX512-FP16's own multiply-adds. `None`: the CPU has no
+    /// AVX512-FP16, or not this head size.
+    pub(super) fn chunk_half(
+        steps: &Steps,
+        values: Values<'_>,
+        sum_fused: bool,
+        acc: &mut [f32],
+    ) -> Option<f32> {
+        assert!(acc.len() >= values.dv);
+        if let Some(&c) = steps.cells.last() {
+            assert!(values.data.len() >= c as usize * values.stride + values.dv);
+        }
+        if !super::simd::half_ok() {
+            return None;
+        }
+        // SAFETY: the CPU has AVX512-FP16 (checked); every step's value row is inside
+        // `values.data` (its last is, checked above), and `acc` holds dv.
+        unsafe {
+            match values.dv {
+                128 => Some(halves::<4>(steps, values, sum_fused, acc)),
+                256 => Some(halves::<8>(steps, values, sum_fused, acc)),
+                _ => None,
+            }
+        }
+    }
+
+    /// The f16 of `x` (nearest even) in every lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn splat_half(x: f32) -> __m512i {
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x));
+        _mm512_broadcastw_epi16(h)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c")]
+    unsafe fn halves<const N: usize>(
+        steps: &Steps,
+        values: Values<'_>,
+        sum_fused: bool,
+        out: &mut [f32],
+    ) -> f32 {
+        use super::simd::{fmadd_ph, mul_ph};
+        let mut acc = [_mm512_setzero_si512(); N];
+        let mut s = 0.0f32;
+        let vp = values.data.as_ptr();
+        for k in 0..steps.cells.len() {
+            let (c, ms, vs) = steps.at(k);
+            if steps.raised[k] != 0 {
+                let w = splat_half(ms);
+                for a in acc.iter_mut() {
+                    *a = mul_ph(*a, w);
+                }
+            }
+            let w = splat_half(vs);
+            let v = vp.add(c * values.stride);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = fmadd_ph(*a, _mm512_loadu_si512(v.add(32 * j).cast()), w);
+            }
+            s = super::add_weight(s, ms, vs, sum_fused);
+        }
+        let o = out.as_mut_ptr();
+        for (j, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(o.add(32 * j), _mm512_cvtph_ps(_mm512_castsi512_si256(*a)));
+            _mm512_storeu_ps(
+                o.add(32 * j + 16),
+                _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(*a)),
+            );
+        }
+        s
     }
 
     #[inline]
@@ -1113,6 +1382,7 @@ mod tests {
         let r = Rounding {
             sum_fused: true,
             merge: Merge::FirstFused,
+            half: 0,
         };
         let mut split_differs = false;
         for n_kv in [100usize, 511, 512, 1000] {
@@ -1339,7 +1609,12 @@ mod tests {
                 let sums = unsafe { shared::run(&steps, &union, vals, fused, &mut accs) };
                 for (r, st) in steps.iter().enumerate() {
                     let mut want = vec![0f32; dv];
-                    let s = chunk_scalar(st, vals, fused, &mut want);
+                    let r1 = Rounding {
+                        sum_fused: fused,
+                        merge: Merge::Plain,
+                        half: 0,
+                    };
+                    let s = chunk_scalar(st, vals, r1, &mut want);
                     assert_eq!(
                         sums[r].to_bits(),
                         s.to_bits(),
@@ -1438,7 +1713,12 @@ mod tests {
                         eprintln!("no register kernel for {dv} (wide {wide}) here");
                         continue;
                     };
-                    let want = chunk_scalar(&steps, vals, fused, &mut b);
+                    let r = Rounding {
+                        sum_fused: fused,
+                        merge: Merge::Plain,
+                        half: 0,
+                    };
+                    let want = chunk_scalar(&steps, vals, r, &mut b);
                     assert_eq!(got.to_bits(), want.to_bits(), "{dv} {n} S");
                     assert!(
                         a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
@@ -1448,5 +1728,182 @@ mod tests {
                 }
             }
         }
+    }
+    /// The half nearest `x` (ties to even), found by comparing distances to the neighbours of
+    /// f32's rounding: independent of [`half_of`]'s rounding to odd.
+    fn nearest_half(x: f64) -> u16 {
+        let h = from_f32(x as f32);
+        let cands = [h.wrapping_sub(1), h, h.wrapping_add(1)];
+        let mut best = h;
+        let mut best_d = f64::INFINITY;
+        for c in cands {
+            // Neighbours across zero or into infinity/NaN are not candidates here.
+            let f = to_f32(c);
+            if !f.is_finite() || (c ^ h) & 0x8000 != 0 {
+                continue;
+            }
+            let d = (f64::from(f) - x).abs();
+            if d < best_d || (d == best_d && c & 1 == 0) {
+                (best, best_d) = (c, d);
+            }
+        }
+        best
+    }
+
+    /// Halves spread over the range that matters: ordinary values, ones near 1 (softmax
+    /// weights), subnormals, and large ones near overflow.
+    fn some_halves(rng: &mut XorShift, n: usize) -> Vec<u16> {
+        (0..n)
+            .map(|i| match i % 5 {
+                0 => from_f32(rng.centered() * 4.0),
+                1 => from_f32(1.0 - rng.centered().abs() * 1e-3),
+                2 => from_f32(rng.centered() * 1e-6),
+                3 => from_f32(rng.centered() * 3e4),
+                _ => (rng.next() as u16) & 0x7bff | ((rng.next() as u16) & 0x8000),
+            })
+            .collect()
+    }
+
+    /// The half-precision updates round once: the portable arithmetic against the nearest half
+    /// of the exact value, and on a CPU with AVX512-FP16 its instructions against the portable
+    /// arithmetic (ties, subnormals, overflow and lengths off its 32 lanes included).
+    #[test]
+    fn half_updates_round_once() {
+        let mut rng = XorShift::new(41);
+        let mut differs_from_f32 = false;
+        for n in [1usize, 31, 32, 33, 128, 256, 1000] {
+            for w in [0.0f32, 1.0, 0.3, 1e-5, 6e-8, 0.999_999, 37.5, 2.0] {
+                let acc0 = some_halves(&mut rng, n);
+                let v = some_halves(&mut rng, n);
+                let wh = from_f32(w);
+                let mut want = acc0.clone();
+                mad_half_portable(&mut want, &v, wh);
+                for ((&a, &x), &got) in acc0.iter().zip(&v).zip(&want) {
+                    let exact = f64::from(to_f32(x)) * f64::from(to_f32(wh)) + f64::from(to_f32(a));
+                    if exact.is_finite() && exact.abs() < 65504.0 {
+                        assert_eq!(got, nearest_half(exact), "{a:#x} + {x:#x} * {w}");
+                    }
+                    // What the other builds compute: f32 arithmetic, the weight unrounded.
+                    let single = from_f32(to_f32(x).mul_add(w, to_f32(a)));
+                    differs_from_f32 |= single != got;
+                }
+                let mut got = acc0.clone();
+                mad_half(&mut got, &v, w);
+                assert_eq!(got, want, "mad, {n} halves, w {w}");
+                let mut got = acc0.clone();
+                scale_half(&mut got, w);
+                let want: Vec<u16> = acc0
+                    .iter()
+                    .map(|&a| nearest_half(f64::from(to_f32(a)) * f64::from(to_f32(wh))))
+                    .collect();
+                for (g, w) in got.iter().zip(&want) {
+                    if to_f32(*w).is_finite() && to_f32(*w).abs() < 65504.0 {
+                        assert_eq!(g, w, "scale, {n} halves");
+                    }
+                }
+            }
+        }
+        assert!(
+            differs_from_f32,
+            "the f32 arithmetic gave the half-precision arithmetic's halves everywhere"
+        );
+        if !half_ok() {
+            eprintln!("no AVX512-FP16 here: the portable arithmetic only");
+        }
+    }
+
+    /// [`half_of`] on sums chosen to sit exactly on, just below and just above a half's
+    /// rounding boundary, where rounding through f32 first would go wrong.
+    #[test]
+    fn half_of_rounds_near_ties_once() {
+        // 1 + 2^-11 is a tie between 1 and 1 + 2^-10; a little more or less decides it.
+        let tie = 1.0 + 2f64.powi(-11);
+        assert_eq!(half_of(tie), 0x3c00);
+        assert_eq!(half_of(tie + 2f64.powi(-40)), 0x3c01);
+        assert_eq!(half_of(tie - 2f64.powi(-40)), 0x3c00);
+        // Through f32, tie + 2^-40 would become the tie and round to even: 1.
+        assert_eq!(from_f32((tie + 2f64.powi(-40)) as f32), 0x3c00);
+        // Subnormal halves: 2^-24 is the least; 1.5 * 2^-24 is a tie to even (2 * 2^-24).
+        assert_eq!(half_of(1.5 * 2f64.powi(-24)), 0x0002);
+        assert_eq!(half_of(1.5 * 2f64.powi(-24) - 2f64.powi(-60)), 0x0001);
+        assert_eq!(half_of(-(tie + 2f64.powi(-40))), 0xbc01);
+    }
+
+    /// Rows whose values ggml updates in half-precision arithmetic: the register kernel gives
+    /// the halves-in-memory arithmetic's bits; a row partly in halves (a head size off the
+    /// step) is computed too; the results approximate exact attention and differ from the
+    /// f32 arithmetic's (so a check against ggml can tell the two apart).
+    #[test]
+    fn half_rows_match_the_scalar_arithmetic() {
+        let mut rng = XorShift::new(43);
+        let mut differs = false;
+        for dv in [128usize, 256, 192, 64] {
+            for (n, rising) in [(300usize, false), (300, true), (37, true)] {
+                let scores: Vec<f32> = (0..n)
+                    .map(|i| rng.centered() * 6.0 + if rising { i as f32 * 0.06 } else { 0.0 })
+                    .collect();
+                let mask: Vec<f32> = (0..n)
+                    .map(|c| if c % 13 == 5 { f32::NEG_INFINITY } else { 0.0 })
+                    .collect();
+                let values: Vec<u16> = (0..n * (dv + 8))
+                    .map(|_| from_f32(rng.centered() * 3.0))
+                    .collect();
+                let keys = Keys {
+                    scores: &scores,
+                    mask: &mask,
+                };
+                let vals = Values {
+                    data: &values,
+                    stride: dv + 8,
+                    dv,
+                };
+                let mut steps = Steps::default();
+                steps.of(keys, 0.09, 0, n);
+                let half = Rounding {
+                    sum_fused: true,
+                    merge: Merge::FirstFused,
+                    half: HALF_STEP_AVX512FP16,
+                };
+                let mut b = vec![0f32; dv];
+                let want_s = chunk_scalar(&steps, vals, half, &mut b);
+                #[cfg(target_arch = "x86_64")]
+                if let Some(s) = regs::chunk_half(&steps, vals, true, &mut vec![0f32; dv]) {
+                    let mut a = vec![0f32; dv];
+                    regs::chunk_half(&steps, vals, true, &mut a);
+                    assert_eq!(s.to_bits(), want_s.to_bits());
+                    assert!(
+                        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{dv} {n} {rising}"
+                    );
+                }
+                let mut single = vec![0f32; dv];
+                chunk_scalar(&steps, vals, Rounding { half: 0, ..half }, &mut single);
+                let h = half.half_len(dv);
+                assert!(
+                    single[h..] == b[h..],
+                    "{dv}: the part past the steps is f32's"
+                );
+                differs |= single[..h] != b[..h];
+                let want = exact(
+                    &scores,
+                    &mask,
+                    0.09,
+                    &values_rows(&values, dv + 8, dv, n),
+                    dv,
+                );
+                for (g, w) in b.iter().zip(&want) {
+                    let g = f64::from(*g) / f64::from(want_s);
+                    assert!((g - w).abs() < 2e-2 * (1.0 + w.abs()), "{dv}: {g} vs {w}");
+                }
+            }
+        }
+        assert!(differs, "half-precision updates gave f32's bits");
+    }
+
+    /// The `dv` values of each of `n` cells laid `stride` apart, packed.
+    fn values_rows(data: &[u16], stride: usize, dv: usize, n: usize) -> Vec<u16> {
+        (0..n)
+            .flat_map(|c| data[c * stride..c * stride + dv].iter().copied())
+            .collect()
     }
 }
