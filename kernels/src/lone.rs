@@ -74,7 +74,8 @@ pub const HALF_STEP_AVX512FP16: usize = 128;
 impl Rounding {
     /// The halves of a `dv`-long value row updated in half-precision arithmetic.
     pub fn half_len(self, dv: usize) -> usize {
-        dv.checked_div(self.half).map_or(0, |steps| steps * self.half)
+        dv.checked_div(self.half)
+            .map_or(0, |steps| steps * self.half)
     }
 }
 

@@ -11,6 +11,11 @@
 //!   over 1024 cache cells, each kernel this CPU runs (`lanes`: the query-lanes kernel, for
 //!   64-value rows, its query rows laid out beforehand as the device does once per node), and
 //!   ggml's `vec_dot_f16` pair by pair.
+//! - `lone/SHAPE/ARITH/ROWS`: flash attention's softmax-weighted values for query rows computed
+//!   each as ggml's lone row (`leap_kernels::lone::rows`, from scores given) over 1024 cells in
+//!   two chunks, Gemma 3 270M's 4 query heads of 256 values and SmolLM2-135M's 3 of 64 per
+//!   key-value head, 1 or 8 rows: `f32` the arithmetic of most builds, `half` a ggml built
+//!   for AVX512-FP16's (where the CPU has it).
 //!
 //! `cargo bench -p leap-tests --bench kernels [-- FILTER]`. Times vary with the machine: read
 //! them as ratios within one run.
@@ -239,9 +244,63 @@ fn attention(c: &mut Criterion) {
     }
 }
 
+fn lone(c: &mut Criterion) {
+    use leap_kernels::lone::{rows, Keys, Merge, Rounding, Values, HALF_STEP_AVX512FP16};
+    let cells = 1024usize;
+    for (name, dv, heads) in [("gemma", 256usize, 4usize), ("smollm", 64, 3)] {
+        let mut g = c.benchmark_group(format!("lone/{name}"));
+        let data: Vec<u16> = (0..cells * dv)
+            .map(|i| leap_kernels::f16::from_f32(((i * 7919) % 101) as f32 * 0.02 - 1.0))
+            .collect();
+        let values = Values {
+            data: &data,
+            stride: dv,
+            dv,
+        };
+        let mask = vec![0f32; cells];
+        let mut ariths = vec![("f32", 0usize)];
+        if leap_kernels::lone::half_ok() {
+            ariths.push(("half", HALF_STEP_AVX512FP16));
+        }
+        for q_rows in [1usize, 8] {
+            let m = heads * q_rows;
+            // Scores that rise now and then, so that some cells rescale the accumulator.
+            let scores: Vec<Vec<f32>> = (0..m)
+                .map(|r| {
+                    (0..cells)
+                        .map(|c| ((c * 31 + r * 17) % 97) as f32 * 0.05 + c as f32 * 0.002)
+                        .collect()
+                })
+                .collect();
+            let keys: Vec<Keys<'_>> = scores
+                .iter()
+                .map(|s| Keys {
+                    scores: s,
+                    mask: &mask,
+                })
+                .collect();
+            let mut out = vec![0f32; m * dv];
+            for &(arith, half) in &ariths {
+                let rounding = Rounding {
+                    sum_fused: true,
+                    merge: Merge::FirstFused,
+                    half,
+                };
+                g.bench_with_input(BenchmarkId::new(arith, q_rows), &q_rows, |b, _| {
+                    b.iter(|| {
+                        let mut outs: Vec<&mut [f32]> = out.chunks_mut(dv).collect();
+                        rows(&keys, 0.0625, values, 2, rounding, &mut outs)
+                    })
+                });
+            }
+        }
+        g.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(300)).measurement_time(std::time::Duration::from_secs(1));
-    targets = qdot, stream, attention
+    targets = qdot, stream, attention, lone
 }
 criterion_main!(benches);
