@@ -58,7 +58,8 @@ aarch64: setup
 	@scripts/aarch64 build
 
 # The aarch64 build on emulated Cortex-A53, Cortex-A76 and qemu's `max` core (qemu-user): every
-# ARM kernel against the portable reference and ggml's ARM code, greedy `leap` against plain
+# ARM kernel against the portable reference and ggml's ARM code (flash attention's lone rows also
+# against ggml built for armv8.2-a+fp16, as phones' builds are), greedy `leap` against plain
 # decoding on both models with Leap's device computing, `leap serve`, the C API example.
 # Results only: emulated time is no speed. Needs the models (`make models`).
 test-aarch64: models

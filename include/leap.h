@@ -351,8 +351,8 @@ leap_status leap_drafter_begin(leap_drafter *drafter, const int32_t *prompt, siz
  * since, and what a step cost from the time between calls. A `tokens` that does not extend
  * the last call's starts a new generation from it. Where Leap's device met flash attention
  * whose verification rows it cannot compute as the host's ggml computes a row alone (a ggml
- * that accumulates in half precision), it writes 0 every time, with a warning, so that the
- * host's output stays plain decoding's. */
+ * whose arithmetic the device's start-up check does not find), it writes 0 every time, with a
+ * warning, so that the host's output stays plain decoding's. */
 leap_status leap_drafter_draft(leap_drafter *drafter, const int32_t *tokens, size_t n_tokens,
                                int32_t id_last, int32_t max, int32_t *out, size_t *n_out);
 

@@ -36,10 +36,9 @@ static UNREPRODUCED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBo
 
 /// Whether this process met flash attention whose verification rows the device could not
 /// compute as the loaded ggml computes a lone row (for a host such as llama.cpp's `--spec-type
-/// leap`, whose verified drafts would then not be plain decoding's tokens). ggml builds that
-/// accumulate the values in half precision (x86-64 with AVX512-FP16, AArch64 with FP16 vector
-/// arithmetic, under `-march=native`) are such: [`leap_kernels::lone`] keeps the accumulator
-/// in f32 arithmetic rounded to f16.
+/// leap`, whose verified drafts would then not be plain decoding's tokens): a ggml whose
+/// arithmetic [`agrees_with_ggml`] did not find among [`ariths`] (the f32 builds', AVX512-FP16's
+/// and AArch64 FP16's half-precision ones; an SVE build's, say), or a CPU without the kernels.
 pub fn verification_rows_inexact() -> bool {
     UNREPRODUCED.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -353,6 +352,21 @@ unsafe fn dots(
                 }
             }
         }
+        Dot::Half => {
+            let m = sums.len().checked_div(rows).unwrap_or(0);
+            let qh: Vec<u16> = qs[..m * d].iter().map(|&v| from_f32(v)).collect();
+            for i in 0..rows {
+                let k = std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), d);
+                for (j, (q, h)) in qs
+                    .chunks_exact(d)
+                    .zip(qh.chunks_exact(d))
+                    .take(m)
+                    .enumerate()
+                {
+                    sums[i * m + j] = leap_kernels::lone::dot_half_with(k, h, q);
+                }
+            }
+        }
     }
 }
 
@@ -568,6 +582,13 @@ mod tests {
             return;
         }
         let r = agrees_with_ggml().expect("a rounding that reproduces ggml");
+        // scripts/aarch64 runs this against a ggml built with FP16 arithmetic too, and says so.
+        if std::env::var_os("LEAP_GGML_HALF").is_some() {
+            assert!(
+                r.rounding.half > 0,
+                "{r:?}: not the half-precision arithmetic"
+            );
+        }
         let cases = cases();
         let mut split_differs = false;
         for c in cases

@@ -190,8 +190,8 @@ pub unsafe extern "C" fn leap_drafter_begin(
 }
 
 /// Logged once where [`leap_backend::lone::verification_rows_inexact`]: `--spec-type leap`
-/// then drafts nothing, so its output stays `--spec-type none`'s. The known case is a ggml that
-/// accumulates in half precision (`leap_kernels::lone`).
+/// then drafts nothing, so its output stays `--spec-type none`'s: a ggml whose arithmetic
+/// `leap_kernels::lone` does not reproduce (a CPU without the device's kernels stops it too).
 const DRAFTS_OFF: &str = "Leap's device cannot compute flash attention's verification rows as \
 this ggml computes a row alone: drafting nothing, so the output stays plain decoding's; with \
 -fa off Leap drafts";

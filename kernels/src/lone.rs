@@ -22,17 +22,15 @@
 //! and the merge `a*so + b*sn` may each be contracted to fused multiply-adds. [`Rounding`] names
 //! the choices; the caller finds the one the loaded ggml made (`leap_backend::lone`).
 //!
-//! A ggml built for FP16 vector arithmetic accumulates in half precision natively, which this
-//! does not reproduce, and a check against it fails: AArch64 with ARMv8.2-A's FP16, and x86-64
-//! with AVX512-FP16 (`-march=native` on such a Xeon: ggml's `simd-mappings.h` then takes
-//! `_mm512_fmadd_ph` and `_mm512_mul_ph` with the weight rounded to f16 first, 32 halves a
-//! register and 128 a step, so value rows of 128 halves or more; shorter ones keep the f32
-//! loop). What reproducing it would take: the update `f16(acc + v * f16(w))` rounded once.
-//! By this count (not yet checked against such a ggml) an f64 fused multiply-add and then one
-//! rounding to f16 give it: with weights at most 1 the f64 sum is inexact only where the smaller
-//! addend lies far below half an f16 unit of the larger, which can then not be moved across a
-//! rounding boundary. AVX512-FP16's own instructions would be the fast way. Until then the
-//! host's `--spec-type leap` drafts nothing there (`leap_backend::lone`).
+//! A ggml built for FP16 vector arithmetic computes in half precision natively, and
+//! [`Rounding::half`] and [`Dot::Half`] reproduce it: the update `f16(acc + v * f16(w))`
+//! rounded once, the rescaling `f16(acc * f16(ms))` likewise. x86-64 with AVX512-FP16
+//! (`-march=native` on such a Xeon: ggml's `simd-mappings.h` takes `_mm512_fmadd_ph` and
+//! `_mm512_mul_ph`, 32 halves a register and 128 a step, so value rows of 128 halves or more;
+//! shorter ones keep the f32 loop; its dot products stay in f32, [`Dot::Zmm`]) and AArch64 with
+//! ARMv8.2-A's FP16 (`vfmaq_f16`, steps of 32; its `vec_dot_f16` sums in halves too,
+//! [`dot_half`]). Where the CPU has the instructions they compute it (`vfmadd231ph`, `fmla .8h`,
+//! by inline assembly); the portable reference takes f64 and one rounding to f16 (`half_of`).
 //!
 //! A verification's rows are many lone rows over the same cache: [`rows`] computes the rows
 //! that read one key-value head's values over one view length together, each exactly as
@@ -70,6 +68,23 @@ pub struct Rounding {
 
 /// ggml's `GGML_F16_STEP` where `__AVX512FP16__` is defined: 128 halves, four registers.
 pub const HALF_STEP_AVX512FP16: usize = 128;
+/// ggml's `GGML_F16_STEP` on AArch64 with `__ARM_FEATURE_FP16_VECTOR_ARITHMETIC`: 32 halves,
+/// four registers.
+pub const HALF_STEP_NEON: usize = 32;
+
+/// The steps of half-precision value updates a ggml built for this CPU may take, that one
+/// first (0: none, f32 arithmetic).
+fn half_steps() -> &'static [usize] {
+    #[cfg(target_arch = "x86_64")]
+    if half_ok() {
+        return &[HALF_STEP_AVX512FP16, 0];
+    }
+    #[cfg(target_arch = "aarch64")]
+    if half_ok() {
+        return &[HALF_STEP_NEON, 0];
+    }
+    &[0]
+}
 
 impl Rounding {
     /// The halves of a `dv`-long value row updated in half-precision arithmetic.
@@ -104,12 +119,7 @@ impl Merge {
 /// where the CPU has them (a ggml built for this CPU, llama.cpp's default, takes them), then
 /// GCC's default contraction.
 pub fn roundings() -> impl Iterator<Item = Rounding> {
-    let halves: &[usize] = if half_ok() {
-        &[HALF_STEP_AVX512FP16, 0]
-    } else {
-        &[0]
-    };
-    halves.iter().flat_map(|&half| {
+    half_steps().iter().flat_map(|&half| {
         [true, false].into_iter().flat_map(move |sum_fused| {
             [Merge::FirstFused, Merge::SecondFused, Merge::Plain]
                 .into_iter()
@@ -122,17 +132,21 @@ pub fn roundings() -> impl Iterator<Item = Rounding> {
     })
 }
 
-/// Whether the CPU computes [`mad_half`] and [`scale_half`] in its own half-precision
-/// arithmetic (x86-64 with AVX512-FP16), which a ggml built for it takes and Leap then
-/// reproduces at speed. Elsewhere the functions compute the same numbers in portable code,
-/// too slowly for decoding and never needed: a ggml built for half-precision arithmetic does
-/// not run on a CPU without it.
+/// Whether the CPU computes [`mad_half`], [`scale_half`] (and on AArch64 [`dot_half`]) in its
+/// own half-precision arithmetic (x86-64 with AVX512-FP16, AArch64 with ARMv8.2-A's FP16),
+/// which a ggml built for it takes and Leap then reproduces at speed. Elsewhere the functions
+/// compute the same numbers in portable code, too slowly for decoding and never needed: a
+/// ggml built for half-precision arithmetic does not run on a CPU without it.
 pub fn half_ok() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         simd::half_ok()
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    {
+        neon::half_ok()
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         false
     }
@@ -143,10 +157,13 @@ pub fn half_ok() -> bool {
 pub enum Dot {
     /// 256-bit builds (AVX2/F16C, and AArch64's): [`crate::kq`]'s kernels.
     Kq,
-    /// AVX-512 builds without FP16 arithmetic (`-march=native` on such a CPU, llama.cpp's
-    /// default): four 16-lane sums over steps of 64, reduced pairwise and then as GCC's
-    /// `_mm512_reduce_add_ps`, leftovers added in f64 ([`dot_zmm`]).
+    /// AVX-512 builds (`-march=native` on such a CPU, llama.cpp's default; with AVX512-FP16
+    /// too, whose dot products stay in f32): four 16-lane sums over steps of 64, reduced
+    /// pairwise and then as GCC's `_mm512_reduce_add_ps`, leftovers added in f64 ([`dot_zmm`]).
     Zmm,
+    /// AArch64 builds with FP16 vector arithmetic: four 8-lane sums of halves over steps of 32,
+    /// reduced in halves, then in f32, leftovers added in f64 ([`dot_half`]).
+    Half,
 }
 
 /// The arithmetic of one loaded ggml: its dot product and its compiler's roundings.
@@ -156,15 +173,80 @@ pub struct Arith {
     pub rounding: Rounding,
 }
 
-/// Every [`Arith`] this CPU can compute, the likeliest first.
+/// Every [`Arith`] this CPU can compute, the likeliest first: the builds' dot products, each
+/// with the value updates a build with it takes.
 pub fn ariths() -> impl Iterator<Item = Arith> {
-    let dots: &[Dot] = if zmm_ok() {
-        &[Dot::Kq, Dot::Zmm]
+    let mut builds = Vec::new();
+    if half_ok() && cfg!(target_arch = "x86_64") {
+        builds.push((Dot::Zmm, HALF_STEP_AVX512FP16));
+    }
+    if half_ok() && cfg!(target_arch = "aarch64") {
+        builds.push((Dot::Half, HALF_STEP_NEON));
+    }
+    builds.push((Dot::Kq, 0));
+    if zmm_ok() {
+        builds.push((Dot::Zmm, 0));
+    }
+    builds.into_iter().flat_map(|(dot, half)| {
+        roundings()
+            .filter(move |r| r.half == half)
+            .map(move |rounding| Arith { dot, rounding })
+    })
+}
+
+/// ggml's `vec_dot_f16` as an AArch64 build with FP16 vector arithmetic computes it: f16 key
+/// row `k` times the query `q` (already rounded to f16 values), `q.len()` elements. Four
+/// registers of eight halves each take fused multiply-adds in halves over steps of 32
+/// (`vfmaq_f16`); they are added in halves (0 + 2, 1 + 3, then the two), the eight lanes
+/// widened and summed in f32 (lane i + lane i + 4, then as `vaddvq_f32`'s pairwise adds), and
+/// the leftovers past the last step added in f64.
+pub fn dot_half(k: &[u16], q: &[f32]) -> f32 {
+    let qh: Vec<u16> = q.iter().map(|&x| from_f32(x)).collect();
+    dot_half_with(k, &qh, q)
+}
+
+/// [`dot_half`] with the query also given as halves (`qh`, the same values as `q`), for many
+/// key rows against one query.
+pub fn dot_half_with(k: &[u16], qh: &[u16], q: &[f32]) -> f32 {
+    assert!(k.len() >= q.len() && qh.len() == q.len());
+    let n = q.len();
+    let np = n / 32 * 32;
+    #[cfg(target_arch = "aarch64")]
+    let x = if half_ok() {
+        // SAFETY: the CPU has FP16 arithmetic; `k` and `qh` hold `np` values.
+        unsafe { neon::dot_half_lanes(k, qh, np) }
     } else {
-        &[Dot::Kq]
+        dot_half_lanes(k, qh, np)
     };
-    dots.iter()
-        .flat_map(|&dot| roundings().map(move |rounding| Arith { dot, rounding }))
+    #[cfg(not(target_arch = "aarch64"))]
+    let x = dot_half_lanes(k, qh, np);
+    let u: [f32; 4] = std::array::from_fn(|i| to_f32(x[i]) + to_f32(x[i + 4]));
+    let mut sumf = f64::from((u[0] + u[1]) + (u[2] + u[3]));
+    for e in np..n {
+        sumf += f64::from(to_f32(k[e]) * q[e]);
+    }
+    sumf as f32
+}
+
+/// [`dot_half`]'s eight lanes of halves after the reduction in halves, in portable code.
+fn dot_half_lanes(k: &[u16], qh: &[u16], np: usize) -> [u16; 8] {
+    let fma = |a: u16, b: u16, c: u16| {
+        half_of(f64::from(to_f32(a)).mul_add(f64::from(to_f32(b)), f64::from(to_f32(c))))
+    };
+    let add = |a: u16, b: u16| half_of(f64::from(to_f32(a)) + f64::from(to_f32(b)));
+    let mut sum = [[0u16; 8]; 4];
+    for i in (0..np).step_by(32) {
+        for (j, s) in sum.iter_mut().enumerate() {
+            for (l, s) in s.iter_mut().enumerate() {
+                let e = i + 8 * j + l;
+                *s = fma(k[e], qh[e], *s);
+            }
+        }
+    }
+    std::array::from_fn(|l| {
+        let (a, b) = (add(sum[0][l], sum[2][l]), add(sum[1][l], sum[3][l]));
+        add(a, b)
+    })
 }
 
 /// Whether [`dot_zmm`] runs its AVX-512 kernel here (it computes the same numbers anywhere).
@@ -253,6 +335,11 @@ pub fn mad_half(acc: &mut [u16], v: &[u16], w: f32) {
         // SAFETY: the CPU has AVX512-FP16; `v` is at least as long as `acc`.
         return unsafe { simd::mad_ph(acc, v, wh) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if half_ok() {
+        // SAFETY: the CPU has FP16 arithmetic; `v` is at least as long as `acc`.
+        return unsafe { neon::mad_half(acc, v, wh) };
+    }
     mad_half_portable(acc, v, wh);
 }
 
@@ -273,6 +360,11 @@ pub fn scale_half(acc: &mut [u16], w: f32) {
         // SAFETY: the CPU has AVX512-FP16.
         return unsafe { simd::scale_ph(acc, wh) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if half_ok() {
+        // SAFETY: the CPU has FP16 arithmetic.
+        return unsafe { neon::scale_half(acc, wh) };
+    }
     // Two halves' product is exact in f32 (22 significant bits, exponents in range).
     let w = to_f32(wh);
     for a in acc.iter_mut() {
@@ -281,8 +373,11 @@ pub fn scale_half(acc: &mut [u16], w: f32) {
 }
 
 /// `x` rounded once to the nearest half (ties to even), for `x` the f64 sum of a half and a
-/// product of two halves. Such a sum is exact in f64 unless the smaller addend lies below
-/// 2^-31 of the larger, far under half a unit of the larger's half, where it moves nothing.
+/// product of two halves, or of two halves. A product of halves has at most 22 significant
+/// bits and a half's least unit is 2^-24, so such a sum within a half's range is exact in f64
+/// unless the smaller addend lies below 2^-30 of the larger: far under half a unit of the
+/// larger (a half itself), it cannot carry the sum across a rounding boundary. Beyond the
+/// range the half is infinite either way.
 /// Through f32 the rounding would be double; rounded toward zero to f32 with the lost bits
 /// kept as the last bit (round to odd), thirteen bits more than a half holds, one rounding to
 /// nearest then gives the half the exact value rounds to.
@@ -298,6 +393,129 @@ fn half_of(x: f64) -> u16 {
         f
     };
     from_f32(f32::from_bits(t.to_bits() | 1))
+}
+
+/// ARMv8.2-A's half-precision vector arithmetic (`FEAT_FP16`), by inline assembly: Rust has no
+/// stable half-precision vector intrinsics. Each instruction is the one GCC emits for ggml's
+/// `vfmaq_f16`, `vmulq_f16` and `vaddq_f16`.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+
+    pub(super) fn half_ok() -> bool {
+        std::arch::is_aarch64_feature_detected!("fp16")
+    }
+
+    /// `a + b * c` on eight halves, rounded once.
+    #[inline]
+    #[target_feature(enable = "neon,fp16")]
+    unsafe fn fma(a: uint16x8_t, b: uint16x8_t, c: uint16x8_t) -> uint16x8_t {
+        let mut a = a;
+        std::arch::asm!(
+            "fmla {a:v}.8h, {b:v}.8h, {c:v}.8h",
+            a = inout(vreg) a,
+            b = in(vreg) b,
+            c = in(vreg) c,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        a
+    }
+
+    /// `a * b` on eight halves.
+    #[inline]
+    #[target_feature(enable = "neon,fp16")]
+    unsafe fn mul(a: uint16x8_t, b: uint16x8_t) -> uint16x8_t {
+        let r: uint16x8_t;
+        std::arch::asm!(
+            "fmul {r:v}.8h, {a:v}.8h, {b:v}.8h",
+            r = lateout(vreg) r,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        r
+    }
+
+    /// `a + b` on eight halves.
+    #[inline]
+    #[target_feature(enable = "neon,fp16")]
+    unsafe fn add(a: uint16x8_t, b: uint16x8_t) -> uint16x8_t {
+        let r: uint16x8_t;
+        std::arch::asm!(
+            "fadd {r:v}.8h, {a:v}.8h, {b:v}.8h",
+            r = lateout(vreg) r,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        r
+    }
+
+    /// [`super::mad_half`]: eight halves a step, the rest through a padded register.
+    ///
+    /// # Safety
+    /// The CPU has FP16 arithmetic; `v` is at least as long as `acc`.
+    #[target_feature(enable = "neon,fp16")]
+    pub(super) unsafe fn mad_half(acc: &mut [u16], v: &[u16], w: u16) {
+        let ww = vdupq_n_u16(w);
+        let n8 = acc.len() / 8 * 8;
+        let (a, x) = (acc.as_mut_ptr(), v.as_ptr());
+        for i in (0..n8).step_by(8) {
+            vst1q_u16(a.add(i), fma(vld1q_u16(a.add(i)), vld1q_u16(x.add(i)), ww));
+        }
+        if n8 < acc.len() {
+            let rest = acc.len() - n8;
+            let (mut ta, mut tx) = ([0u16; 8], [0u16; 8]);
+            ta[..rest].copy_from_slice(&acc[n8..]);
+            tx[..rest].copy_from_slice(&v[n8..acc.len()]);
+            vst1q_u16(
+                ta.as_mut_ptr(),
+                fma(vld1q_u16(ta.as_ptr()), vld1q_u16(tx.as_ptr()), ww),
+            );
+            acc[n8..].copy_from_slice(&ta[..rest]);
+        }
+    }
+
+    /// [`super::scale_half`].
+    ///
+    /// # Safety
+    /// The CPU has FP16 arithmetic.
+    #[target_feature(enable = "neon,fp16")]
+    pub(super) unsafe fn scale_half(acc: &mut [u16], w: u16) {
+        let ww = vdupq_n_u16(w);
+        let n8 = acc.len() / 8 * 8;
+        let a = acc.as_mut_ptr();
+        for i in (0..n8).step_by(8) {
+            vst1q_u16(a.add(i), mul(vld1q_u16(a.add(i)), ww));
+        }
+        if n8 < acc.len() {
+            let rest = acc.len() - n8;
+            let mut ta = [0u16; 8];
+            ta[..rest].copy_from_slice(&acc[n8..]);
+            vst1q_u16(ta.as_mut_ptr(), mul(vld1q_u16(ta.as_ptr()), ww));
+            acc[n8..].copy_from_slice(&ta[..rest]);
+        }
+    }
+
+    /// [`super::dot_half_lanes`] with the CPU's own arithmetic.
+    ///
+    /// # Safety
+    /// The CPU has FP16 arithmetic; `k` and `q` hold `np` values, `np` a multiple of 32.
+    #[target_feature(enable = "neon,fp16")]
+    pub(super) unsafe fn dot_half_lanes(k: &[u16], qh: &[u16], np: usize) -> [u16; 8] {
+        assert!(k.len() >= np && qh.len() >= np && np.is_multiple_of(32));
+        let mut sum = [vdupq_n_u16(0); 4];
+        for i in (0..np).step_by(32) {
+            for (j, s) in sum.iter_mut().enumerate() {
+                let kx = vld1q_u16(k.as_ptr().add(i + 8 * j));
+                *s = fma(*s, kx, vld1q_u16(qh.as_ptr().add(i + 8 * j)));
+            }
+        }
+        let x = add(add(sum[0], sum[2]), add(sum[1], sum[3]));
+        let mut out = [0u16; 8];
+        vst1q_u16(out.as_mut_ptr(), x);
+        out
+    }
 }
 
 /// The two f16 accumulator updates with F16C's conversions (nearest-even, as ggml's
@@ -1899,6 +2117,51 @@ mod tests {
             }
         }
         assert!(differs, "half-precision updates gave f32's bits");
+    }
+
+    /// The AArch64 FP16 build's dot product: the CPU's half arithmetic (where it has it) gives
+    /// the portable arithmetic's lanes; the sum approximates the exact product as closely as
+    /// sums in halves can, and differs from the f32 builds' (so a check can tell them apart).
+    #[test]
+    fn half_dot_matches_its_reference() {
+        let mut rng = XorShift::new(47);
+        let mut differs = false;
+        for n in [32usize, 64, 100, 256] {
+            for _ in 0..20 {
+                let k: Vec<u16> = (0..n).map(|_| from_f32(rng.centered() * 4.0)).collect();
+                let q: Vec<f32> = (0..n)
+                    .map(|_| to_f32(from_f32(rng.centered() * 4.0)))
+                    .collect();
+                #[cfg(target_arch = "aarch64")]
+                if half_ok() {
+                    let qh: Vec<u16> = q.iter().map(|&x| from_f32(x)).collect();
+                    let np = n / 32 * 32;
+                    // SAFETY: the CPU has FP16 arithmetic; np values in both.
+                    let got = unsafe { neon::dot_half_lanes(&k, &qh, np) };
+                    assert_eq!(got, dot_half_lanes(&k, &qh, np), "{n} elements");
+                }
+                let got = dot_half(&k, &q);
+                let exact: f64 = k
+                    .iter()
+                    .zip(&q)
+                    .map(|(&a, &b)| f64::from(to_f32(a)) * f64::from(b))
+                    .sum();
+                let mag: f64 = k
+                    .iter()
+                    .zip(&q)
+                    .map(|(&a, &b)| (f64::from(to_f32(a)) * f64::from(b)).abs())
+                    .sum();
+                assert!(
+                    (f64::from(got) - exact).abs() <= 4e-3 * mag,
+                    "{n}: {got} vs {exact}"
+                );
+                differs |= got.to_bits() != dot_zmm(&k, &q).to_bits();
+            }
+        }
+        assert!(differs, "sums in halves gave f32's sums everywhere");
+        if !half_ok() {
+            eprintln!("no FP16 arithmetic here: the portable arithmetic only");
+        }
     }
 
     /// The `dv` values of each of `n` cells laid `stride` apart, packed.
