@@ -421,59 +421,71 @@ mod neon {
         a
     }
 
-    /// `a * b` on eight halves.
+    /// `$name(a, b)`: the instruction `$ins` on eight halves.
+    macro_rules! binary {
+        ($name:ident, $ins:literal) => {
+            #[inline]
+            #[target_feature(enable = "neon,fp16")]
+            unsafe fn $name(a: uint16x8_t, b: uint16x8_t) -> uint16x8_t {
+                let r: uint16x8_t;
+                std::arch::asm!(
+                    concat!($ins, " {r:v}.8h, {a:v}.8h, {b:v}.8h"),
+                    r = lateout(vreg) r,
+                    a = in(vreg) a,
+                    b = in(vreg) b,
+                    options(pure, nomem, nostack, preserves_flags)
+                );
+                r
+            }
+        };
+    }
+    binary!(mul, "fmul");
+    binary!(add, "fadd");
+
+    /// `acc = f(acc, v)` eight halves at a time (`v`'s matching halves, zeros without it), the
+    /// last few through a padded register.
+    ///
+    /// # Safety
+    /// The CPU has FP16 arithmetic; `v`, given, is at least as long as `acc`.
     #[inline]
     #[target_feature(enable = "neon,fp16")]
-    unsafe fn mul(a: uint16x8_t, b: uint16x8_t) -> uint16x8_t {
-        let r: uint16x8_t;
-        std::arch::asm!(
-            "fmul {r:v}.8h, {a:v}.8h, {b:v}.8h",
-            r = lateout(vreg) r,
-            a = in(vreg) a,
-            b = in(vreg) b,
-            options(pure, nomem, nostack, preserves_flags)
-        );
-        r
+    unsafe fn by8(
+        acc: &mut [u16],
+        v: Option<&[u16]>,
+        f: impl Fn(uint16x8_t, uint16x8_t) -> uint16x8_t,
+    ) {
+        let n8 = acc.len() / 8 * 8;
+        let zeros = [0u16; 8];
+        for i in (0..n8).step_by(8) {
+            let p = acc.as_mut_ptr().add(i);
+            let x = v.map_or(zeros.as_ptr(), |v| v[i..i + 8].as_ptr());
+            vst1q_u16(p, f(vld1q_u16(p), vld1q_u16(x)));
+        }
+        let mut i = n8;
+        while i < acc.len() {
+            let n = acc.len() - i;
+            let (mut ta, mut tx) = ([0u16; 8], [0u16; 8]);
+            ta[..n].copy_from_slice(&acc[i..i + n]);
+            if let Some(v) = v {
+                tx[..n].copy_from_slice(&v[i..i + n]);
+            }
+            vst1q_u16(
+                ta.as_mut_ptr(),
+                f(vld1q_u16(ta.as_ptr()), vld1q_u16(tx.as_ptr())),
+            );
+            acc[i..i + n].copy_from_slice(&ta[..n]);
+            i += 8;
+        }
     }
 
-    /// `a + b` on eight halves.
-    #[inline]
-    #[target_feature(enable = "neon,fp16")]
-    unsafe fn add(a: uint16x8_t, b: uint16x8_t) -> uint16x8_t {
-        let r: uint16x8_t;
-        std::arch::asm!(
-            "fadd {r:v}.8h, {a:v}.8h, {b:v}.8h",
-            r = lateout(vreg) r,
-            a = in(vreg) a,
-            b = in(vreg) b,
-            options(pure, nomem, nostack, preserves_flags)
-        );
-        r
-    }
-
-    /// [`super::mad_half`]: eight halves a step, the rest through a padded register.
+    /// [`super::mad_half`].
     ///
     /// # Safety
     /// The CPU has FP16 arithmetic; `v` is at least as long as `acc`.
     #[target_feature(enable = "neon,fp16")]
     pub(super) unsafe fn mad_half(acc: &mut [u16], v: &[u16], w: u16) {
         let ww = vdupq_n_u16(w);
-        let n8 = acc.len() / 8 * 8;
-        let (a, x) = (acc.as_mut_ptr(), v.as_ptr());
-        for i in (0..n8).step_by(8) {
-            vst1q_u16(a.add(i), fma(vld1q_u16(a.add(i)), vld1q_u16(x.add(i)), ww));
-        }
-        if n8 < acc.len() {
-            let rest = acc.len() - n8;
-            let (mut ta, mut tx) = ([0u16; 8], [0u16; 8]);
-            ta[..rest].copy_from_slice(&acc[n8..]);
-            tx[..rest].copy_from_slice(&v[n8..acc.len()]);
-            vst1q_u16(
-                ta.as_mut_ptr(),
-                fma(vld1q_u16(ta.as_ptr()), vld1q_u16(tx.as_ptr()), ww),
-            );
-            acc[n8..].copy_from_slice(&ta[..rest]);
-        }
+        by8(acc, Some(v), |a, x| fma(a, x, ww));
     }
 
     /// [`super::scale_half`].
@@ -483,18 +495,7 @@ mod neon {
     #[target_feature(enable = "neon,fp16")]
     pub(super) unsafe fn scale_half(acc: &mut [u16], w: u16) {
         let ww = vdupq_n_u16(w);
-        let n8 = acc.len() / 8 * 8;
-        let a = acc.as_mut_ptr();
-        for i in (0..n8).step_by(8) {
-            vst1q_u16(a.add(i), mul(vld1q_u16(a.add(i)), ww));
-        }
-        if n8 < acc.len() {
-            let rest = acc.len() - n8;
-            let mut ta = [0u16; 8];
-            ta[..rest].copy_from_slice(&acc[n8..]);
-            vst1q_u16(ta.as_mut_ptr(), mul(vld1q_u16(ta.as_ptr()), ww));
-            acc[n8..].copy_from_slice(&ta[..rest]);
-        }
+        by8(acc, None, |a, _| mul(a, ww));
     }
 
     /// [`super::dot_half_lanes`] with the CPU's own arithmetic.
@@ -1893,6 +1894,26 @@ mod tests {
         }
     }
 
+    /// A chunk's scores (rising along it, if asked, so that the maximum moves), a mask hiding
+    /// every 13th cell, and `n` value rows of `dv` spaced `dv + 8` apart.
+    fn chunk_case(
+        rng: &mut XorShift,
+        dv: usize,
+        n: usize,
+        rising: bool,
+    ) -> (Vec<f32>, Vec<f32>, Vec<u16>) {
+        let scores = (0..n)
+            .map(|i| rng.centered() * 6.0 + if rising { i as f32 * 0.06 } else { 0.0 })
+            .collect();
+        let mask = (0..n)
+            .map(|c| if c % 13 == 5 { f32::NEG_INFINITY } else { 0.0 })
+            .collect();
+        let values = (0..n * (dv + 8))
+            .map(|_| from_f32(rng.centered() * 3.0))
+            .collect();
+        (scores, mask, values)
+    }
+
     /// The register kernels give the halves-in-memory arithmetic's bits: head sizes the
     /// registers hold and one they do not, value rows apart by more than their length, masked
     /// cells, and keys rising so that the maximum moves (the rescaling steps) all along a chunk.
@@ -1901,15 +1922,7 @@ mod tests {
         let mut rng = XorShift::new(17);
         for dv in [64usize, 128, 256, 48] {
             for (n, rising) in [(300usize, false), (300, true), (37, true)] {
-                let scores: Vec<f32> = (0..n)
-                    .map(|i| rng.centered() * 6.0 + if rising { i as f32 * 0.06 } else { 0.0 })
-                    .collect();
-                let mask: Vec<f32> = (0..n)
-                    .map(|c| if c % 13 == 5 { f32::NEG_INFINITY } else { 0.0 })
-                    .collect();
-                let values: Vec<u16> = (0..n * (dv + 8))
-                    .map(|_| from_f32(rng.centered() * 3.0))
-                    .collect();
+                let (scores, mask, values) = chunk_case(&mut rng, dv, n, rising);
                 let keys = Keys {
                     scores: &scores,
                     mask: &mask,
@@ -2058,15 +2071,7 @@ mod tests {
         let mut differs = false;
         for dv in [128usize, 256, 192, 64] {
             for (n, rising) in [(300usize, false), (300, true), (37, true)] {
-                let scores: Vec<f32> = (0..n)
-                    .map(|i| rng.centered() * 6.0 + if rising { i as f32 * 0.06 } else { 0.0 })
-                    .collect();
-                let mask: Vec<f32> = (0..n)
-                    .map(|c| if c % 13 == 5 { f32::NEG_INFINITY } else { 0.0 })
-                    .collect();
-                let values: Vec<u16> = (0..n * (dv + 8))
-                    .map(|_| from_f32(rng.centered() * 3.0))
-                    .collect();
+                let (scores, mask, values) = chunk_case(&mut rng, dv, n, rising);
                 let keys = Keys {
                     scores: &scores,
                     mask: &mask,
