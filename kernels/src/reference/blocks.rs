@@ -242,12 +242,13 @@ mod tests {
                 for nb in [1, 2, 3, 4, 7, 8] {
                     for rows in 1..=9 {
                         let n = nb * 32;
-                        let w = weight_rows(&mut rng, kind, nb, 3);
+                        // 7 weight rows: passes of two, then the odd last one.
+                        let w = weight_rows(&mut rng, kind, nb, 7);
                         let acts: Vec<Vec<u8>> =
                             (0..rows).map(|_| act_row(&mut rng, kind, nb)).collect();
                         let refs: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
                         let prepared = k.prepare(n, &refs);
-                        let mut out = vec![0.0f32; 3 * rows];
+                        let mut out = vec![0.0f32; 7 * rows];
                         k.dot_many(&prepared, &w, &mut out);
                         let row = nb * kind.weight_block();
                         for (i, x) in w.chunks_exact(row).enumerate() {
