@@ -74,18 +74,22 @@ pub const HALF_STEP_AVX512FP16: usize = 128;
 /// four registers.
 pub const HALF_STEP_NEON: usize = 32;
 
-/// The steps of half-precision value updates a ggml built for this CPU may take, that one
-/// first (0: none, f32 arithmetic).
-fn half_steps() -> &'static [usize] {
-    #[cfg(target_arch = "x86_64")]
-    if half_ok() {
-        return &[HALF_STEP_AVX512FP16, 0];
+/// The builds a ggml for this CPU may be, the likeliest first (one built for this CPU,
+/// llama.cpp's default): each one's dot product and its half-precision updates' step (0:
+/// none, f32 arithmetic).
+fn builds() -> Vec<(Dot, usize)> {
+    let mut builds = Vec::new();
+    if half_ok() && cfg!(target_arch = "x86_64") {
+        builds.push((Dot::Zmm, HALF_STEP_AVX512FP16));
     }
-    #[cfg(target_arch = "aarch64")]
-    if half_ok() {
-        return &[HALF_STEP_NEON, 0];
+    if half_ok() && cfg!(target_arch = "aarch64") {
+        builds.push((Dot::Half, HALF_STEP_NEON));
     }
-    &[0]
+    builds.push((Dot::Kq, 0));
+    if zmm_ok() {
+        builds.push((Dot::Zmm, 0));
+    }
+    builds
 }
 
 impl Rounding {
@@ -121,7 +125,9 @@ impl Merge {
 /// where the CPU has them (a ggml built for this CPU, llama.cpp's default, takes them), then
 /// GCC's default contraction.
 pub fn roundings() -> impl Iterator<Item = Rounding> {
-    half_steps().iter().flat_map(|&half| {
+    let mut halves: Vec<usize> = builds().into_iter().map(|(_, half)| half).collect();
+    halves.dedup();
+    halves.into_iter().flat_map(|half| {
         [true, false].into_iter().flat_map(move |sum_fused| {
             [Merge::FirstFused, Merge::SecondFused, Merge::Plain]
                 .into_iter()
@@ -178,18 +184,7 @@ pub struct Arith {
 /// Every [`Arith`] this CPU can compute, the likeliest first: the builds' dot products, each
 /// with the value updates a build with it takes.
 pub fn ariths() -> impl Iterator<Item = Arith> {
-    let mut builds = Vec::new();
-    if half_ok() && cfg!(target_arch = "x86_64") {
-        builds.push((Dot::Zmm, HALF_STEP_AVX512FP16));
-    }
-    if half_ok() && cfg!(target_arch = "aarch64") {
-        builds.push((Dot::Half, HALF_STEP_NEON));
-    }
-    builds.push((Dot::Kq, 0));
-    if zmm_ok() {
-        builds.push((Dot::Zmm, 0));
-    }
-    builds.into_iter().flat_map(|(dot, half)| {
+    builds().into_iter().flat_map(|(dot, half)| {
         roundings()
             .filter(move |r| r.half == half)
             .map(move |rounding| Arith { dot, rounding })
@@ -232,16 +227,13 @@ pub fn dot_half_with(k: &[u16], qh: &[u16], q: &[f32]) -> f32 {
 
 /// [`dot_half`]'s eight lanes of halves after the reduction in halves, in portable code.
 fn dot_half_lanes(k: &[u16], qh: &[u16], np: usize) -> [u16; 8] {
-    let fma = |a: u16, b: u16, c: u16| {
-        half_of(f64::from(to_f32(a)).mul_add(f64::from(to_f32(b)), f64::from(to_f32(c))))
-    };
     let add = |a: u16, b: u16| half_of(f64::from(to_f32(a)) + f64::from(to_f32(b)));
     let mut sum = [[0u16; 8]; 4];
     for i in (0..np).step_by(32) {
         for (j, s) in sum.iter_mut().enumerate() {
             for (l, s) in s.iter_mut().enumerate() {
                 let e = i + 8 * j + l;
-                *s = fma(k[e], qh[e], *s);
+                *s = fma_half(k[e], qh[e], *s);
             }
         }
     }
@@ -347,10 +339,14 @@ pub fn mad_half(acc: &mut [u16], v: &[u16], w: f32) {
 
 /// [`mad_half`] in portable code, the weight already a half.
 fn mad_half_portable(acc: &mut [u16], v: &[u16], wh: u16) {
-    let w = f64::from(to_f32(wh));
     for (a, &v) in acc.iter_mut().zip(v) {
-        *a = half_of(f64::from(to_f32(v)).mul_add(w, f64::from(to_f32(*a))));
+        *a = fma_half(v, wh, *a);
     }
+}
+
+/// `f16(a * b + c)` of three halves, rounded once.
+fn fma_half(a: u16, b: u16, c: u16) -> u16 {
+    half_of(f64::from(to_f32(a)).mul_add(f64::from(to_f32(b)), f64::from(to_f32(c))))
 }
 
 /// `acc[i] = f16(acc[i] * f16(w))`, rounded once: ggml's `ggml_vec_scale_f16` in
@@ -590,26 +586,37 @@ mod simd {
         r
     }
 
-    /// [`super::mad_half`] with AVX512-FP16, 32 halves a step and a masked step for the rest.
+    /// `acc = f(acc, v)` 32 halves at a time (`v`'s matching halves, zeros without it), the
+    /// last few through a masked step.
     ///
     /// # Safety
-    /// The CPU has AVX512-FP16; `v` is at least as long as `acc`.
+    /// The CPU has AVX512-FP16 (for `f`); `v`, given, is at least as long as `acc`.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn mad_ph(acc: &mut [u16], v: &[u16], w: u16) {
-        let (a, x) = (acc.as_mut_ptr(), v.as_ptr());
-        let ww = _mm512_set1_epi16(w as i16);
-        let mut i = 0;
-        while i < acc.len() {
+    unsafe fn by32(acc: &mut [u16], v: Option<&[u16]>, f: impl Fn(__m512i, __m512i) -> __m512i) {
+        let a = acc.as_mut_ptr();
+        for i in (0..acc.len()).step_by(32) {
             let k = if acc.len() - i >= 32 {
                 u32::MAX
             } else {
                 (1u32 << (acc.len() - i)) - 1
             };
             let y = _mm512_maskz_loadu_epi16(k, a.add(i).cast());
-            let xv = _mm512_maskz_loadu_epi16(k, x.add(i).cast());
-            _mm512_mask_storeu_epi16(a.add(i).cast(), k, fmadd_ph(y, xv, ww));
-            i += 32;
+            let x = v.map_or(_mm512_setzero_si512(), |v| {
+                _mm512_maskz_loadu_epi16(k, v.as_ptr().add(i).cast())
+            });
+            _mm512_mask_storeu_epi16(a.add(i).cast(), k, f(y, x));
         }
+    }
+
+    /// [`super::mad_half`] with AVX512-FP16.
+    ///
+    /// # Safety
+    /// The CPU has AVX512-FP16; `v` is at least as long as `acc`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn mad_ph(acc: &mut [u16], v: &[u16], w: u16) {
+        let ww = _mm512_set1_epi16(w as i16);
+        by32(acc, Some(v), |y, x| fmadd_ph(y, x, ww));
     }
 
     /// [`super::scale_half`] with AVX512-FP16.
@@ -618,19 +625,8 @@ mod simd {
     /// The CPU has AVX512-FP16.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn scale_ph(acc: &mut [u16], w: u16) {
-        let a = acc.as_mut_ptr();
         let ww = _mm512_set1_epi16(w as i16);
-        let mut i = 0;
-        while i < acc.len() {
-            let k = if acc.len() - i >= 32 {
-                u32::MAX
-            } else {
-                (1u32 << (acc.len() - i)) - 1
-            };
-            let y = _mm512_maskz_loadu_epi16(k, a.add(i).cast());
-            _mm512_mask_storeu_epi16(a.add(i).cast(), k, mul_ph(y, ww));
-            i += 32;
-        }
+        by32(acc, None, |y, _| mul_ph(y, ww));
     }
 
     /// [`super::dot_zmm`] in 512-bit registers (the same lanes, the same additions).
@@ -2093,9 +2089,9 @@ mod tests {
                 let mut b = vec![0f32; dv];
                 let want_s = chunk_scalar(&steps, vals, half, &mut b);
                 #[cfg(target_arch = "x86_64")]
-                if let Some(s) = regs::chunk_half(&steps, vals, true, &mut vec![0f32; dv]) {
-                    let mut a = vec![0f32; dv];
-                    regs::chunk_half(&steps, vals, true, &mut a);
+                let mut a = vec![0f32; dv];
+                #[cfg(target_arch = "x86_64")]
+                if let Some(s) = regs::chunk_half(&steps, vals, true, &mut a) {
                     assert_eq!(s.to_bits(), want_s.to_bits());
                     assert!(
                         a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
