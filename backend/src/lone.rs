@@ -363,7 +363,7 @@ unsafe fn dots(
                     .take(m)
                     .enumerate()
                 {
-                    sums[i * m + j] = leap_kernels::lone::dot_half_with(k, h, q);
+                    sums[i * m + j] = leap_kernels::lone::dot_half(k, h, q);
                 }
             }
         }

@@ -43,7 +43,8 @@
 //! one-line local edit): docs/measurements.md, "Verification rows' lone attention together". Both take AVX-512:
 //! with AVX2 and on AArch64 [`rows`] computes each row alone and the maxima pass is scalar;
 //! in half precision too it computes each row alone (the accumulator then stays in halves,
-//! without conversions: 43 µs a row of Gemma's shape over 1024 cells, against 99 in f32);
+//! without conversions: 43 µs a row of Gemma's shape over 1024 cells, against 99 in f32, by
+//! `cargo bench -p leap-tests --bench kernels -- lone/` on the AVX512-FP16 Xeon);
 //! the place for NEON to follow is `shared` (AVX2's sixteen registers spilled three rows'
 //! accumulators and lost time, see `shared::ROWS`; NEON has 32) and `simd::steps`.
 
@@ -192,19 +193,12 @@ pub fn ariths() -> impl Iterator<Item = Arith> {
 }
 
 /// ggml's `vec_dot_f16` as an AArch64 build with FP16 vector arithmetic computes it: f16 key
-/// row `k` times the query `q` (already rounded to f16 values), `q.len()` elements. Four
-/// registers of eight halves each take fused multiply-adds in halves over steps of 32
-/// (`vfmaq_f16`); they are added in halves (0 + 2, 1 + 3, then the two), the eight lanes
-/// widened and summed in f32 (lane i + lane i + 4, then as `vaddvq_f32`'s pairwise adds), and
-/// the leftovers past the last step added in f64.
-pub fn dot_half(k: &[u16], q: &[f32]) -> f32 {
-    let qh: Vec<u16> = q.iter().map(|&x| from_f32(x)).collect();
-    dot_half_with(k, &qh, q)
-}
-
-/// [`dot_half`] with the query also given as halves (`qh`, the same values as `q`), for many
-/// key rows against one query.
-pub fn dot_half_with(k: &[u16], qh: &[u16], q: &[f32]) -> f32 {
+/// row `k` times the query `q` (already rounded to f16 values, `qh` the same values as halves:
+/// many key rows meet one query), `q.len()` elements. Four registers of eight halves each take
+/// fused multiply-adds in halves over steps of 32 (`vfmaq_f16`); they are added in halves
+/// (0 + 2, 1 + 3, then the two), the eight lanes widened and summed in f32 (lane i + lane i +
+/// 4, then as `vaddvq_f32`'s pairwise adds), and the leftovers past the last step added in f64.
+pub fn dot_half(k: &[u16], qh: &[u16], q: &[f32]) -> f32 {
     assert!(k.len() >= q.len() && qh.len() == q.len());
     let n = q.len();
     let np = n / 32 * 32;
@@ -2135,15 +2129,15 @@ mod tests {
                 let q: Vec<f32> = (0..n)
                     .map(|_| to_f32(from_f32(rng.centered() * 4.0)))
                     .collect();
+                let qh: Vec<u16> = q.iter().map(|&x| from_f32(x)).collect();
                 #[cfg(target_arch = "aarch64")]
                 if half_ok() {
-                    let qh: Vec<u16> = q.iter().map(|&x| from_f32(x)).collect();
                     let np = n / 32 * 32;
                     // SAFETY: the CPU has FP16 arithmetic; np values in both.
                     let got = unsafe { neon::dot_half_lanes(&k, &qh, np) };
                     assert_eq!(got, dot_half_lanes(&k, &qh, np), "{n} elements");
                 }
-                let got = dot_half(&k, &q);
+                let got = dot_half(&k, &qh, &q);
                 let exact: f64 = k
                     .iter()
                     .zip(&q)
