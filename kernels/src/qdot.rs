@@ -222,9 +222,14 @@ pub struct Acts<'a> {
     rows: Vec<&'a [u8]>,
     /// `scales[r * nb + b]`: row r's block b scale.
     scales: Vec<f32>,
-    /// For the AVX-512 kernels: row r's 32 quants of block b at `(r * nb + b) * 32`, with the
-    /// sign bit flipped (`q + 128` as unsigned) for the signed-weight types.
+    /// For the AVX-512 kernels: row r's 32 quants of block b at `(r * nb + b) * 32`, plus 128
+    /// (as unsigned) for `Q8_0`.
     qs: Vec<u8>,
+    /// For the AVX-512 `Q5_0` kernel (which takes the weights plus 128): -128 times the sum of
+    /// each 4 quants of `qs` (each of `vpdpbusd`'s integer lanes), row r's block b's eight at
+    /// `(r * nb + b) * 8`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    lane_sums: Vec<i32>,
     /// `Q8_1`'s block sums as `f32` (`Q4_1` only), indexed like `scales`.
     sums: Vec<f32>,
     /// For the 256-bit x86 kernels, by groups of [`GROUP`] rows (group g holds rows
@@ -394,6 +399,7 @@ impl Kernel {
                 rows: acts.to_vec(),
                 scales: Vec::new(),
                 qs: Vec::new(),
+                lane_sums: Vec::new(),
                 sums: Vec::new(),
                 wide_scales: Vec::new(),
                 group_sums: Vec::new(),
@@ -438,9 +444,16 @@ impl Kernel {
                 }
             }
         }
-        // The AVX-512 kernels' signed-weight types take the quants with the sign bit flipped
-        // (`q + 128` as unsigned).
-        if wide && !q4_1 {
+        // The AVX-512 kernels take `Q8_0`'s activations plus 128 (as unsigned), and for
+        // `Q5_0`'s weights plus 128 what that adds: -128 times the activations' lane sums.
+        let lane_sums = if wide && self.kind == Kind::Q5_0 {
+            qs.chunks_exact(4)
+                .map(|l| -128 * l.iter().map(|&q| i32::from(q as i8)).sum::<i32>())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if wide && self.kind == Kind::Q8_0 {
             qs.iter_mut().for_each(|q| *q ^= 0x80);
         }
         // (The AVX-512 kernels take a last odd weight row with the 256-bit ones.)
@@ -452,6 +465,7 @@ impl Kernel {
             rows: acts.to_vec(),
             scales,
             qs,
+            lane_sums,
             sums,
             wide_scales,
             group_sums,

@@ -194,115 +194,100 @@ unsafe fn dpbusd(ax: __m256i, sy: __m256i) -> __m256i {
 /// Two weight rows at once in 512-bit registers: lanes 0-7 are the first row's ggml
 /// lanes, 8-15 the second's, each accumulated and reduced exactly as on 256 bits. The
 /// integer lane sums come from one `vpdpbusd` a row: for signed weights x and activations
-/// y, `sum (y + 128) x - sum 128 x = sum x y` (the second sum once per weight block).
+/// y, `sum (x + 128) y - 128 sum y = sum x y`, the second term once per activation block
+/// and call ([`Acts`]' `lane_sums`), so that a weight block costs one more instruction
+/// (`x + 128`), folded into `Q5_0`'s unpacking. A block pair's scales come from a table of
+/// every half's value (two broadcasts from memory, one of them masked) and its unpacking
+/// from broadcasts and masked operations, where shuffles (one port on these CPUs) made a
+/// one-row pass twice as long as its products.
 pub(super) mod zmm {
     use super::super::AHEAD;
     use super::super::{Acts, Kind, GROUP};
     use std::arch::x86_64::*;
+    use std::sync::OnceLock;
 
-    // The 256-bit helpers (their features are a subset of these kernels': they inline).
-    use super::avx2::{bits, hsum, nibbles};
+    // The 256-bit helper (its features are a subset of these kernels': it inlines).
+    use super::avx2::hsum;
 
-    /// A block's 32 weights as signed bytes (`Q8_0`, `Q5_0`) or nibbles (`Q4_1`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn weights(kind: Kind, x: *const u8) -> __m256i {
-        match kind {
-            Kind::Q8_0 => _mm256_loadu_si256(x.add(2).cast()),
-            Kind::Q5_0 => {
-                let hi = _mm256_andnot_si256(bits(x.add(2)), _mm256_set1_epi8(0xF0u8 as i8));
-                _mm256_or_si256(nibbles(x.add(6)), hi)
-            }
-            Kind::Q4_1 => nibbles(x.add(4)),
-            Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
-        }
+    /// Every half's `f32` value (exact, [`crate::f16::to_f32`]), indexed by its bits: a
+    /// block's scale is then one broadcast from memory. A model's scales take few distinct
+    /// values, so few of its lines stay in the caches.
+    fn halves() -> &'static [f32] {
+        static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
+        TABLE.get_or_init(|| (0..=u16::MAX).map(crate::f16::to_f32).collect())
     }
 
-    /// Two blocks' 16 bytes of nibbles as 64 bytes: [a low, a high, b low, b high].
+    /// Two blocks' 16 bytes of nibbles (at `pa`, `pb`) as 64 bytes: [a low, a high, b low,
+    /// b high], each byte's other four bits still to be cleared.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn nibbles_pair(pa: *const u8, pb: *const u8) -> __m512i {
-        let t = _mm256_set_m128i(_mm_loadu_si128(pb.cast()), _mm_loadu_si128(pa.cast()));
-        let z = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
-        // 128-bit lanes (a, b, a>>4, b>>4) -> (a, a>>4, b, b>>4).
-        let z = _mm512_shuffle_i64x2(z, z, 0b11_01_10_00);
-        _mm512_and_si512(z, _mm512_set1_epi8(0x0F))
+        let z = _mm512_broadcast_i32x4(_mm_loadu_si128(pa.cast()));
+        let z = _mm512_mask_broadcast_i32x4(z, 0xFF00, _mm_loadu_si128(pb.cast()));
+        // The high nibbles down in 128-bit lanes 1 and 3 (16-bit elements 8-15, 24-31).
+        _mm512_mask_srli_epi16(z, 0xFF00_FF00, z, 4)
     }
 
-    /// Two `Q5_0` blocks unpacked together: lanes 0-255 the first block's 32 weights (as
-    /// `weights` gives them), 256-511 the second's.
+    /// Two `Q5_0` blocks' weights plus 128 (as unsigned bytes): lanes 0-255 the first block's
+    /// 32, 256-511 the second's.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn q5_0_pair(xa: *const u8, xb: *const u8) -> __m512i {
         let nib = nibbles_pair(xa.add(6), xb.add(6));
-        // Fifth bits: byte j of each block is set where bit j of its qh is.
-        let qa = u32::from_le_bytes([*xa.add(2), *xa.add(3), *xa.add(4), *xa.add(5)]);
-        let qb = u32::from_le_bytes([*xb.add(2), *xb.add(3), *xb.add(4), *xb.add(5)]);
-        let w = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_set1_epi32(qa as i32)),
-            _mm256_set1_epi32(qb as i32),
-            1,
-        );
-        let shuf = _mm512_set_epi64(
-            0x0303030303030303,
-            0x0202020202020202,
-            0x0101010101010101,
-            0,
-            0x0303030303030303,
-            0x0202020202020202,
-            0x0101010101010101,
-            0,
-        );
-        let b = _mm512_shuffle_epi8(w, shuf);
-        let set = _mm512_test_epi8_mask(b, _mm512_set1_epi64(0x8040201008040201u64 as i64));
-        // Where the bit is clear, the weight is nibble - 16 (0xF0 | nibble), as ggml's
-        // andnot/or.
-        _mm512_or_si512(
-            nib,
-            _mm512_maskz_mov_epi8(!set, _mm512_set1_epi8(0xF0u8 as i8)),
-        )
+        // Fifth bits: bit j of a block's qh belongs to its weight j, which is byte j here.
+        let qa = xa.add(2).cast::<u32>().read_unaligned();
+        let qb = xb.add(2).cast::<u32>().read_unaligned();
+        let set = u64::from(qa) | (u64::from(qb) << 32);
+        // A weight is nibble - 16 where its bit is clear, the nibble where it is set (ggml's
+        // andnot/or); plus 128 that is 0x70 | nibble and 0x80 | nibble.
+        let high =
+            _mm512_mask_blend_epi8(set, _mm512_set1_epi8(0x70), _mm512_set1_epi8(0x80u8 as i8));
+        // (nib & 0x0F) | high
+        _mm512_ternarylogic_epi32::<0xEA>(nib, _mm512_set1_epi8(0x0F), high)
     }
 
+    /// The two blocks' weights as `vpdpbusd`'s unsigned operand: `Q4_1`'s nibbles, the
+    /// signed types' weights plus 128.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn pair256(lo: __m256i, hi: __m256i) -> __m512i {
-        _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+    unsafe fn weights_pair(kind: Kind, xa: *const u8, xb: *const u8) -> __m512i {
+        match kind {
+            Kind::Q5_0 => q5_0_pair(xa, xb),
+            Kind::Q4_1 => {
+                _mm512_and_si512(nibbles_pair(xa.add(4), xb.add(4)), _mm512_set1_epi8(0x0F))
+            }
+            Kind::Q8_0 => _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(xa.add(2).cast())),
+                _mm256_loadu_si256(xb.add(2).cast()),
+                1,
+            ),
+            Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
+        }
     }
 
-    /// The f16 scales at the starts of two blocks in one conversion: the two `d`s (the
-    /// first's in lanes 0-7, the second's in 8-15), and the halves after them (`Q4_1`'s minima
-    /// `m`) in every lane of a 128-bit register each. Where the second half is a quant
-    /// (`Q8_0`, `Q5_0`) it is converted and never used. The conversion is `vcvtph2ps`, which
-    /// the 256-bit kernels' `f16` does one half at a time, with a move in and out of a vector
-    /// register each: four a block pair for `Q4_1`. Kernels bench, one thread, three
-    /// alternated runs: `Q4_1` 4 rows 343-346 -> 278-289 us, 8 rows 522-550 -> 446-495 us;
-    /// `Q5_0` 8 rows 541-547 -> 520-530 us.
+    /// The half at `p` as `f32`, from [`halves`] (`t`).
+    #[inline]
+    unsafe fn half(t: *const f32, p: *const u8) -> *const f32 {
+        t.add(usize::from(p.cast::<u16>().read_unaligned()))
+    }
+
+    /// The two blocks' scales `d`: the first's in lanes 0-7, the second's in 8-15.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn scales_pair(xa: *const u8, xb: *const u8) -> (__m512, __m128, __m128) {
-        let h = _mm_insert_epi32::<1>(
-            _mm_cvtsi32_si128(xa.cast::<i32>().read_unaligned()),
-            xb.cast::<i32>().read_unaligned(),
-        );
-        // [d_a, m_a, d_b, m_b]
-        let f = _mm_cvtph_ps(h);
-        let d = _mm512_permutexvar_ps(
-            _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
-            _mm512_castps128_ps512(f),
-        );
-        (
-            d,
-            _mm_permute_ps::<0b01_01_01_01>(f),
-            _mm_permute_ps::<0b11_11_11_11>(f),
-        )
+    unsafe fn scales_pair(t: *const f32, xa: *const u8, xb: *const u8) -> __m512 {
+        let d = _mm512_set1_ps(*half(t, xa));
+        _mm512_mask_broadcastss_ps(d, 0xFF00, _mm_load_ss(half(t, xb)))
     }
 
-    /// Weight rows `x0`, `x1` against K activation rows starting at `r0`; returns K.
+    /// Weight rows `x0`, `x1` against K activation rows starting at `r0`; returns K. `t` is
+    /// [`halves`].
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn pair<const K: usize>(
         kind: Kind,
         acts: &Acts<'_>,
+        t: *const f32,
         r0: usize,
         x0: *const u8,
         x1: *const u8,
@@ -313,6 +298,7 @@ pub(super) mod zmm {
         let wb = kind.weight_block();
         let q = acts.qs.as_ptr().add(r0 * nb * 32);
         let yd = acts.scales.as_ptr().add(r0 * nb);
+        let ls = acts.lane_sums.as_ptr().wrapping_add(r0 * nb * 8);
         let mut acc = [_mm512_setzero_ps(); K];
         let mut summs = [[0.0f32; K]; 2];
         // `Q4_1`'s `m * s` sums for whole groups of four rows (`r0` is then a multiple of
@@ -324,15 +310,12 @@ pub(super) mod zmm {
             let (xa, xb) = (x0.add(b * wb), x1.add(b * wb));
             _mm_prefetch::<_MM_HINT_T0>(xa.wrapping_add(AHEAD).cast());
             _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
-            let qx = match kind {
-                Kind::Q5_0 => q5_0_pair(xa, xb),
-                Kind::Q4_1 => nibbles_pair(xa.add(4), xb.add(4)),
-                Kind::Q8_0 => pair256(weights(kind, xa), weights(kind, xb)),
-                Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
-            };
-            let (d, v0, v1) = scales_pair(xa, xb);
+            let qx = weights_pair(kind, xa, xb);
+            let d = scales_pair(t, xa, xb);
             if kind == Kind::Q4_1 {
+                let (m0, m1) = (half(t, xa.add(2)), half(t, xb.add(2)));
                 if by4 {
+                    let (v0, v1) = (_mm_set1_ps(*m0), _mm_set1_ps(*m1));
                     let gs = acts.group_sums.as_ptr();
                     for h in 0..K / GROUP {
                         let s = _mm_loadu_ps(gs.add(((r0 / GROUP + h) * nb + b) * GROUP));
@@ -340,32 +323,37 @@ pub(super) mod zmm {
                         summs4[1][h] = _mm_fmadd_ps(v1, s, summs4[1][h]);
                     }
                 } else {
-                    let (m0, m1) = (_mm_cvtss_f32(v0), _mm_cvtss_f32(v1));
                     let ys = acts.sums.as_ptr().add(r0 * nb);
                     for r in 0..K {
                         let s = *ys.add(r * nb + b);
-                        summs[0][r] = m0.mul_add(s, summs[0][r]);
-                        summs[1][r] = m1.mul_add(s, summs[1][r]);
+                        summs[0][r] = (*m0).mul_add(s, summs[0][r]);
+                        summs[1][r] = (*m1).mul_add(s, summs[1][r]);
                     }
                 }
-                for r in 0..K {
-                    let y =
-                        _mm512_broadcast_i64x4(_mm256_loadu_si256(q.add((r * nb + b) * 32).cast()));
-                    let lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, y);
-                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(*yd.add(r * nb + b)));
-                    acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[r]);
-                }
-            } else {
+            }
+            // `Q8_0`: `sum (y + 128) x - 128 sum x`, the second term once a block pair.
+            let negc = if kind == Kind::Q8_0 {
                 let c =
                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(0x80u8 as i8), qx);
-                let negc = _mm512_sub_epi32(_mm512_setzero_si512(), c);
-                for r in 0..K {
-                    let y =
-                        _mm512_broadcast_i64x4(_mm256_loadu_si256(q.add((r * nb + b) * 32).cast()));
-                    let lanes = _mm512_dpbusd_epi32(negc, y, qx);
-                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(*yd.add(r * nb + b)));
-                    acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[r]);
-                }
+                _mm512_sub_epi32(_mm512_setzero_si512(), c)
+            } else {
+                _mm512_setzero_si512()
+            };
+            for r in 0..K {
+                let y = _mm512_broadcast_i64x4(_mm256_loadu_si256(q.add((r * nb + b) * 32).cast()));
+                let lanes = match kind {
+                    Kind::Q8_0 => _mm512_dpbusd_epi32(negc, y, qx),
+                    // `Q5_0`: `sum (x + 128) y - 128 sum y`, the second term from the call's
+                    // activations.
+                    Kind::Q5_0 => _mm512_dpbusd_epi32(
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(ls.add((r * nb + b) * 8).cast())),
+                        qx,
+                        y,
+                    ),
+                    _ => _mm512_dpbusd_epi32(negc, qx, y),
+                };
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(*yd.add(r * nb + b)));
+                acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[r]);
             }
         }
         if by4 {
@@ -396,6 +384,7 @@ pub(super) mod zmm {
         let (nb, k) = (acts.nb, acts.rows.len());
         let row = nb * kind.weight_block();
         let n_w = out.len() / k;
+        let t = halves().as_ptr();
         let mut i = 0;
         while i + 2 <= n_w {
             let x0 = w.as_ptr().add(i * row);
@@ -410,11 +399,11 @@ pub(super) mod zmm {
                 // (about as many instructions as a row's products) then serves twice as
                 // many rows.
                 r += match k - r {
-                    1 => pair::<1>(kind, acts, r, x0, x0.add(row), a, b),
-                    2 => pair::<2>(kind, acts, r, x0, x0.add(row), a, b),
-                    3 => pair::<3>(kind, acts, r, x0, x0.add(row), a, b),
-                    4..8 => pair::<GROUP>(kind, acts, r, x0, x0.add(row), a, b),
-                    _ => pair::<{ 2 * GROUP }>(kind, acts, r, x0, x0.add(row), a, b),
+                    1 => pair::<1>(kind, acts, t, r, x0, x0.add(row), a, b),
+                    2 => pair::<2>(kind, acts, t, r, x0, x0.add(row), a, b),
+                    3 => pair::<3>(kind, acts, t, r, x0, x0.add(row), a, b),
+                    4..8 => pair::<GROUP>(kind, acts, t, r, x0, x0.add(row), a, b),
+                    _ => pair::<{ 2 * GROUP }>(kind, acts, t, r, x0, x0.add(row), a, b),
                 };
             }
             i += 2;
