@@ -12,14 +12,8 @@ macro_rules! kernels {
         pub(super) mod $name {
             use super::super::AHEAD;
             use super::super::{Acts, Kind, GROUP};
+            use super::{half, halves};
             use std::arch::x86_64::*;
-
-            #[inline]
-            #[target_feature(enable = $feat)]
-            pub(in crate::qdot) unsafe fn f16(p: *const u8) -> f32 {
-                let bits = u16::from_le_bytes([*p, *p.add(1)]);
-                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-            }
 
             /// ggml's `hsum_float_8`: halves, then pairs, then the last two.
             #[inline]
@@ -74,6 +68,7 @@ macro_rules! kernels {
             unsafe fn group<const K: usize>(
                 kind: Kind,
                 acts: &Acts<'_>,
+                t: *const f32,
                 g: usize,
                 x: *const u8,
                 out: *mut f32,
@@ -97,7 +92,7 @@ macro_rules! kernels {
                                 );
                                 _mm256_or_si256(nibbles(xb.add(6)), hi)
                             };
-                            let dx = _mm256_set1_ps(f16(xb));
+                            let dx = _mm256_set1_ps(*half(t, xb));
                             // ggml's `mul_sum_i8_pairs_float`: |x| times y with x's sign.
                             let ax = _mm256_sign_epi8(qx, qx);
                             let ydb = yd.add(b * GROUP * 8);
@@ -118,16 +113,13 @@ macro_rules! kernels {
                         for b in 0..nb {
                             let xb = x.add(b * wb);
                             _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
-                            // [d, m] in one conversion (`f16`'s instruction), then spread.
-                            let dm =
-                                _mm_cvtph_ps(_mm_cvtsi32_si128(xb.cast::<i32>().read_unaligned()));
-                            let d0 = _mm256_broadcastss_ps(dm);
+                            let d0 = _mm256_set1_ps(*half(t, xb));
                             let qx = nibbles(xb.add(4));
                             // ggml's `summs += m * s` (fused there; the f16 x f16 product is
                             // exact in f32, so fused or not agree), with `s` converted from f16
                             // once per call (`Acts::sums`).
                             summs = _mm_fmadd_ps(
-                                _mm_permute_ps::<0b01_01_01_01>(dm),
+                                _mm_set1_ps(*half(t, xb.add(2))),
                                 _mm_loadu_ps(ys.add(b * GROUP)),
                                 summs,
                             );
@@ -158,16 +150,17 @@ macro_rules! kernels {
             ) {
                 let (nb, k) = (acts.nb, acts.rows.len());
                 let row = nb * kind.weight_block();
+                let t = halves().as_ptr();
                 for (i, o) in out.chunks_exact_mut(k).enumerate() {
                     let x = w.as_ptr().add(i * row);
                     let mut r = 0;
                     while r < k {
                         let (g, o) = (r / GROUP, o.as_mut_ptr().add(r));
                         match k - r {
-                            1 => group::<1>(kind, acts, g, x, o),
-                            2 => group::<2>(kind, acts, g, x, o),
-                            3 => group::<3>(kind, acts, g, x, o),
-                            _ => group::<GROUP>(kind, acts, g, x, o),
+                            1 => group::<1>(kind, acts, t, g, x, o),
+                            2 => group::<2>(kind, acts, t, g, x, o),
+                            3 => group::<3>(kind, acts, t, g, x, o),
+                            _ => group::<GROUP>(kind, acts, t, g, x, o),
                         }
                         r += GROUP;
                     }
@@ -178,6 +171,22 @@ macro_rules! kernels {
 }
 
 use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+/// Every half's `f32` value (exact, [`crate::f16::to_f32`]), indexed by its bits: a block's
+/// scale is then one load (a broadcast straight from memory) where converting it takes a move
+/// into a vector register, the conversion and a broadcast. A model's scales take few distinct
+/// values, so few of the table's lines stay in the caches.
+fn halves() -> &'static [f32] {
+    static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
+    TABLE.get_or_init(|| (0..=u16::MAX).map(crate::f16::to_f32).collect())
+}
+
+/// Where [`halves`] (at `t`) holds the value of the half at `p`.
+#[inline]
+unsafe fn half(t: *const f32, p: *const u8) -> *const f32 {
+    t.add(usize::from(p.cast::<u16>().read_unaligned()))
+}
 
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -194,28 +203,20 @@ unsafe fn dpbusd(ax: __m256i, sy: __m256i) -> __m256i {
 /// Two weight rows at once in 512-bit registers: lanes 0-7 are the first row's ggml
 /// lanes, 8-15 the second's, each accumulated and reduced exactly as on 256 bits. The
 /// integer lane sums come from one `vpdpbusd` a row: for signed weights x and activations
-/// y, `sum (x + 128) y - 128 sum y = sum x y`, the second term once per activation block
-/// and call ([`Acts`]' `lane_sums`), so that a weight block costs one more instruction
-/// (`x + 128`), folded into `Q5_0`'s unpacking. A block pair's scales come from a table of
-/// every half's value (two broadcasts from memory, one of them masked) and its unpacking
-/// from broadcasts and masked operations, where shuffles (one port on these CPUs) made a
-/// one-row pass twice as long as its products.
+/// y: for `Q8_0`, `sum (y + 128) x - 128 sum x` (the second term once per weight block
+/// pair), for `Q5_0` `sum (x + 128) y - 128 sum y` (the second term once per activation block
+/// and call, [`Acts`]' `lane_sums`; the 128 is folded into the unpacking). A block pair's
+/// scales come from [`halves`] (two broadcasts from memory, one of them masked) and its
+/// unpacking from broadcasts and masked operations, where shuffles (one port on these CPUs)
+/// made a one-row pass twice as long as its products.
 pub(super) mod zmm {
     use super::super::AHEAD;
     use super::super::{Acts, Kind, GROUP};
     use std::arch::x86_64::*;
-    use std::sync::OnceLock;
 
     // The 256-bit helper (its features are a subset of these kernels': it inlines).
     use super::avx2::hsum;
-
-    /// Every half's `f32` value (exact, [`crate::f16::to_f32`]), indexed by its bits: a
-    /// block's scale is then one broadcast from memory. A model's scales take few distinct
-    /// values, so few of its lines stay in the caches.
-    fn halves() -> &'static [f32] {
-        static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
-        TABLE.get_or_init(|| (0..=u16::MAX).map(crate::f16::to_f32).collect())
-    }
+    use super::{half, halves};
 
     /// Two blocks' 16 bytes of nibbles (at `pa`, `pb`) as 64 bytes: [a low, a high, b low,
     /// b high], each byte's other four bits still to be cleared.
@@ -263,12 +264,6 @@ pub(super) mod zmm {
             ),
             Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
         }
-    }
-
-    /// The half at `p` as `f32`, from [`halves`] (`t`).
-    #[inline]
-    unsafe fn half(t: *const f32, p: *const u8) -> *const f32 {
-        t.add(usize::from(p.cast::<u16>().read_unaligned()))
     }
 
     /// The two blocks' scales `d`: the first's in lanes 0-7, the second's in 8-15.
