@@ -326,7 +326,8 @@ pub(super) mod zmm {
                     }
                 }
             }
-            // `Q8_0`: `sum (y + 128) x - 128 sum x`, the second term once a block pair.
+            // `Q8_0`: `sum (y + 128) x - 128 sum x`, the second term once a block pair (unused
+            // by the other kinds).
             let negc = if kind == Kind::Q8_0 {
                 let c =
                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(0x80u8 as i8), qx);
@@ -345,7 +346,9 @@ pub(super) mod zmm {
                         qx,
                         y,
                     ),
-                    _ => _mm512_dpbusd_epi32(negc, qx, y),
+                    // `Q4_1`: unsigned nibbles times signed activations as they are.
+                    Kind::Q4_1 => _mm512_dpbusd_epi32(_mm512_setzero_si512(), qx, y),
+                    Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
                 };
                 let dd = _mm512_mul_ps(d, _mm512_set1_ps(*yd.add(r * nb + b)));
                 acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(lanes), acc[r]);
