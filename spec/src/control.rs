@@ -34,9 +34,12 @@ pub enum Source {
     /// Retrieval from the request: another token that followed the longest match earlier
     /// (a sibling of the [`Source::Request`] continuation).
     Sibling,
+    /// Retrieval from the model's own answers to other prompts, shipped in its sidecar
+    /// ([`crate::corpus`]).
+    Corpus,
 }
 
-const SOURCES: usize = 7;
+const SOURCES: usize = 8;
 
 /// What backs a drafted token: its source and the length of the suffix match behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -18,13 +18,16 @@ use leap_host::{Batch, Context, Error, Result, Token};
 use crate::accept;
 use crate::calib::{self, CalibratedDrafter, Calibration};
 use crate::control::{Controller, Evidence};
+use crate::corpus::CorpusDrafter;
 use crate::dist::Truncation;
 use crate::draft::{ContextDrafter, Drafter, HistoryDrafter, Proposal, ReuseDrafter};
 use crate::exit::Pruner;
 use crate::lever;
 use crate::plain::{argmax, Generation};
+use crate::sam::SuffixAutomaton;
 use crate::tree::{KvOp, NodeId, TokenTree};
 use crate::vocab::Resident;
+use std::sync::Arc;
 
 mod steps;
 use steps::Steps;
@@ -112,6 +115,8 @@ pub struct Engine {
     history: HistoryDrafter,
     reuse: ReuseDrafter,
     calibrated: CalibratedDrafter,
+    /// Retrieval from the model's own answers to other prompts (the sidecar's corpus).
+    corpus: Option<CorpusDrafter>,
     /// A drafter of the caller's (a draft model).
     extra: Option<Extra>,
     /// On-demand output projection for the context this engine decodes with, and whether it
@@ -155,6 +160,7 @@ impl Engine {
             history: HistoryDrafter::new(cfg.min_match, cfg.history_tokens),
             reuse: ReuseDrafter::new(cfg.reuse_lifetime, 2),
             calibrated: CalibratedDrafter::new(cfg.min_match),
+            corpus: None,
             cfg,
             control,
             on_demand: None,
@@ -179,6 +185,16 @@ impl Engine {
     /// Draft with `d` too (a draft model: [`crate::model_draft::ModelDrafter`]).
     pub fn with_drafter(mut self, d: Box<dyn Drafter + Send>) -> Self {
         self.extra = Some(Extra(d));
+        self
+    }
+
+    /// Draft from the model's own answers to other prompts too ([`crate::corpus`]; `sam` is
+    /// [`crate::corpus::Corpus::automaton`], shared between engines): in token trees, and in
+    /// the retrieval chains of the target drafting for itself.
+    pub fn with_corpus(mut self, sam: Option<Arc<SuffixAutomaton>>) -> Self {
+        let d = sam.map(|s| CorpusDrafter::new(s, self.cfg.min_match));
+        self.vocab.corpus = d.clone();
+        self.corpus = d;
         self
     }
 
@@ -233,6 +249,9 @@ impl Engine {
         }
         if self.cfg.calibrate {
             d.push(&mut self.calibrated);
+        }
+        if let Some(c) = self.corpus.as_mut() {
+            d.push(c);
         }
         if let Some(x) = self.extra.as_mut() {
             d.push(x.0.as_mut());

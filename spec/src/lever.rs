@@ -209,8 +209,9 @@ mod tests {
         }
     }
 
-    const ALL: [Source; 7] = [
+    const ALL: [Source; 8] = [
         Source::Request,
+        Source::Corpus,
         Source::Sibling,
         Source::History,
         Source::Reuse,

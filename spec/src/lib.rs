@@ -6,6 +6,7 @@
 //! |---|---|
 //! | [`engine`] | [`engine::Engine`]: the loop: draft, build a tree, verify it in one call, accept, roll the KV cache back |
 //! | [`draft`] | the [`draft::Drafter`] trait; retrieval from the request and the history, draft reuse |
+//! | [`corpus`] | retrieval from the model's own answers to other prompts, shipped in its sidecar |
 //! | [`calib`] | in-context calibration from the prompt's prefill |
 //! | [`model_draft`] | drafting with a small model, across vocabularies through text |
 //! | [`exit`] | verification pruning with an early-exit head (Lever §4.3), the head in the sidecar |
@@ -31,6 +32,7 @@ pub mod accept;
 pub mod ahead;
 pub mod calib;
 pub mod control;
+pub mod corpus;
 pub mod dist;
 pub mod draft;
 pub mod engine;

@@ -29,6 +29,7 @@ use crate::engine::{Engine, EngineConfig};
 use crate::exit::{ModelShape, Pruner};
 use crate::head::Head;
 use crate::plain::{self, Generation};
+use crate::sam::SuffixAutomaton;
 
 /// How a session decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -214,6 +215,8 @@ pub struct Runtime {
     head: Option<Arc<Head>>,
     /// The head that guesses the token after next ([`crate::ahead`]).
     ahead: Option<Arc<Ahead>>,
+    /// The model's answers to other prompts ([`crate::corpus`]), shared by every session.
+    corpus: Option<Arc<SuffixAutomaton>>,
     flash: Option<Flash>,
 }
 
@@ -232,6 +235,7 @@ impl std::fmt::Debug for Runtime {
             .field("opts", &self.opts)
             .field("head", &self.head.as_ref().map(|h| h.layer))
             .field("ahead", &self.ahead.is_some())
+            .field("corpus", &self.corpus.as_ref().map(|c| c.len()))
             .finish()
     }
 }
@@ -312,11 +316,15 @@ impl Runtime {
             .then(|| load_ahead(&model, opts.sidecar.as_deref()))
             .flatten()
             .map(Arc::new);
+        let corpus = (opts.mode == Mode::Leap)
+            .then(|| load_corpus(&model, opts.sidecar.as_deref()))
+            .flatten();
         Ok(Self {
             model,
             opts: opts.clone(),
             head,
             ahead,
+            corpus,
             flash,
         })
     }
@@ -457,7 +465,8 @@ impl Runtime {
                     Engine::new(config)
                         .with_on_demand(od)
                         .with_exit(exit)
-                        .with_ahead(self.ahead.clone()),
+                        .with_ahead(self.ahead.clone())
+                        .with_corpus(self.corpus.clone()),
                 ),
                 None,
             ),
@@ -939,6 +948,47 @@ pub fn ahead_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Ahead>,
             path.display()
         )
     })
+}
+
+/// The model's answers to other prompts ([`crate::corpus`]) from the sidecar at `sidecar`
+/// (default: next to the model): `Ok(None)` without one, `Err` saying why one there cannot be
+/// used.
+///
+/// # Errors
+/// As said.
+pub fn corpus_for(
+    model: &Model,
+    sidecar: Option<&Path>,
+) -> Result<Option<crate::corpus::Corpus>, String> {
+    let (path, Some(side)) = sidecar_at(model, sidecar)? else {
+        return Ok(None);
+    };
+    let Some(fingerprint) = leap_host::project::fingerprint(model).map_err(|e| e.to_string())?
+    else {
+        return Ok(None);
+    };
+    crate::corpus::load(&side, &fingerprint, model.n_vocab() as usize)
+        .map_err(|why| format!("ignoring the answers in {}: {why}", path.display()))
+}
+
+/// [`corpus_for`] as the automaton drafting reads, with a warning when the corpus is refused
+/// (Leap then drafts without it).
+pub fn load_corpus(model: &Model, sidecar: Option<&Path>) -> Option<Arc<SuffixAutomaton>> {
+    match corpus_for(model, sidecar) {
+        Ok(Some(c)) => {
+            log::info!(
+                "drafting from {} answers of the model's ({} tokens) too",
+                c.answers(),
+                c.len()
+            );
+            Some(c.automaton())
+        }
+        Ok(None) => None,
+        Err(why) => {
+            log::warn!("{why}; drafting without them");
+            None
+        }
+    }
 }
 
 /// [`ahead_for`], with a warning when the head is refused (Leap then drafts without it).

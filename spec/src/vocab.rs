@@ -182,6 +182,9 @@ pub struct VocabState {
     step2: Option<f64>,
     /// Steps in a row that could have guessed and did not ([`VocabState::guess_pays`]).
     unguessed: usize,
+    /// Retrieval from the model's own answers to other prompts ([`crate::corpus`]): a chain
+    /// where the request's text has none.
+    pub corpus: Option<crate::corpus::CorpusDrafter>,
 }
 
 impl Default for VocabState {
@@ -202,6 +205,7 @@ impl Default for VocabState {
             right: 3.0,
             step2: None,
             unguessed: 0,
+            corpus: None,
         }
     }
 }
@@ -438,6 +442,10 @@ pub fn generate(
         c.accepted(first);
         c
     });
+    if let (Some(c), true) = (state.corpus.as_mut(), cfg.min_match > 0) {
+        c.begin(prompt);
+        c.accepted(first);
+    }
     let mut r = Rounds::new(
         ctx,
         od,

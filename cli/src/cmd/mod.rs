@@ -11,6 +11,7 @@
 //! | [`profile`] | `leap profile` |
 //! | [`attn`] | `leap attn-bench`, `leap perplexity`, `leap profile-heads`, `leap plugin-path` |
 //! | [`train_heads`] | `leap train-heads` |
+//! | [`corpus`] | `leap corpus` |
 //! | [`info`] | `leap info`, with `--tensors` and `--flash-budget` |
 //!
 //! Standard output is written through a locked handle with `writeln!` and its errors returned,
@@ -19,6 +20,7 @@
 
 pub mod attn;
 pub mod bench;
+pub mod corpus;
 pub mod generate;
 pub mod info;
 pub mod models;

@@ -160,6 +160,22 @@ impl<'a> Rounds<'a> {
             if let Some(p) = self.proposals.first() {
                 chain.clone_from(&p.tokens);
             }
+            // Where the request's text has no chain, the model's answers to other prompts.
+            if let (true, Some(corpus)) = (chain.is_empty(), self.state.corpus.as_mut()) {
+                self.proposals.clear();
+                corpus.propose(
+                    MAX_CHAIN.min(self.cfg.max_draft).min(left),
+                    1,
+                    &mut self.proposals,
+                );
+                if let Some(p) = self
+                    .proposals
+                    .first()
+                    .filter(|p| p.match_len >= self.cfg.min_match)
+                {
+                    chain.clone_from(&p.tokens);
+                }
+            }
             // Under a grammar, up to the first token it refuses.
             if let Some(gr) = self.grammar.as_deref() {
                 chain.truncate(gr.allowed_prefix(&chain)?);
@@ -449,6 +465,9 @@ impl<'a> Rounds<'a> {
         for &t in &self.emitted {
             if let Some(c) = self.context.as_mut() {
                 c.accepted(t);
+                if let Some(c) = self.state.corpus.as_mut() {
+                    c.accepted(t);
+                }
             }
             self.g.tokens.push(t);
             if self.model.is_eog(t) || !on_token(t) || self.g.tokens.len() >= self.max_tokens {
