@@ -337,6 +337,16 @@ leap_status leap_drafter_new(const leap_drafter_params *params, leap_drafter **o
  * model on one machine. Free each on its own, in any order. */
 leap_status leap_drafter_new_sibling(leap_drafter *of, leap_drafter **out);
 
+/* Draft from the model's own answers to other prompts too: the corpus `leap corpus` writes into
+ * the model's sidecar, here the sidecar at `sidecar` (NULL: MODEL.leap.gguf next to the model),
+ * checked against the GGUF model at `model_path` (the host's target; it is not loaded, only its
+ * output weights' fingerprint read). Siblings made afterwards share it. `*answers` (if not
+ * NULL) gets the number of answers loaded: 0, with LEAP_OK, when there is no such sidecar or
+ * no corpus in it. LEAP_ERR_MODEL, with the reason, when one is there and cannot be used (the
+ * answers of another model, an unreadable file); the drafter then drafts as before. */
+leap_status leap_drafter_use_corpus(leap_drafter *drafter, const char *model_path,
+                                    const char *sidecar, size_t *answers);
+
 /* Free a drafter. NULL is a no-op. */
 void leap_drafter_free(leap_drafter *drafter);
 

@@ -155,6 +155,57 @@ pub unsafe extern "C" fn leap_drafter_new_sibling(
     })
 }
 
+/// `leap_status leap_drafter_use_corpus(leap_drafter *, const char *model_path,
+/// const char *sidecar, size_t *answers)`.
+///
+/// # Safety
+/// `d` is NULL or a live drafter; `model_path` NULL or a string; `sidecar` NULL or a string;
+/// `answers` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn leap_drafter_use_corpus(
+    d: *mut leap_drafter,
+    model_path: *const std::ffi::c_char,
+    sidecar: *const std::ffi::c_char,
+    answers: *mut usize,
+) -> leap_status {
+    guard(|| {
+        if !answers.is_null() {
+            // SAFETY: non-null, writable (contract); 0 until answers are loaded.
+            unsafe { answers.write(0) };
+        }
+        // SAFETY: NULL or live (contract).
+        let d = unsafe { ref_arg(d, "drafter") }?;
+        // SAFETY: NULL or strings (contract).
+        let model = std::path::PathBuf::from(unsafe { crate::str_arg(model_path, "model_path") }?);
+        let side = if sidecar.is_null() {
+            None
+        } else {
+            // SAFETY: a string (contract).
+            Some(std::path::PathBuf::from(unsafe {
+                crate::str_arg(sidecar, "sidecar")
+            }?))
+        };
+        let corpus = leap_spec::session::corpus_at(&model, side.as_deref()).map_err(|reason| {
+            Error::Engine(leap_spec::session::Error::Host(
+                leap_host::Error::InvalidGguf {
+                    path: side
+                        .clone()
+                        .unwrap_or_else(|| leap_host::sidecar::path_for(&model)),
+                    reason,
+                },
+            ))
+        })?;
+        if let Some(c) = corpus {
+            lock(d)?.set_corpus(c.automaton());
+            if !answers.is_null() {
+                // SAFETY: non-null, writable (contract).
+                unsafe { answers.write(c.answers()) };
+            }
+        }
+        Ok(())
+    })
+}
+
 /// `void leap_drafter_free(leap_drafter *)`.
 ///
 /// # Safety

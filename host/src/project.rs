@@ -89,16 +89,25 @@ fn output_tensor(info: &GgufInfo) -> Option<&crate::gguf::GgufTensor> {
 /// # Errors
 /// The model file cannot be read.
 pub fn fingerprint(model: &Model) -> Result<Option<String>> {
+    Ok(fingerprint_file(model.path())?.map(|(f, _)| f))
+}
+
+/// [`fingerprint`] of the GGUF file at `path`, without loading the model (a host that loaded
+/// it itself: the C API's drafter), and the output weights' rows (the vocabulary's size).
+///
+/// # Errors
+/// The file cannot be read or is not GGUF.
+pub fn fingerprint_file(path: &std::path::Path) -> Result<Option<(String, usize)>> {
     use std::io::{Read, Seek, SeekFrom};
-    let info = GgufInfo::open(model.path())?;
+    let info = GgufInfo::open(path)?;
     let Some(t) = output_tensor(&info) else {
         return Ok(None);
     };
     let io = |e: std::io::Error| Error::InvalidGguf {
-        path: model.path().to_path_buf(),
+        path: path.to_path_buf(),
         reason: format!("reading the output weights: {e}"),
     };
-    let mut f = std::fs::File::open(model.path()).map_err(io)?;
+    let mut f = std::fs::File::open(path).map_err(io)?;
     f.seek(SeekFrom::Start(t.offset)).map_err(io)?;
     let mut bytes = vec![0u8; t.size.min(1 << 20) as usize];
     f.read_exact(&mut bytes).map_err(io)?;
@@ -106,9 +115,9 @@ pub fn fingerprint(model: &Model) -> Result<Option<String>> {
     for &b in &bytes {
         h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
     }
-    Ok(Some(format!(
-        "{} {}x{} fnv1a:{h:016x}",
-        t.ggml_type, t.ne[0], t.ne[1]
+    Ok(Some((
+        format!("{} {}x{} fnv1a:{h:016x}", t.ggml_type, t.ne[0], t.ne[1]),
+        t.ne[1] as usize,
     )))
 }
 

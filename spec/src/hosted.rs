@@ -22,9 +22,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::control::{Controller, Evidence};
+use crate::corpus::CorpusDrafter;
 use crate::draft::{ContextDrafter, Drafter, HistoryDrafter, Proposal};
 use crate::lever;
-use crate::sam::Token;
+use crate::sam::{SuffixAutomaton, Token};
 
 /// How a hosted drafter drafts.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,6 +85,8 @@ pub struct HostedDrafter {
     /// the host appended to it.
     local: ContextDrafter,
     history: HistoryDrafter,
+    /// The model's own answers to other prompts (`None`: no corpus; [`crate::corpus`]).
+    corpus: Option<CorpusDrafter>,
     /// How much of `local`'s text was the generation's prompt (`None`: no generation yet).
     prompt_len: Option<usize>,
     /// The last draft, until the next step shows what became of it.
@@ -104,6 +107,7 @@ impl HostedDrafter {
             control: Arc::new(Mutex::new(Controller::new(cfg.beta_prior))),
             local: ContextDrafter::new(cfg.min_match),
             history: HistoryDrafter::new(cfg.min_match, cfg.history_tokens),
+            corpus: None,
             prompt_len: None,
             pending: None,
             last_step: None,
@@ -119,8 +123,21 @@ impl HostedDrafter {
     pub fn sibling(&self) -> Self {
         Self {
             control: Arc::clone(&self.control),
+            corpus: self.corpus.clone(),
             ..Self::new(self.cfg.clone())
         }
+    }
+
+    /// Draft from the model's own answers to other prompts too (`sam`:
+    /// [`crate::corpus::Corpus::automaton`]); siblings made after this share them.
+    pub fn with_corpus(mut self, sam: Arc<SuffixAutomaton>) -> Self {
+        self.set_corpus(sam);
+        self
+    }
+
+    /// [`HostedDrafter::with_corpus`] in place.
+    pub fn set_corpus(&mut self, sam: Arc<SuffixAutomaton>) {
+        self.corpus = Some(CorpusDrafter::new(sam, self.cfg.min_match));
     }
 
     fn control(&self) -> MutexGuard<'_, Controller> {
@@ -145,6 +162,9 @@ impl HostedDrafter {
         self.prompt_len = Some(prompt.len());
         self.local.begin(prompt);
         self.history.begin(prompt);
+        if let Some(c) = self.corpus.as_mut() {
+            c.begin(prompt);
+        }
     }
 
     /// Close the current generation: its prompt and answer join the history.
@@ -187,6 +207,9 @@ impl HostedDrafter {
         for &t in appended.iter().chain(std::iter::once(&id_last)) {
             self.local.accepted(t);
             self.history.accepted(t);
+            if let Some(c) = self.corpus.as_mut() {
+                c.accepted(t);
+            }
         }
 
         let budget = max.min(self.cfg.max_draft);
@@ -194,6 +217,9 @@ impl HostedDrafter {
         if budget > 0 {
             self.local.propose(budget, 1, &mut self.proposals);
             self.history.propose(budget, 1, &mut self.proposals);
+            if let Some(c) = self.corpus.as_mut() {
+                c.propose(budget, 1, &mut self.proposals);
+            }
         }
         let built = lever::build(
             id_last,
@@ -374,6 +400,36 @@ mod tests {
         let b = fresh.stats();
         run(&mut fresh, &text(2, 30), &answer);
         assert_eq!(fresh.stats().drafted, b.drafted);
+    }
+
+    #[test]
+    fn drafts_from_the_model_s_answers_to_other_prompts() {
+        let answer = text(13, 120);
+        let mut corpus = crate::corpus::Corpus::new();
+        corpus.push(&answer);
+        let sam = corpus.automaton();
+        let cfg = HostedConfig {
+            history_tokens: 0,
+            ..HostedConfig::default()
+        };
+        // The answer starts after its first two tokens (a match the corpus holds).
+        let mut prompt = text(4, 30);
+        prompt.extend_from_slice(&answer[..2]);
+        let mut d = drafter(cfg.clone()).with_corpus(Arc::clone(&sam));
+        let (tokens, calls) = run(&mut d, &prompt, &answer[2..]);
+        assert!(calls * 3 < tokens, "{calls} calls for {tokens} tokens");
+        // A sibling (another of the host's sequences) drafts from it too.
+        let mut sibling = d.sibling();
+        sibling.clock = ticks;
+        let (tokens, calls) = run(&mut sibling, &prompt, &answer[2..]);
+        assert!(
+            calls * 3 < tokens,
+            "sibling: {calls} calls for {tokens} tokens"
+        );
+        // Without it, nothing to draft.
+        let mut fresh = drafter(cfg);
+        run(&mut fresh, &prompt, &answer[2..]);
+        assert_eq!(fresh.stats().drafted, 0);
     }
 
     #[test]

@@ -960,14 +960,32 @@ pub fn corpus_for(
     model: &Model,
     sidecar: Option<&Path>,
 ) -> Result<Option<crate::corpus::Corpus>, String> {
-    let (path, Some(side)) = sidecar_at(model, sidecar)? else {
-        return Ok(None);
+    corpus_at(model.path(), sidecar)
+}
+
+/// [`corpus_for`] the GGUF model at `model_path`, without loading it (a host that loads the
+/// model itself: the C API's drafter).
+///
+/// # Errors
+/// As [`corpus_for`]; the model file cannot be read.
+pub fn corpus_at(
+    model_path: &Path,
+    sidecar: Option<&Path>,
+) -> Result<Option<crate::corpus::Corpus>, String> {
+    let path = sidecar
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| leap_host::sidecar::path_for(model_path));
+    let side = match leap_host::sidecar::Sidecar::load(&path) {
+        Ok(Some(side)) => side,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(format!("ignoring the sidecar {}: {e}", path.display())),
     };
-    let Some(fingerprint) = leap_host::project::fingerprint(model).map_err(|e| e.to_string())?
+    let Some((fingerprint, n_vocab)) =
+        leap_host::project::fingerprint_file(model_path).map_err(|e| e.to_string())?
     else {
         return Ok(None);
     };
-    crate::corpus::load(&side, &fingerprint, model.n_vocab() as usize)
+    crate::corpus::load(&side, &fingerprint, n_vocab)
         .map_err(|why| format!("ignoring the answers in {}: {why}", path.display()))
 }
 

@@ -162,3 +162,39 @@ fn a_seed_gives_plain_sampling_s_tokens_with_the_corpus() {
     }
     assert!(drafted > 0, "{name}: nothing was drafted");
 }
+
+/// The C API's drafter (llama.cpp's `--spec-type leap`) loads the sidecar's answers given the
+/// target's GGUF path, and refuses another model's with LEAP_ERR_MODEL.
+#[test]
+fn the_c_api_s_drafter_loads_the_answers_of_its_target_only() {
+    use leap::drafter::{leap_drafter_free, leap_drafter_new, leap_drafter_use_corpus};
+    use std::ffi::CString;
+    let side = sidecar(SMOLLM);
+    let c = |p: &Path| CString::new(p.to_str().unwrap()).unwrap();
+    let (smol, gemma, side_c) = (c(&model_path(SMOLLM)), c(&model_path(GEMMA)), c(&side));
+    let missing = c(&scratch().join("missing.leap.gguf"));
+    unsafe {
+        let mut d = std::ptr::null_mut();
+        assert_eq!(leap_drafter_new(std::ptr::null(), &mut d), 0);
+        let mut n = 99;
+        assert_eq!(
+            leap_drafter_use_corpus(d, smol.as_ptr(), side_c.as_ptr(), &mut n),
+            0
+        );
+        assert_eq!(n, ASKED.len());
+        assert_eq!(
+            leap_drafter_use_corpus(d, gemma.as_ptr(), side_c.as_ptr(), &mut n),
+            leap::error::LEAP_ERR_MODEL
+        );
+        assert_eq!(n, 0);
+        assert_eq!(
+            leap_drafter_use_corpus(d, smol.as_ptr(), missing.as_ptr(), std::ptr::null_mut()),
+            0
+        );
+        assert_eq!(
+            leap_drafter_use_corpus(d, std::ptr::null(), side_c.as_ptr(), &mut n),
+            leap::error::LEAP_ERR_INVALID_ARGUMENT
+        );
+        leap_drafter_free(d);
+    }
+}
