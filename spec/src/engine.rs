@@ -67,6 +67,9 @@ pub struct EngineConfig {
     /// for itself over a resident vocabulary ([`crate::vocab`]) instead of building trees
     /// from the drafters. `None`: always trees.
     pub vocab: Option<crate::vocab::VocabConfig>,
+    /// Draft from the model's own answers to other prompts when the runtime has them (the
+    /// sidecar's corpus, [`Engine::with_corpus`]).
+    pub corpus: bool,
 }
 
 impl Default for EngineConfig {
@@ -85,6 +88,7 @@ impl Default for EngineConfig {
             exit: true,
             prune: Default::default(),
             vocab: Some(Default::default()),
+            corpus: true,
         }
     }
 }
@@ -188,11 +192,14 @@ impl Engine {
         self
     }
 
-    /// Draft from the model's own answers to other prompts too ([`crate::corpus`]; `sam` is
+    /// Draft from the model's own answers to other prompts too, unless
+    /// [`EngineConfig::corpus`] is off ([`crate::corpus`]; `sam` is
     /// [`crate::corpus::Corpus::automaton`], shared between engines): in token trees, and in
     /// the retrieval chains of the target drafting for itself.
     pub fn with_corpus(mut self, sam: Option<Arc<SuffixAutomaton>>) -> Self {
-        let d = sam.map(|s| CorpusDrafter::new(s, self.cfg.min_match));
+        let d = sam
+            .filter(|_| self.cfg.corpus)
+            .map(|s| CorpusDrafter::new(s, self.cfg.min_match));
         self.vocab.corpus = d.clone();
         self.corpus = d;
         self

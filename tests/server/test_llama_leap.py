@@ -22,6 +22,7 @@ AVX512-FP16, the device computes the rows in half precision as that ggml does (o
 reproduce the build, whichever it is); where it does not (AArch64's FP16 arithmetic), --spec-type
 leap drafts nothing with flash attention on, says so, and the same texts are checked."""
 
+import json
 import os
 import platform
 import re
@@ -176,3 +177,41 @@ def test_a_bad_combination_stops_at_start_up(llama_bin, smollm, args, message):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert message in r.stderr, r.stderr[-2000:]
+
+
+# Prompts with little to copy: what follows is the model's own phrasing.
+ASKED = [
+    "Explain in two sentences what a compiler does.\n",
+    "Write a Python function that returns the largest of three numbers.\n",
+    "What is the difference between a list and a tuple in Python?\n",
+]
+
+
+def test_spec_type_leap_drafts_from_the_answers_in_the_model_s_sidecar(llama_bin, leap, smollm,
+                                                                       tmp_path):
+    # The model as a distributor ships it: a sidecar next to the GGUF (a link here), written by
+    # `leap corpus` from the model's greedy answers to these prompts.
+    model = tmp_path / "smollm.gguf"
+    model.symlink_to(smollm)
+    prompts = tmp_path / "asked.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ASKED))
+    r = subprocess.run([leap, "corpus", str(model), "--prompts", str(prompts), "--max-tokens", "48"],
+                       env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == str(tmp_path / "smollm.leap.gguf"), r.stdout
+    assert "3 answers" in r.stderr, r.stderr[-2000:]
+
+    def run(path, spec):
+        with LlamaServer(llama_bin, str(path), ["--spec-type", spec], env=clean_env(),
+                         ctx=2048) as s:
+            out = [s.complete(p, max_tokens=48) for p in ASKED]
+            return [o["choices"][0]["text"] for o in out], \
+                sum(o.get("timings", {}).get("draft_n_accepted", 0) for o in out), s.stop()
+
+    plain, _, _ = run(smollm, "none")
+    without, taken_without, _ = run(smollm, "leap")
+    with_corpus, taken_with, err = run(model, "leap")
+    assert "drafting from 3 of the model's own answers" in err, err[-2000:]
+    assert without == plain and with_corpus == plain
+    # The answers to these very prompts are in the corpus: most of each answer is drafted.
+    assert taken_with > taken_without + 30, (taken_with, taken_without)

@@ -35,6 +35,7 @@ pub const LEAP_CONFIGS: &[&str] = &[
     "draft",
     "vocab",
     "oracle",
+    "no-corpus",
 ];
 
 /// The engine configuration of `leap` (`None`) or `leap:NAME`. The named ones add one
@@ -48,7 +49,8 @@ pub const LEAP_CONFIGS: &[&str] = &[
 /// without pruning; `ggml` is `calib` with verification's matrix products on ggml's CPU
 /// kernels instead of Leap's device; `draft` is `calib` drafting with a draft model too
 /// (`--draft`); `vocab` is `calib` drafting with the target itself over a resident vocabulary;
-/// `oracle` is `sam` drafting plain decoding's answers ([`super::oracle`]).
+/// `oracle` is `sam` drafting plain decoding's answers ([`super::oracle`]); `no-corpus` is
+/// `leap` without the sidecar's answers ([`leap_spec::corpus`]), which only `leap` drafts from.
 pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     // Only `leap` itself (and `leap:tree`, which is `leap` with wider trees) prunes with an
     // early-exit head when the sidecar has one: every other named configuration shows its
@@ -59,6 +61,7 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
     let base = EngineConfig {
         exit: name.is_none() || name == Some("tree"),
         vocab: None,
+        corpus: false,
         ..EngineConfig::default()
     };
     let sam = EngineConfig {
@@ -68,9 +71,10 @@ pub fn leap_config(name: Option<&str>) -> Option<EngineConfig> {
         ..base.clone()
     };
     Some(match name {
-        None => EngineConfig {
-            vocab: EngineConfig::default().vocab,
-            ..base
+        None => EngineConfig::default(),
+        Some("no-corpus") => EngineConfig {
+            corpus: false,
+            ..EngineConfig::default()
         },
         Some("sam") => sam,
         Some("sam-fixed") => EngineConfig {

@@ -39,7 +39,7 @@ pub struct BenchArgs {
     /// ngram-mod, ngram-cache, draft-simple), server:TYPE (a stock llama-server in its own
     /// process, over loopback: none, or one of llama:'s types), leap, leap:NAME (sam,
     /// sam-fixed, history, reuse, calib, tree, eager, ondemand, exit-measure, ggml, draft,
-    /// vocab, oracle; see docs/measurements.md).
+    /// vocab, oracle, no-corpus; see docs/measurements.md).
     #[arg(long, value_delimiter = ',', default_value = "plain,llama:ngram-mod")]
     modes: Vec<String>,
     /// Flash streaming: the fraction of the target's weights kept in DRAM (0.25); the rest is
