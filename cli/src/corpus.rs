@@ -179,13 +179,7 @@ pub fn build_corpus(a: &BuildCorpus) -> Result<Built> {
     }
     bar.finish_and_clear();
     ensure!(!c.is_empty(), "no prompt gave an answer: nothing to write");
-    let mut side = match Sidecar::load(&out) {
-        Ok(s) => s.unwrap_or_default(),
-        Err(e) => {
-            log::warn!("{}: replacing an unreadable sidecar ({e})", out.display());
-            Sidecar::default()
-        }
-    };
+    let mut side = Sidecar::load_or_new(&out);
     let source = a
         .prompts
         .file_name()

@@ -228,13 +228,7 @@ pub fn train_heads(a: &TrainHeads) -> Result<Trained> {
     });
     bar.finish_and_clear();
     let eval = head::evaluate(&held, &vocab, &trained);
-    let mut side = match Sidecar::load(&out) {
-        Ok(s) => s.unwrap_or_default(),
-        Err(e) => {
-            log::warn!("{}: replacing an unreadable sidecar ({e})", out.display());
-            Sidecar::default()
-        }
-    };
+    let mut side = Sidecar::load_or_new(&out);
     let corpus = a
         .corpus
         .file_name()

@@ -113,6 +113,19 @@ impl Sidecar {
         }
     }
 
+    /// The sidecar at `path` to add keys to and save back: what it holds, or an empty one when
+    /// there is none, or (with a warning) when the file there cannot be read, which saving
+    /// then replaces.
+    pub fn load_or_new(path: &Path) -> Self {
+        match Self::load(path) {
+            Ok(s) => s.unwrap_or_default(),
+            Err(e) => {
+                log::warn!("{}: replacing an unreadable sidecar ({e})", path.display());
+                Self::default()
+            }
+        }
+    }
+
     /// Read `path`; `Ok(None)` if there is no such file.
     ///
     /// # Errors

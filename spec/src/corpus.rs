@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use leap_host::sidecar::{Sidecar, Value};
 
-use crate::draft::{Drafter, Proposal, Source, SEPARATOR};
+use crate::draft::{continuation, Drafter, Proposal, Source, SEPARATOR};
 use crate::sam::{Matcher, SuffixAutomaton, Token};
 
 /// Sidecar keys of the corpus.
@@ -147,10 +147,7 @@ impl CorpusDrafter {
 
 impl Drafter for CorpusDrafter {
     fn begin(&mut self, prompt: &[Token]) {
-        self.matcher = Matcher::new();
-        for &t in prompt {
-            self.matcher.push(&self.sam, t);
-        }
+        self.matcher = Matcher::after(&self.sam, prompt);
     }
 
     fn accepted(&mut self, t: Token) {
@@ -168,11 +165,10 @@ impl Drafter for CorpusDrafter {
         else {
             return;
         };
-        let c = self.sam.continuation(m, budget);
-        let tokens = &c[..c.iter().position(|&t| t == SEPARATOR).unwrap_or(c.len())];
+        let tokens = continuation(&self.sam, m, budget);
         if !tokens.is_empty() {
             out.push(Proposal {
-                tokens: tokens.to_vec(),
+                tokens,
                 match_len: m.len,
                 source: Source::Corpus,
             });

@@ -47,7 +47,7 @@ pub trait Drafter {
 pub const SEPARATOR: Token = -1;
 
 /// Continuations from a match, cut at a [`SEPARATOR`].
-fn continuation(sam: &SuffixAutomaton, m: Match, budget: usize) -> Vec<Token> {
+pub(crate) fn continuation(sam: &SuffixAutomaton, m: Match, budget: usize) -> Vec<Token> {
     let c = sam.continuation(m, budget);
     c[..c.iter().position(|&t| t == SEPARATOR).unwrap_or(c.len())].to_vec()
 }
@@ -175,10 +175,7 @@ impl HistoryDrafter {
 
 impl Drafter for HistoryDrafter {
     fn begin(&mut self, prompt: &[Token]) {
-        self.matcher = Matcher::new();
-        for &t in prompt {
-            self.matcher.push(&self.sam, t);
-        }
+        self.matcher = Matcher::after(&self.sam, prompt);
     }
 
     fn accepted(&mut self, t: Token) {

@@ -254,6 +254,15 @@ impl Matcher {
         }
     }
 
+    /// A matcher that has been fed `tokens`.
+    pub fn after(sam: &SuffixAutomaton, tokens: &[Token]) -> Self {
+        let mut m = Self::new();
+        for &t in tokens {
+            m.push(sam, t);
+        }
+        m
+    }
+
     /// The current match: the longest suffix of the stream found in the text, if any.
     pub fn current(&self, sam: &SuffixAutomaton) -> Option<Match> {
         (self.len > 0).then(|| Match {

@@ -81,6 +81,15 @@ pub fn kernels() -> bool {
     leap_backend::defaults().kernels
 }
 
+/// A directory for this test binary's files (sidecars written by the tests), removed when the
+/// process exits normally.
+pub fn scratch() -> PathBuf {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
+        .path()
+        .to_path_buf()
+}
+
 /// Threads for tests: the machine's cores (2 in CI).
 pub fn threads() -> i32 {
     std::thread::available_parallelism().map_or(2, |n| n.get() as i32)

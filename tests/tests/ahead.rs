@@ -4,22 +4,15 @@
 //! greedy output stays plain decoding's, token for token.
 
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use leap_spec::ahead::Ahead;
 use leap_spec::engine::{Engine, EngineConfig};
 use leap_spec::vocab::{Resident, VocabConfig};
 use leap_tests::{
-    context, kernels, leap_context, leap_greedy, model, model_path, plain_greedy, GEMMA, PROMPTS,
-    SMOLLM,
+    context, kernels, leap_context, leap_greedy, model, model_path, plain_greedy, scratch, GEMMA,
+    PROMPTS, SMOLLM,
 };
-
-fn scratch() -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
-        .path()
-        .to_path_buf()
-}
 
 /// A head for `name` trained (briefly) on the test corpus into a sidecar of its own; training
 /// moved it from its start towards the target's choices on held-out positions.

@@ -5,10 +5,9 @@
 //! tokens plain sampling draws.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use leap_spec::session::{Mode, Options, Request, Runtime};
-use leap_tests::{kernels, model, model_path, threads, GEMMA, SMOLLM};
+use leap_tests::{kernels, model, model_path, scratch, threads, GEMMA, SMOLLM};
 
 /// Prompts the request's own text says little about: what follows is the model's phrasing.
 const ASKED: &[&str] = &[
@@ -18,13 +17,6 @@ const ASKED: &[&str] = &[
 ];
 
 const ANSWER: usize = 32;
-
-fn scratch() -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
-        .path()
-        .to_path_buf()
-}
 
 /// `leap corpus` for `name` on [`ASKED`], into a sidecar of its own.
 fn sidecar(name: &str) -> PathBuf {

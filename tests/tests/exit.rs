@@ -4,7 +4,7 @@
 //! plain decoding's, token for token, and sampled output the target's distribution.
 
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use leap_host::exit::Exit;
 use leap_host::{Context, Model};
@@ -12,16 +12,9 @@ use leap_spec::engine::{Engine, EngineConfig};
 use leap_spec::exit::{PruneConfig, Pruner};
 use leap_spec::head::Head;
 use leap_tests::{
-    context, kernels, model, model_path, params, plain_greedy, sampled_params, GEMMA, PROMPTS,
-    SAMPLED_PROMPT, SMOLLM,
+    context, kernels, model, model_path, params, plain_greedy, sampled_params, scratch, GEMMA,
+    PROMPTS, SAMPLED_PROMPT, SMOLLM,
 };
-
-fn scratch() -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"))
-        .path()
-        .to_path_buf()
-}
 
 /// A head for `name` trained (briefly) on the test corpus into a sidecar of its own, once.
 fn sidecar(name: &str) -> PathBuf {
