@@ -185,16 +185,8 @@ pub unsafe extern "C" fn leap_drafter_use_corpus(
                 crate::str_arg(sidecar, "sidecar")
             }?))
         };
-        let corpus = leap_spec::session::corpus_at(&model, side.as_deref()).map_err(|reason| {
-            Error::Engine(leap_spec::session::Error::Host(
-                leap_host::Error::InvalidGguf {
-                    path: side
-                        .clone()
-                        .unwrap_or_else(|| leap_host::sidecar::path_for(&model)),
-                    reason,
-                },
-            ))
-        })?;
+        let corpus =
+            leap_spec::session::corpus_at(&model, side.as_deref()).map_err(Error::Sidecar)?;
         if let Some(c) = corpus {
             lock(d)?.set_corpus(c.automaton());
             if !answers.is_null() {

@@ -66,6 +66,9 @@ pub enum Error {
     /// The CPU lacks an instruction-set feature this build of Leap was compiled for.
     #[error("{0}")]
     Cpu(String),
+    /// A sidecar whose contents do not fit the model (another model's answers).
+    #[error("{0}")]
+    Sidecar(String),
     /// A Rust panic, caught at the boundary.
     #[error("internal error in Leap (please report it): {0}")]
     Panic(String),
@@ -86,6 +89,7 @@ impl Error {
                 LEAP_ERR_INVALID_ARGUMENT
             }
             Error::Buffer { .. } => LEAP_ERR_BUFFER,
+            Error::Sidecar(_) => LEAP_ERR_MODEL,
             Error::LoadStopped => LEAP_ERR_CANCELLED,
             Error::Engine(e) => e.code(),
             Error::Poisoned | Error::Panic(_) | Error::Cpu(_) => LEAP_ERR_INTERNAL,

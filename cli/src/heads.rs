@@ -86,27 +86,17 @@ pub struct Trained {
     pub eval: head::Eval,
 }
 
-/// The corpus as documents: a `.jsonl` workload's prompts, or the whole text.
+/// The corpus as documents: a `.jsonl` workload's prompts (read as `leap corpus` reads them),
+/// or the whole text.
 fn documents(path: &Path) -> Result<Vec<String>> {
+    if path.extension().is_some_and(|e| e == "jsonl") {
+        return Ok(crate::corpus::prompts(path, 1)?
+            .into_iter()
+            .map(|p| p.text)
+            .collect());
+    }
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    if path.extension().is_some_and(|e| e == "jsonl") {
-        let mut docs = Vec::new();
-        for (i, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let v: serde_json::Value = serde_json::from_str(line)
-                .with_context(|| format!("{}:{}: not JSON", path.display(), i + 1))?;
-            let p = v["prompt"]
-                .as_str()
-                .with_context(|| format!("{}:{}: no \"prompt\"", path.display(), i + 1))?;
-            docs.push(p.to_string());
-        }
-        ensure!(!docs.is_empty(), "{} has no requests", path.display());
-        return Ok(docs);
-    }
     ensure!(!text.trim().is_empty(), "{} is empty", path.display());
     Ok(vec![text])
 }

@@ -9,7 +9,7 @@
 //! requests, a corpus of the model's answers to the 171 tuned-on ones let a longest-match
 //! drafter take 8% (SmolLM2) and 14% (Gemma 3) more tokens a call in a replay of the answers,
 //! and the engine 3.5-4% more; the time stayed level, its extra rows rarely taken (a corpus of
-//! that size; docs/measurements.md).
+//! that size; docs/measurements.md, where the replay is said to be a script not in the tree).
 //!
 //! The corpus is fixed: [`CorpusDrafter`] shares one [`SuffixAutomaton`] between every session
 //! of a runtime and keeps only its own [`Matcher`]; its drafts are a [`Source::Corpus`] of
@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use leap_host::sidecar::{Sidecar, Value};
 
-use crate::draft::{continuation, Drafter, Proposal, Source, SEPARATOR};
+use crate::draft::{followed, Drafter, Proposal, Source, SEPARATOR};
 use crate::sam::{Matcher, SuffixAutomaton, Token};
 
 /// Sidecar keys of the corpus.
@@ -32,15 +32,12 @@ pub mod keys {
     pub const MODEL: &str = "leap.corpus.model";
     /// Where the prompts came from (a file name, for people).
     pub const SOURCE: &str = "leap.corpus.source";
-    /// How many answers.
-    pub const ANSWERS: &str = "leap.corpus.answers";
 }
 
 /// The model's answers, each followed by a [`SEPARATOR`], as the sidecar holds them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Corpus {
     tokens: Vec<Token>,
-    answers: usize,
 }
 
 impl Corpus {
@@ -57,12 +54,11 @@ impl Corpus {
         self.tokens
             .extend(answer.iter().filter(|&&t| t != SEPARATOR));
         self.tokens.push(SEPARATOR);
-        self.answers += 1;
     }
 
-    /// Answers held.
+    /// Answers held (each closed by its separator).
     pub fn answers(&self) -> usize {
-        self.answers
+        self.tokens.iter().filter(|&&t| t == SEPARATOR).count()
     }
 
     /// Tokens held, separators included.
@@ -72,7 +68,7 @@ impl Corpus {
 
     /// Whether it holds no answer.
     pub fn is_empty(&self) -> bool {
-        self.answers == 0
+        self.tokens.is_empty()
     }
 
     /// The automaton drafting reads.
@@ -89,7 +85,6 @@ impl Corpus {
 /// [`fingerprint`]: leap_host::project::fingerprint
 pub fn store(side: &mut Sidecar, corpus: &Corpus, fingerprint: &str, source: &str) {
     side.set(keys::TOKENS, Value::I32s(corpus.tokens.clone()));
-    side.set(keys::ANSWERS, Value::U32(corpus.answers as u32));
     side.set(keys::MODEL, Value::Str(fingerprint.to_string()));
     side.set(keys::SOURCE, Value::Str(source.to_string()));
 }
@@ -155,24 +150,16 @@ impl Drafter for CorpusDrafter {
     }
 
     fn propose(&mut self, budget: usize, max: usize, out: &mut Vec<Proposal>) {
-        if max == 0 || budget == 0 {
+        if max == 0 {
             return;
         }
-        let Some(m) = self
-            .matcher
-            .current(&self.sam)
-            .filter(|m| m.len >= self.min_match)
-        else {
-            return;
-        };
-        let tokens = continuation(&self.sam, m, budget);
-        if !tokens.is_empty() {
-            out.push(Proposal {
-                tokens,
-                match_len: m.len,
-                source: Source::Corpus,
-            });
-        }
+        out.extend(followed(
+            &self.sam,
+            &self.matcher,
+            self.min_match,
+            budget,
+            Source::Corpus,
+        ));
     }
 }
 

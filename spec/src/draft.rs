@@ -47,9 +47,27 @@ pub trait Drafter {
 pub const SEPARATOR: Token = -1;
 
 /// Continuations from a match, cut at a [`SEPARATOR`].
-pub(crate) fn continuation(sam: &SuffixAutomaton, m: Match, budget: usize) -> Vec<Token> {
+fn continuation(sam: &SuffixAutomaton, m: Match, budget: usize) -> Vec<Token> {
     let c = sam.continuation(m, budget);
     c[..c.iter().position(|&t| t == SEPARATOR).unwrap_or(c.len())].to_vec()
+}
+
+/// The proposal of a text followed through another's automaton (`matcher` on `sam`): what
+/// followed its match there, when the match has `min_match` tokens or more, as `source`.
+pub(crate) fn followed(
+    sam: &SuffixAutomaton,
+    matcher: &Matcher,
+    min_match: usize,
+    budget: usize,
+    source: Source,
+) -> Option<Proposal> {
+    let m = matcher.current(sam).filter(|m| m.len >= min_match)?;
+    let tokens = continuation(sam, m, budget);
+    (!tokens.is_empty()).then_some(Proposal {
+        tokens,
+        match_len: m.len,
+        source,
+    })
 }
 
 /// Retrieval from the current request: prompt and output so far.
@@ -186,20 +204,13 @@ impl Drafter for HistoryDrafter {
         if max == 0 {
             return;
         }
-        if let Some(m) = self
-            .matcher
-            .current(&self.sam)
-            .filter(|m| m.len >= self.min_match)
-        {
-            let tokens = continuation(&self.sam, m, budget);
-            if !tokens.is_empty() {
-                out.push(Proposal {
-                    tokens,
-                    match_len: m.len,
-                    source: Source::History,
-                });
-            }
-        }
+        out.extend(followed(
+            &self.sam,
+            &self.matcher,
+            self.min_match,
+            budget,
+            Source::History,
+        ));
     }
 
     fn end(&mut self, prompt: &[Token], answer: &[Token]) {

@@ -197,11 +197,9 @@ impl Engine {
     /// [`crate::corpus::Corpus::automaton`], shared between engines): in token trees, and in
     /// the retrieval chains of the target drafting for itself.
     pub fn with_corpus(mut self, sam: Option<Arc<SuffixAutomaton>>) -> Self {
-        let d = sam
+        self.corpus = sam
             .filter(|_| self.cfg.corpus)
             .map(|s| CorpusDrafter::new(s, self.cfg.min_match));
-        self.vocab.corpus = d.clone();
-        self.corpus = d;
         self
     }
 
@@ -412,6 +410,7 @@ impl Engine {
             max_tokens,
             n_batch,
             grammar,
+            self.corpus.as_mut(),
             on_token,
         )
         .map(Some)

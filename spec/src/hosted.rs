@@ -130,12 +130,6 @@ impl HostedDrafter {
 
     /// Draft from the model's own answers to other prompts too (`sam`:
     /// [`crate::corpus::Corpus::automaton`]); siblings made after this share them.
-    pub fn with_corpus(mut self, sam: Arc<SuffixAutomaton>) -> Self {
-        self.set_corpus(sam);
-        self
-    }
-
-    /// [`HostedDrafter::with_corpus`] in place.
     pub fn set_corpus(&mut self, sam: Arc<SuffixAutomaton>) {
         self.corpus = Some(CorpusDrafter::new(sam, self.cfg.min_match));
     }
@@ -415,7 +409,8 @@ mod tests {
         // The answer starts after its first two tokens (a match the corpus holds).
         let mut prompt = text(4, 30);
         prompt.extend_from_slice(&answer[..2]);
-        let mut d = drafter(cfg.clone()).with_corpus(Arc::clone(&sam));
+        let mut d = drafter(cfg.clone());
+        d.set_corpus(Arc::clone(&sam));
         let (tokens, calls) = run(&mut d, &prompt, &answer[2..]);
         assert!(calls * 3 < tokens, "{calls} calls for {tokens} tokens");
         // A sibling (another of the host's sequences) drafts from it too.

@@ -888,7 +888,7 @@ pub fn vocab_reserve(
 /// # Errors
 /// As said: the reason a sidecar's head cannot be used.
 pub fn head_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Head>, String> {
-    let (path, side) = sidecar_at(model, sidecar)?;
+    let (path, side) = sidecar_at(model.path(), sidecar)?;
     let Some(side) = side else {
         return match sidecar {
             Some(_) => Err(format!("no sidecar at {}", path.display())),
@@ -901,15 +901,15 @@ pub fn head_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Head>, S
         .map_err(|why| format!("ignoring the early-exit head in {}: {why}", path.display()))
 }
 
-/// The sidecar's path (`sidecar`, default next to the model) and the sidecar there (`None`:
-/// no file). `Err` when it cannot be read.
+/// The sidecar's path (`sidecar`, default next to the model at `model`) and the sidecar there
+/// (`None`: no file). `Err` when it cannot be read.
 fn sidecar_at(
-    model: &Model,
+    model: &Path,
     sidecar: Option<&Path>,
 ) -> Result<(std::path::PathBuf, Option<leap_host::sidecar::Sidecar>), String> {
     let path = sidecar
         .map(Path::to_path_buf)
-        .unwrap_or_else(|| leap_host::sidecar::path_for(model.path()));
+        .unwrap_or_else(|| leap_host::sidecar::path_for(model));
     match leap_host::sidecar::Sidecar::load(&path) {
         Ok(side) => Ok((path, side)),
         Err(e) => Err(format!("ignoring the sidecar {}: {e}", path.display())),
@@ -936,7 +936,7 @@ fn shape_of(model: &Model) -> Result<Option<ModelShape>, String> {
 /// # Errors
 /// As said.
 pub fn ahead_for(model: &Model, sidecar: Option<&Path>) -> Result<Option<Ahead>, String> {
-    let (path, Some(side)) = sidecar_at(model, sidecar)? else {
+    let (path, Some(side)) = sidecar_at(model.path(), sidecar)? else {
         return Ok(None);
     };
     let Some(shape) = shape_of(model)? else {
@@ -972,13 +972,8 @@ pub fn corpus_at(
     model_path: &Path,
     sidecar: Option<&Path>,
 ) -> Result<Option<crate::corpus::Corpus>, String> {
-    let path = sidecar
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| leap_host::sidecar::path_for(model_path));
-    let side = match leap_host::sidecar::Sidecar::load(&path) {
-        Ok(Some(side)) => side,
-        Ok(None) => return Ok(None),
-        Err(e) => return Err(format!("ignoring the sidecar {}: {e}", path.display())),
+    let (path, Some(side)) = sidecar_at(model_path, sidecar)? else {
+        return Ok(None);
     };
     let Some((fingerprint, n_vocab)) =
         leap_host::project::fingerprint_file(model_path).map_err(|e| e.to_string())?

@@ -182,9 +182,6 @@ pub struct VocabState {
     step2: Option<f64>,
     /// Steps in a row that could have guessed and did not ([`VocabState::guess_pays`]).
     unguessed: usize,
-    /// Retrieval from the model's own answers to other prompts ([`crate::corpus`]): a chain
-    /// where the request's text has none.
-    pub corpus: Option<crate::corpus::CorpusDrafter>,
 }
 
 impl Default for VocabState {
@@ -205,7 +202,6 @@ impl Default for VocabState {
             right: 3.0,
             step2: None,
             unguessed: 0,
-            corpus: None,
         }
     }
 }
@@ -379,6 +375,7 @@ pub fn generate(
     max_tokens: usize,
     n_batch: usize,
     mut grammar: Option<&mut Grammar>,
+    mut corpus: Option<&mut crate::corpus::CorpusDrafter>,
     on_token: &mut dyn FnMut(Token) -> bool,
 ) -> Result<Generation> {
     if prompt.is_empty() {
@@ -442,7 +439,8 @@ pub fn generate(
         c.accepted(first);
         c
     });
-    if let (Some(c), true) = (state.corpus.as_mut(), cfg.min_match > 0) {
+    // The model's answers to other prompts: a chain where the request's text has none.
+    if let (Some(c), true) = (corpus.as_deref_mut(), cfg.min_match > 0) {
         c.begin(prompt);
         c.accepted(first);
     }
@@ -455,7 +453,7 @@ pub fn generate(
         max_tokens,
         g,
         (vocab, cap, prefix_max),
-        context,
+        (context, corpus),
         first,
         prompt.len() as i32,
     );

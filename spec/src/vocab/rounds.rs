@@ -21,6 +21,7 @@ use leap_host::project::{DraftVocab, OnDemand};
 use leap_host::{Batch, Context, Model, Result, Token};
 
 use super::{run, VocabConfig, VocabState, GROW, MAX_CHAIN, RIDE};
+use crate::corpus::CorpusDrafter;
 use crate::draft::{ContextDrafter, Drafter, Proposal};
 use crate::plain::{argmax, Generation};
 
@@ -42,6 +43,9 @@ pub(super) struct Rounds<'a> {
     pub prefix_max: usize,
     /// Retrieval from the prompt and the tokens emitted so far.
     pub context: Option<ContextDrafter>,
+    /// Retrieval from the model's own answers to other prompts ([`crate::corpus`]), where
+    /// `context` has no chain.
+    pub corpus: Option<&'a mut CorpusDrafter>,
     /// The emitted token not yet in the cache, and its position.
     pub next: Token,
     pub pos: i32,
@@ -80,7 +84,7 @@ impl<'a> Rounds<'a> {
         max_tokens: usize,
         g: Generation,
         (vocab, cap, prefix_max): (DraftVocab, usize, usize),
-        context: Option<ContextDrafter>,
+        (context, corpus): (Option<ContextDrafter>, Option<&'a mut CorpusDrafter>),
         first: Token,
         pos: i32,
     ) -> Self {
@@ -97,6 +101,7 @@ impl<'a> Rounds<'a> {
             cap,
             prefix_max,
             context,
+            corpus,
             next: first,
             pos,
             done: false,
@@ -161,7 +166,7 @@ impl<'a> Rounds<'a> {
                 chain.clone_from(&p.tokens);
             }
             // Where the request's text has no chain, the model's answers to other prompts.
-            if let (true, Some(corpus)) = (chain.is_empty(), self.state.corpus.as_mut()) {
+            if let (true, Some(corpus)) = (chain.is_empty(), self.corpus.as_deref_mut()) {
                 self.proposals.clear();
                 corpus.propose(
                     MAX_CHAIN.min(self.cfg.max_draft).min(left),
@@ -465,7 +470,7 @@ impl<'a> Rounds<'a> {
         for &t in &self.emitted {
             if let Some(c) = self.context.as_mut() {
                 c.accepted(t);
-                if let Some(c) = self.state.corpus.as_mut() {
+                if let Some(c) = self.corpus.as_deref_mut() {
                     c.accepted(t);
                 }
             }
