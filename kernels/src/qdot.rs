@@ -165,31 +165,45 @@ unsafe fn by_groups<const G: usize>(
     }
 }
 
-/// [`Acts::wide_scales`] and [`Acts::group_sums`] from the row-major `scales` and `sums` of
-/// `rows` rows of `nb` blocks.
+/// Rows per pass of the 256-bit x86 kernels for the 32-weight blocks: a weight block is
+/// unpacked once for up to eight rows (`Q5_0`'s unpacking is about two rows' products), where
+/// [`GROUP`]'s four made an 8-row call two passes over each weight row. On the AVX2-only AMD
+/// EPYC VM (Zen 4, AVX-512 hidden) `leap profile --paths engine --rows 1,8` put Gemma 3's
+/// 8-row call (cut before the projection + the projection) at 43.7-68.1 ms against
+/// 70.8-84.9 ms with four, three alternating runs each (`docs/measurements.md`, "Eight rows
+/// a pass on AVX2").
 #[cfg(target_arch = "x86_64")]
-fn grouped(scales: &[f32], sums: &[f32], rows: usize, nb: usize) -> (Vec<f32>, Vec<f32>) {
-    let groups = rows.div_ceil(GROUP);
-    let mut wide = vec![0.0f32; groups * nb * GROUP * 8];
-    let mut gsums = vec![
-        0.0f32;
-        if sums.is_empty() {
-            0
-        } else {
-            groups * nb * GROUP
-        }
-    ];
-    for r in 0..rows {
-        let (g, j) = (r / GROUP, r % GROUP);
-        for b in 0..nb {
-            let at = (g * nb + b) * GROUP + j;
-            wide[at * 8..at * 8 + 8].fill(scales[r * nb + b]);
-            if !sums.is_empty() {
-                gsums[at] = sums[r * nb + b];
+const WIDE: usize = 8;
+
+/// [`Acts::wide_scales`], [`Acts::block_sums`] and [`Acts::group_sums`] from the row-major
+/// `scales` and `sums` of `rows` rows of `nb` blocks.
+#[cfg(target_arch = "x86_64")]
+fn grouped(scales: &[f32], sums: &[f32], rows: usize, nb: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    // `by` rows a group, row r's block b value at `(g * nb + b) * by + r % by`, zero past the
+    // last row.
+    let by_groups = |v: &[f32], by: usize| {
+        let mut out = vec![
+            0.0f32;
+            if v.is_empty() {
+                0
+            } else {
+                rows.div_ceil(by) * nb * by
+            }
+        ];
+        if !v.is_empty() {
+            for r in 0..rows {
+                for b in 0..nb {
+                    out[((r / by) * nb + b) * by + r % by] = v[r * nb + b];
+                }
             }
         }
-    }
-    (wide, gsums)
+        out
+    };
+    let wide = by_groups(scales, WIDE)
+        .iter()
+        .flat_map(|&d| [d; 8])
+        .collect();
+    (wide, by_groups(sums, WIDE), by_groups(sums, GROUP))
 }
 
 /// A checked-available kernel for one weight type.
@@ -232,15 +246,20 @@ pub struct Acts<'a> {
     lane_sums: Vec<i32>,
     /// `Q8_1`'s block sums as `f32` (`Q4_1` only), indexed like `scales`.
     sums: Vec<f32>,
-    /// For the 256-bit x86 kernels, by groups of [`GROUP`] rows (group g holds rows
-    /// `g * GROUP..`): row r's block b scale eight times over at
-    /// `((g * nb + b) * GROUP + r % GROUP) * 8`, so that a kernel multiplies it into the
-    /// weight's scale as one vector product with a memory operand.
+    /// For the 256-bit x86 kernels of the 32-weight blocks, by groups of [`WIDE`] rows (group
+    /// g holds rows `g * WIDE..`): row r's block b scale eight times over at
+    /// `((g * nb + b) * WIDE + r % WIDE) * 8`, zero past the last row, so that a kernel
+    /// multiplies it into the weight's scale as one vector product with a memory operand.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     wide_scales: Vec<f32>,
-    /// Also for the 256-bit x86 kernels (`Q4_1`): the block sums by groups, row r's block b at
-    /// `(g * nb + b) * GROUP + r % GROUP`, zero past the last row, so that one 4-lane fused
+    /// Also for them (`Q4_1`): the block sums by groups of [`WIDE`] rows, row r's block b at
+    /// `(g * nb + b) * WIDE + r % WIDE`, zero past the last row, so that one 8-lane fused
     /// multiply-add does a block's `m * s` for a group's rows.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    block_sums: Vec<f32>,
+    /// For the AVX-512 `Q4_1` kernel: the block sums by groups of [`GROUP`] rows, row r's
+    /// block b at `(g * nb + b) * GROUP + r % GROUP`, zero past the last row, so that one
+    /// 4-lane fused multiply-add does a block's `m * s` for four rows.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     group_sums: Vec<f32>,
     nb: usize,
@@ -402,6 +421,7 @@ impl Kernel {
                 lane_sums: Vec::new(),
                 sums: Vec::new(),
                 wide_scales: Vec::new(),
+                block_sums: Vec::new(),
                 group_sums: Vec::new(),
                 nb,
             };
@@ -458,9 +478,9 @@ impl Kernel {
         }
         // (The AVX-512 kernels take a last odd weight row with the 256-bit ones.)
         #[cfg(target_arch = "x86_64")]
-        let (wide_scales, group_sums) = grouped(&scales, &sums, acts.len(), nb);
+        let (wide_scales, block_sums, group_sums) = grouped(&scales, &sums, acts.len(), nb);
         #[cfg(not(target_arch = "x86_64"))]
-        let (wide_scales, group_sums) = (Vec::new(), Vec::new());
+        let (wide_scales, block_sums, group_sums) = (Vec::new(), Vec::new(), Vec::new());
         Acts {
             rows: acts.to_vec(),
             scales,
@@ -468,6 +488,7 @@ impl Kernel {
             lane_sums,
             sums,
             wide_scales,
+            block_sums,
             group_sums,
             nb,
         }

@@ -240,9 +240,10 @@ mod tests {
         for kind in [Kind::Q8_0, Kind::Q5_0, Kind::Q4_1] {
             for (k, order) in variants(kind) {
                 for nb in [1, 2, 3, 4, 7, 8] {
-                    for rows in 1..=9 {
+                    for rows in 1..=17 {
                         let n = nb * 32;
-                        // 7 weight rows: passes of two, then the odd last one.
+                        // 7 weight rows: passes of two, then the odd last one; rows past
+                        // two 8-row groups.
                         let w = weight_rows(&mut rng, kind, nb, 7);
                         let acts: Vec<Vec<u8>> =
                             (0..rows).map(|_| act_row(&mut rng, kind, nb)).collect();

@@ -11,7 +11,7 @@ macro_rules! kernels {
     ($name:ident, $feat:literal, $lanes:ident) => {
         pub(super) mod $name {
             use super::super::AHEAD;
-            use super::super::{Acts, Kind, GROUP};
+            use super::super::{Acts, Kind, WIDE};
             use super::{half, halves};
             use std::arch::x86_64::*;
 
@@ -58,11 +58,12 @@ macro_rules! kernels {
                 _mm256_cvtepi32_ps(super::$lanes(ax, sy))
             }
 
-            /// K activation rows (group `g`'s first K) against one weight row. Per weight block
-            /// and row: the integer lane sums, their conversion, the scale product (from
-            /// [`Acts::wide_scales`], a vector product with a memory operand rather than a
-            /// scalar product and a broadcast) and the fused multiply-add, as ggml's; `Q4_1`'s
-            /// `m * s` terms go four rows to a vector, each lane the scalar chain ggml runs.
+            /// K activation rows (group `g`'s first K, of [`WIDE`]) against one weight row. Per
+            /// weight block, unpacked once for them, and row: the integer lane sums, their
+            /// conversion, the scale product (from [`Acts::wide_scales`], a vector product with
+            /// a memory operand rather than a scalar product and a broadcast) and the fused
+            /// multiply-add, as ggml's; `Q4_1`'s `m * s` terms go a group's rows to a vector,
+            /// each lane the scalar chain ggml runs.
             #[inline]
             #[target_feature(enable = $feat)]
             unsafe fn group<const K: usize>(
@@ -75,8 +76,8 @@ macro_rules! kernels {
             ) {
                 let nb = acts.nb;
                 let (wb, ab) = (kind.weight_block(), kind.act_block());
-                let y: [*const u8; K] = std::array::from_fn(|r| acts.rows[g * GROUP + r].as_ptr());
-                let yd = acts.wide_scales.as_ptr().add(g * nb * GROUP * 8);
+                let y: [*const u8; K] = std::array::from_fn(|r| acts.rows[g * WIDE + r].as_ptr());
+                let ys = acts.wide_scales.as_ptr().add(g * nb * WIDE * 8);
                 let mut acc = [_mm256_setzero_ps(); K];
                 match kind {
                     Kind::Q8_0 | Kind::Q5_0 => {
@@ -92,10 +93,10 @@ macro_rules! kernels {
                                 );
                                 _mm256_or_si256(nibbles(xb.add(6)), hi)
                             };
-                            let dx = _mm256_set1_ps(*half(t, xb));
+                            let dx = _mm256_broadcast_ss(&*half(t, xb));
                             // ggml's `mul_sum_i8_pairs_float`: |x| times y with x's sign.
                             let ax = _mm256_sign_epi8(qx, qx);
-                            let ydb = yd.add(b * GROUP * 8);
+                            let ydb = ys.add(b * WIDE * 8);
                             for r in 0..K {
                                 let d = _mm256_mul_ps(dx, _mm256_loadu_ps(ydb.add(r * 8)));
                                 let qy = _mm256_loadu_si256(y[r].add(b * ab + 2).cast());
@@ -108,31 +109,30 @@ macro_rules! kernels {
                         }
                     }
                     Kind::Q4_1 => {
-                        let ys = acts.group_sums.as_ptr().add(g * nb * GROUP);
-                        let mut summs = _mm_setzero_ps();
+                        let sums = acts.block_sums.as_ptr().add(g * nb * WIDE);
+                        let mut summs = _mm256_setzero_ps();
                         for b in 0..nb {
                             let xb = x.add(b * wb);
                             _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
-                            let d0 = _mm256_set1_ps(*half(t, xb));
                             let qx = nibbles(xb.add(4));
                             // ggml's `summs += m * s` (fused there; the f16 x f16 product is
                             // exact in f32, so fused or not agree), with `s` converted from f16
                             // once per call (`Acts::sums`).
-                            summs = _mm_fmadd_ps(
-                                _mm_set1_ps(*half(t, xb.add(2))),
-                                _mm_loadu_ps(ys.add(b * GROUP)),
+                            summs = _mm256_fmadd_ps(
+                                _mm256_broadcast_ss(&*half(t, xb.add(2))),
+                                _mm256_loadu_ps(sums.add(b * WIDE)),
                                 summs,
                             );
-                            let ydb = yd.add(b * GROUP * 8);
+                            let dx = _mm256_broadcast_ss(&*half(t, xb));
+                            let ydb = ys.add(b * WIDE * 8);
                             for r in 0..K {
-                                let yb = y[r].add(b * ab);
-                                let d = _mm256_mul_ps(d0, _mm256_loadu_ps(ydb.add(r * 8)));
-                                let qy = _mm256_loadu_si256(yb.add(4).cast());
+                                let d = _mm256_mul_ps(dx, _mm256_loadu_ps(ydb.add(r * 8)));
+                                let qy = _mm256_loadu_si256(y[r].add(b * ab + 4).cast());
                                 acc[r] = _mm256_fmadd_ps(d, lanes(qx, qy), acc[r]);
                             }
                         }
-                        let mut s = [0.0f32; 4];
-                        _mm_storeu_ps(s.as_mut_ptr(), summs);
+                        let mut s = [0.0f32; WIDE];
+                        _mm256_storeu_ps(s.as_mut_ptr(), summs);
                         for r in 0..K {
                             *out.add(r) = hsum(acc[r]) + s[r];
                         }
@@ -155,14 +155,18 @@ macro_rules! kernels {
                     let x = w.as_ptr().add(i * row);
                     let mut r = 0;
                     while r < k {
-                        let (g, o) = (r / GROUP, o.as_mut_ptr().add(r));
+                        let (g, o) = (r / WIDE, o.as_mut_ptr().add(r));
                         match k - r {
                             1 => group::<1>(kind, acts, t, g, x, o),
                             2 => group::<2>(kind, acts, t, g, x, o),
                             3 => group::<3>(kind, acts, t, g, x, o),
-                            _ => group::<GROUP>(kind, acts, t, g, x, o),
+                            4 => group::<4>(kind, acts, t, g, x, o),
+                            5 => group::<5>(kind, acts, t, g, x, o),
+                            6 => group::<6>(kind, acts, t, g, x, o),
+                            7 => group::<7>(kind, acts, t, g, x, o),
+                            _ => group::<WIDE>(kind, acts, t, g, x, o),
                         }
-                        r += GROUP;
+                        r += WIDE;
                     }
                 }
             }
