@@ -168,42 +168,30 @@ unsafe fn by_groups<const G: usize>(
 /// Rows per pass of the 256-bit x86 kernels for the 32-weight blocks: a weight block is
 /// unpacked once for up to eight rows (`Q5_0`'s unpacking is about two rows' products), where
 /// [`GROUP`]'s four made an 8-row call two passes over each weight row. On the AVX2-only AMD
-/// EPYC VM (Zen 4, AVX-512 hidden) `leap profile --paths engine --rows 1,8` put Gemma 3's
-/// 8-row call (cut before the projection + the projection) at 43.7-68.1 ms against
-/// 70.8-84.9 ms with four, three alternating runs each (`docs/measurements.md`, "Eight rows
-/// a pass on AVX2").
+/// EPYC VM (Zen 4, AVX-512 hidden) `leap profile -m gemma3-270m --paths engine --rows 1,8
+/// --reps 15` (Leap's build of llama.cpp) put Gemma 3's 8-row call (the call cut before the
+/// projection, then the projection) at 43.7-68.1 ms against 70.8-84.9 ms with four
+/// (`3d873c4`), three alternating runs each (`docs/measurements.md`, "Eight rows a pass on
+/// AVX2").
 #[cfg(target_arch = "x86_64")]
 const WIDE: usize = 8;
 
-/// [`Acts::wide_scales`], [`Acts::block_sums`] and [`Acts::group_sums`] from the row-major
-/// `scales` and `sums` of `rows` rows of `nb` blocks.
+/// `v` (row-major, `rows` rows of `nb` blocks) by groups of `by` rows, each value `copies`
+/// times: row r's block b at `((r / by * nb + b) * by + r % by) * copies`, zeros past the last
+/// row; empty for an empty `v`.
 #[cfg(target_arch = "x86_64")]
-fn grouped(scales: &[f32], sums: &[f32], rows: usize, nb: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    // `by` rows a group, row r's block b value at `(g * nb + b) * by + r % by`, zero past the
-    // last row.
-    let by_groups = |v: &[f32], by: usize| {
-        let mut out = vec![
-            0.0f32;
-            if v.is_empty() {
-                0
-            } else {
-                rows.div_ceil(by) * nb * by
-            }
-        ];
-        if !v.is_empty() {
-            for r in 0..rows {
-                for b in 0..nb {
-                    out[((r / by) * nb + b) * by + r % by] = v[r * nb + b];
-                }
-            }
+fn by_row_groups(v: &[f32], rows: usize, nb: usize, by: usize, copies: usize) -> Vec<f32> {
+    if v.is_empty() {
+        return Vec::new();
+    }
+    let mut out = vec![0.0f32; rows.div_ceil(by) * nb * by * copies];
+    for r in 0..rows {
+        for b in 0..nb {
+            let at = ((r / by * nb + b) * by + r % by) * copies;
+            out[at..at + copies].fill(v[r * nb + b]);
         }
-        out
-    };
-    let wide = by_groups(scales, WIDE)
-        .iter()
-        .flat_map(|&d| [d; 8])
-        .collect();
-    (wide, by_groups(sums, WIDE), by_groups(sums, GROUP))
+    }
+    out
 }
 
 /// A checked-available kernel for one weight type.
@@ -257,9 +245,10 @@ pub struct Acts<'a> {
     /// multiply-add does a block's `m * s` for a group's rows.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     block_sums: Vec<f32>,
-    /// For the AVX-512 `Q4_1` kernel: the block sums by groups of [`GROUP`] rows, row r's
-    /// block b at `(g * nb + b) * GROUP + r % GROUP`, zero past the last row, so that one
-    /// 4-lane fused multiply-add does a block's `m * s` for four rows.
+    /// For the AVX-512 `Q4_1` kernel (empty where a call does not take it): the block sums by
+    /// groups of [`GROUP`] rows, row r's block b at `(g * nb + b) * GROUP + r % GROUP`, zero
+    /// past the last row, so that one 4-lane fused multiply-add does a block's `m * s` for
+    /// four rows.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     group_sums: Vec<f32>,
     nb: usize,
@@ -476,9 +465,21 @@ impl Kernel {
         if wide && self.kind == Kind::Q8_0 {
             qs.iter_mut().for_each(|q| *q ^= 0x80);
         }
-        // (The AVX-512 kernels take a last odd weight row with the 256-bit ones.)
+        // The 256-bit kernels' layouts (the AVX-512 kernels take a last odd weight row with
+        // them too), and the AVX-512 `Q4_1` kernel's.
         #[cfg(target_arch = "x86_64")]
-        let (wide_scales, block_sums, group_sums) = grouped(&scales, &sums, acts.len(), nb);
+        let (wide_scales, block_sums, group_sums) = {
+            let rows = acts.len();
+            (
+                by_row_groups(&scales, rows, nb, WIDE, 8),
+                by_row_groups(&sums, rows, nb, WIDE, 1),
+                if wide {
+                    by_row_groups(&sums, rows, nb, GROUP, 1)
+                } else {
+                    Vec::new()
+                },
+            )
+        };
         #[cfg(not(target_arch = "x86_64"))]
         let (wide_scales, block_sums, group_sums) = (Vec::new(), Vec::new(), Vec::new());
         Acts {
