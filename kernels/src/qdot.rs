@@ -18,6 +18,7 @@
 
 /// A weight type with a weight-stationary kernel here, and the activation type it pairs with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 pub enum Kind {
     /// `Q8_0` weights x `Q8_0` activations.
     Q8_0,
@@ -32,6 +33,19 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// The kind whose discriminant (`kind as u8`) is `v`: the kernels take a kind as a const
+    /// parameter, so that each one's loop is compiled for it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    const fn from_u8(v: u8) -> Self {
+        match v {
+            0 => Self::Q8_0,
+            1 => Self::Q5_0,
+            2 => Self::Q4_1,
+            3 => Self::Q4K,
+            _ => Self::Q6K,
+        }
+    }
+
     /// The kernel for a ggml type name, if there is one.
     pub fn from_ggml_name(name: &str) -> Option<Self> {
         match name {
@@ -176,19 +190,17 @@ unsafe fn by_groups<const G: usize>(
 #[cfg(target_arch = "x86_64")]
 const WIDE: usize = 8;
 
-/// `v` (row-major, `rows` rows of `nb` blocks) by groups of `by` rows, each value `copies`
-/// times: row r's block b at `((r / by * nb + b) * by + r % by) * copies`, zeros past the last
-/// row; empty for an empty `v`.
+/// `v` (row-major, `rows` rows of `nb` blocks) by groups of `by` rows: row r's block b at
+/// `(r / by * nb + b) * by + r % by`, zeros past the last row; empty for an empty `v`.
 #[cfg(target_arch = "x86_64")]
-fn by_row_groups(v: &[f32], rows: usize, nb: usize, by: usize, copies: usize) -> Vec<f32> {
+fn by_row_groups(v: &[f32], rows: usize, nb: usize, by: usize) -> Vec<f32> {
     if v.is_empty() {
         return Vec::new();
     }
-    let mut out = vec![0.0f32; rows.div_ceil(by) * nb * by * copies];
+    let mut out = vec![0.0f32; rows.div_ceil(by) * nb * by];
     for r in 0..rows {
         for b in 0..nb {
-            let at = ((r / by * nb + b) * by + r % by) * copies;
-            out[at..at + copies].fill(v[r * nb + b]);
+            out[(r / by * nb + b) * by + r % by] = v[r * nb + b];
         }
     }
     out
@@ -235,9 +247,9 @@ pub struct Acts<'a> {
     /// `Q8_1`'s block sums as `f32` (`Q4_1` only), indexed like `scales`.
     sums: Vec<f32>,
     /// For the 256-bit x86 kernels of the 32-weight blocks, by groups of [`WIDE`] rows (group
-    /// g holds rows `g * WIDE..`): row r's block b scale eight times over at
-    /// `((g * nb + b) * WIDE + r % WIDE) * 8`, zero past the last row, so that a kernel
-    /// multiplies it into the weight's scale as one vector product with a memory operand.
+    /// g holds rows `g * WIDE..`): row r's block b scale at `(g * nb + b) * WIDE + r % WIDE`,
+    /// zero past the last row, so that one 8-lane product with the weight's scale makes a
+    /// block's scale products for a group's rows.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     wide_scales: Vec<f32>,
     /// Also for them (`Q4_1`): the block sums by groups of [`WIDE`] rows, row r's block b at
@@ -471,10 +483,10 @@ impl Kernel {
         let (wide_scales, block_sums, group_sums) = {
             let rows = acts.len();
             (
-                by_row_groups(&scales, rows, nb, WIDE, 8),
-                by_row_groups(&sums, rows, nb, WIDE, 1),
+                by_row_groups(&scales, rows, nb, WIDE),
+                by_row_groups(&sums, rows, nb, WIDE),
                 if wide {
-                    by_row_groups(&sums, rows, nb, GROUP, 1)
+                    by_row_groups(&sums, rows, nb, GROUP)
                 } else {
                     Vec::new()
                 },

@@ -239,7 +239,9 @@ mod tests {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         for kind in [Kind::Q8_0, Kind::Q5_0, Kind::Q4_1] {
             for (k, order) in variants(kind) {
-                for nb in [1, 2, 3, 4, 7, 8] {
+                // 33 and 70 blocks: rows longer than the 256-bit kernels' chunk of scale
+                // products (32 blocks).
+                for nb in [1, 2, 3, 4, 7, 8, 33, 70] {
                     for rows in 1..=17 {
                         let n = nb * 32;
                         // 7 weight rows: passes of two, then the odd last one; rows past

@@ -12,7 +12,7 @@ macro_rules! kernels {
         pub(super) mod $name {
             use super::super::AHEAD;
             use super::super::{Acts, Kind, WIDE};
-            use super::{half, halves};
+            use super::{half, halves, CHUNK};
             use std::arch::x86_64::*;
 
             /// ggml's `hsum_float_8`: halves, then pairs, then the last two.
@@ -58,86 +58,139 @@ macro_rules! kernels {
                 _mm256_cvtepi32_ps(super::$lanes(ax, sy))
             }
 
-            /// K activation rows (group `g`'s first K, of [`WIDE`]) against one weight row. Per
+            /// K activation rows (group `g`'s first K, of [`WIDE`]) against one weight row of
+            /// kind `KIND` (a [`Kind`] as `u8`, so that each kind's loop is its own code). Per
             /// weight block, unpacked once for them, and row: the integer lane sums, their
-            /// conversion, the scale product (from [`Acts::wide_scales`], a vector product with
-            /// a memory operand rather than a scalar product and a broadcast) and the fused
-            /// multiply-add, as ggml's; `Q4_1`'s `m * s` terms go a group's rows to a vector,
-            /// each lane the scalar chain ggml runs.
+            /// conversion, the scale product and the fused multiply-add, as ggml's; `Q4_1`'s
+            /// `m * s` terms go a group's rows to a vector, each lane the scalar chain ggml
+            /// runs.
+            ///
+            /// The scale products `dx * dy` come first, [`CHUNK`] weight blocks at a time: one
+            /// 8-lane product per block makes the group's eight (lane r row r's, the product
+            /// ggml's scalar one), stored, and each row's fused multiply-add takes its own as a
+            /// broadcast from memory, a load with no arithmetic. A product per block and row
+            /// (eight copies of `dy` in memory times `dx`) was one more instruction in each
+            /// row's chain on the two pipes that multiply, and held `dx` in a register the
+            /// eight accumulators needed.
             #[inline]
             #[target_feature(enable = $feat)]
-            unsafe fn group<const K: usize>(
-                kind: Kind,
+            unsafe fn group<const KIND: u8, const K: usize>(
                 acts: &Acts<'_>,
                 t: *const f32,
                 g: usize,
                 x: *const u8,
                 out: *mut f32,
             ) {
+                let kind = Kind::from_u8(KIND);
                 let nb = acts.nb;
                 let (wb, ab) = (kind.weight_block(), kind.act_block());
+                // Where a block's quants start in a weight block and an activation block.
+                let (xq, yq) = match kind {
+                    Kind::Q8_0 => (2, 2),
+                    Kind::Q5_0 => (6, 2),
+                    _ => (4, 4),
+                };
                 let y: [*const u8; K] = std::array::from_fn(|r| acts.rows[g * WIDE + r].as_ptr());
-                let ys = acts.wide_scales.as_ptr().add(g * nb * WIDE * 8);
+                let ys = acts.wide_scales.as_ptr().add(g * nb * WIDE);
+                let sums = acts.block_sums.as_ptr().wrapping_add(g * nb * WIDE);
                 let mut acc = [_mm256_setzero_ps(); K];
-                match kind {
-                    Kind::Q8_0 | Kind::Q5_0 => {
-                        for b in 0..nb {
-                            let xb = x.add(b * wb);
-                            _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
-                            let qx = if kind == Kind::Q8_0 {
-                                _mm256_loadu_si256(xb.add(2).cast())
-                            } else {
-                                let hi = _mm256_andnot_si256(
-                                    bits(xb.add(2)),
-                                    _mm256_set1_epi8(0xF0u8 as i8),
+                let mut summs = _mm256_setzero_ps();
+                let mut ds = std::mem::MaybeUninit::<[__m256; CHUNK]>::uninit();
+                let dp = ds.as_mut_ptr().cast::<f32>();
+                for c in (0..nb).step_by(CHUNK) {
+                    let n = (nb - c).min(CHUNK);
+                    for j in 0..n {
+                        let dx = _mm256_broadcast_ss(&*half(t, x.add((c + j) * wb)));
+                        let d = _mm256_mul_ps(dx, _mm256_loadu_ps(ys.add((c + j) * WIDE)));
+                        _mm256_store_ps(dp.add(j * 8), d);
+                    }
+                    for j in 0..n {
+                        let b = c + j;
+                        let xb = x.add(b * wb);
+                        _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
+                        let db = dp.add(j * 8);
+                        match kind {
+                            Kind::Q8_0 | Kind::Q5_0 => {
+                                let qx = if kind == Kind::Q8_0 {
+                                    _mm256_loadu_si256(xb.add(xq).cast())
+                                } else {
+                                    let hi = _mm256_andnot_si256(
+                                        bits(xb.add(2)),
+                                        _mm256_set1_epi8(0xF0u8 as i8),
+                                    );
+                                    _mm256_or_si256(nibbles(xb.add(xq)), hi)
+                                };
+                                // ggml's `mul_sum_i8_pairs_float`: |x| times y with x's sign.
+                                let ax = _mm256_sign_epi8(qx, qx);
+                                for r in 0..K {
+                                    let qy = _mm256_loadu_si256(y[r].add(b * ab + yq).cast());
+                                    let q = lanes(ax, _mm256_sign_epi8(qy, qx));
+                                    acc[r] = _mm256_fmadd_ps(
+                                        _mm256_broadcast_ss(&*db.add(r)),
+                                        q,
+                                        acc[r],
+                                    );
+                                }
+                            }
+                            _ => {
+                                let qx = nibbles(xb.add(xq));
+                                // ggml's `summs += m * s` (fused there; the f16 x f16 product
+                                // is exact in f32, so fused or not agree), with `s` converted
+                                // from f16 once per call (`Acts::block_sums`).
+                                summs = _mm256_fmadd_ps(
+                                    _mm256_broadcast_ss(&*half(t, xb.add(2))),
+                                    _mm256_loadu_ps(sums.add(b * WIDE)),
+                                    summs,
                                 );
-                                _mm256_or_si256(nibbles(xb.add(6)), hi)
-                            };
-                            let dx = _mm256_broadcast_ss(&*half(t, xb));
-                            // ggml's `mul_sum_i8_pairs_float`: |x| times y with x's sign.
-                            let ax = _mm256_sign_epi8(qx, qx);
-                            let ydb = ys.add(b * WIDE * 8);
-                            for r in 0..K {
-                                let d = _mm256_mul_ps(dx, _mm256_loadu_ps(ydb.add(r * 8)));
-                                let qy = _mm256_loadu_si256(y[r].add(b * ab + 2).cast());
-                                let q = lanes(ax, _mm256_sign_epi8(qy, qx));
-                                acc[r] = _mm256_fmadd_ps(d, q, acc[r]);
+                                for r in 0..K {
+                                    let qy = _mm256_loadu_si256(y[r].add(b * ab + yq).cast());
+                                    let q = lanes(qx, qy);
+                                    acc[r] = _mm256_fmadd_ps(
+                                        _mm256_broadcast_ss(&*db.add(r)),
+                                        q,
+                                        acc[r],
+                                    );
+                                }
                             }
                         }
-                        for r in 0..K {
-                            *out.add(r) = hsum(acc[r]);
-                        }
                     }
-                    Kind::Q4_1 => {
-                        let sums = acts.block_sums.as_ptr().add(g * nb * WIDE);
-                        let mut summs = _mm256_setzero_ps();
-                        for b in 0..nb {
-                            let xb = x.add(b * wb);
-                            _mm_prefetch::<_MM_HINT_T0>(xb.wrapping_add(AHEAD).cast());
-                            let qx = nibbles(xb.add(4));
-                            // ggml's `summs += m * s` (fused there; the f16 x f16 product is
-                            // exact in f32, so fused or not agree), with `s` converted from f16
-                            // once per call (`Acts::sums`).
-                            summs = _mm256_fmadd_ps(
-                                _mm256_broadcast_ss(&*half(t, xb.add(2))),
-                                _mm256_loadu_ps(sums.add(b * WIDE)),
-                                summs,
-                            );
-                            let dx = _mm256_broadcast_ss(&*half(t, xb));
-                            let ydb = ys.add(b * WIDE * 8);
-                            for r in 0..K {
-                                let d = _mm256_mul_ps(dx, _mm256_loadu_ps(ydb.add(r * 8)));
-                                let qy = _mm256_loadu_si256(y[r].add(b * ab + 4).cast());
-                                acc[r] = _mm256_fmadd_ps(d, lanes(qx, qy), acc[r]);
-                            }
-                        }
-                        let mut s = [0.0f32; WIDE];
-                        _mm256_storeu_ps(s.as_mut_ptr(), summs);
-                        for r in 0..K {
-                            *out.add(r) = hsum(acc[r]) + s[r];
-                        }
+                }
+                if kind == Kind::Q4_1 {
+                    let mut s = [0.0f32; WIDE];
+                    _mm256_storeu_ps(s.as_mut_ptr(), summs);
+                    for r in 0..K {
+                        *out.add(r) = hsum(acc[r]) + s[r];
                     }
-                    Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
+                } else {
+                    for r in 0..K {
+                        *out.add(r) = hsum(acc[r]);
+                    }
+                }
+            }
+
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn many_of<const KIND: u8>(acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
+                let (nb, k) = (acts.nb, acts.rows.len());
+                let row = nb * Kind::from_u8(KIND).weight_block();
+                let t = halves().as_ptr();
+                for (i, o) in out.chunks_exact_mut(k).enumerate() {
+                    let x = w.as_ptr().add(i * row);
+                    let mut r = 0;
+                    while r < k {
+                        let (g, o) = (r / WIDE, o.as_mut_ptr().add(r));
+                        match k - r {
+                            1 => group::<KIND, 1>(acts, t, g, x, o),
+                            2 => group::<KIND, 2>(acts, t, g, x, o),
+                            3 => group::<KIND, 3>(acts, t, g, x, o),
+                            4 => group::<KIND, 4>(acts, t, g, x, o),
+                            5 => group::<KIND, 5>(acts, t, g, x, o),
+                            6 => group::<KIND, 6>(acts, t, g, x, o),
+                            7 => group::<KIND, 7>(acts, t, g, x, o),
+                            _ => group::<KIND, WIDE>(acts, t, g, x, o),
+                        }
+                        r += WIDE;
+                    }
                 }
             }
 
@@ -148,26 +201,11 @@ macro_rules! kernels {
                 w: &[u8],
                 out: &mut [f32],
             ) {
-                let (nb, k) = (acts.nb, acts.rows.len());
-                let row = nb * kind.weight_block();
-                let t = halves().as_ptr();
-                for (i, o) in out.chunks_exact_mut(k).enumerate() {
-                    let x = w.as_ptr().add(i * row);
-                    let mut r = 0;
-                    while r < k {
-                        let (g, o) = (r / WIDE, o.as_mut_ptr().add(r));
-                        match k - r {
-                            1 => group::<1>(kind, acts, t, g, x, o),
-                            2 => group::<2>(kind, acts, t, g, x, o),
-                            3 => group::<3>(kind, acts, t, g, x, o),
-                            4 => group::<4>(kind, acts, t, g, x, o),
-                            5 => group::<5>(kind, acts, t, g, x, o),
-                            6 => group::<6>(kind, acts, t, g, x, o),
-                            7 => group::<7>(kind, acts, t, g, x, o),
-                            _ => group::<WIDE>(kind, acts, t, g, x, o),
-                        }
-                        r += WIDE;
-                    }
+                match kind {
+                    Kind::Q8_0 => many_of::<{ Kind::Q8_0 as u8 }>(acts, w, out),
+                    Kind::Q5_0 => many_of::<{ Kind::Q5_0 as u8 }>(acts, w, out),
+                    Kind::Q4_1 => many_of::<{ Kind::Q4_1 as u8 }>(acts, w, out),
+                    Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
                 }
             }
         }
@@ -176,6 +214,10 @@ macro_rules! kernels {
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
+
+/// Weight blocks whose scale products the 256-bit kernels compute ahead of their products (a
+/// 1 KB buffer on the stack: a row of up to 1024 values in one go).
+const CHUNK: usize = 32;
 
 /// Every half's `f32` value (exact, [`crate::f16::to_f32`]), indexed by its bits: a block's
 /// scale is then one load (a broadcast straight from memory) where converting it takes a move
