@@ -21,10 +21,11 @@
 //! hardware yet.
 //!
 //! For SmolLM2's 64-value keys met by many query rows (a verification's: 24 a key for 8 rows)
-//! [`lanes`] puts sixteen query rows in a register's lanes instead, so that a pair's reduction
-//! is additions of whole registers rather than shuffles: one thread, warm, SmolLM2's 8-row `kq`
-//! 20.6 us against the wide kernel's 25.0 (`tests/benches/kernels.rs`, `kq/smollm-kq`, this
-//! AMD EPYC).
+//! [`lanes`] puts sixteen query rows in a register's lanes instead (AVX-512; eight with AVX2),
+//! so that a pair's reduction is additions of whole registers rather than shuffles: one thread,
+//! warm, SmolLM2's 8-row `kq` 20.6 us against the wide kernel's 25.0 (`tests/benches/kernels.rs`,
+//! `kq/smollm-kq`, the AVX-512 AMD EPYC), 62-103 us against the blocked kernel's 106-159 with
+//! AVX2 (the AVX2-only one).
 //!
 //! Each output is bit-identical to ggml's `ggml_vec_dot_f16` for that pair alone, as ggml's
 //! CPU backend for the architecture computes it: the query row is rounded to f16 as ggml's
@@ -58,14 +59,19 @@ pub const LANES_N: usize = 64;
 /// call: the CPU runs it and `x` holds the rows.
 pub type Lanes = unsafe fn(*const u8, usize, usize, &[f32], usize, &mut [f32]);
 
-/// The [`Lanes`] kernel, where the CPU has one (x86-64 with AVX-512F; AArch64 has none yet: a
-/// NEON register holds four lanes, where the reduction's shuffles cost less).
+/// The [`Lanes`] kernel, where the CPU has one (x86-64: AVX-512F's sixteen rows to a register,
+/// else AVX2's eight; AArch64 has none yet: a NEON register holds four lanes, where the
+/// reduction's shuffles cost less).
 pub fn lanes() -> Option<Lanes> {
+    lanes_kernels().first().copied()
+}
+
+/// Every [`Lanes`] kernel the CPU runs, [`lanes`]' first (for comparing them).
+pub fn lanes_kernels() -> &'static [Lanes] {
     #[cfg(target_arch = "x86_64")]
-    if x86::lanes_ok() {
-        return Some(x86::dots_lanes);
-    }
-    None
+    return x86::lanes_kernels();
+    #[allow(unreachable_code)]
+    &[]
 }
 
 /// `m` query rows of [`LANES_N`] values (rounded by [`round_f16`]) at `qs`, laid out for a
@@ -181,10 +187,10 @@ mod tests {
     /// of sixteen (and two groups), for cache rows apart by more than their length.
     #[test]
     fn lanes_agree_with_the_kernels() {
-        let Some(lanes) = super::lanes() else {
+        if super::lanes_kernels().is_empty() {
             eprintln!("no lanes kernel on this CPU");
             return;
-        };
+        }
         const N: usize = super::LANES_N;
         let (rows, stride) = (37usize, 2 * N + 10);
         let mut x = vec![0u8; rows * stride];
@@ -199,24 +205,26 @@ mod tests {
         // SAFETY: the CPU runs the kernels (it runs the lanes kernel); equal lengths.
         unsafe { super::round_f16(&raw, &mut qs) };
         let mut qt = Vec::new();
-        for m in (1..=34).chain([47, 48, 49, 50]) {
-            let mut want = vec![0f32; rows * m];
-            let mut got = vec![f32::NAN; rows * m];
-            qt.clear();
-            super::lanes_queries(&qs[..m * N], m, &mut qt);
-            // SAFETY: `rows` rows of N halves, stride apart; qt made for m rows.
-            unsafe {
-                super::kernels()[0](x.as_ptr(), stride, rows, &qs[..m * N], N, &mut want);
-                lanes(x.as_ptr(), stride, rows, &qt, m, &mut got);
-            }
-            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-                assert_eq!(
-                    w.to_bits(),
-                    g.to_bits(),
-                    "m {m}: cache row {} query {}",
-                    i / m,
-                    i % m
-                );
+        for (kernel, &lanes) in super::lanes_kernels().iter().enumerate() {
+            for m in (1..=34).chain([47, 48, 49, 50]) {
+                let mut want = vec![0f32; rows * m];
+                let mut got = vec![f32::NAN; rows * m];
+                qt.clear();
+                super::lanes_queries(&qs[..m * N], m, &mut qt);
+                // SAFETY: `rows` rows of N halves, stride apart; qt made for m rows.
+                unsafe {
+                    super::kernels()[0](x.as_ptr(), stride, rows, &qs[..m * N], N, &mut want);
+                    lanes(x.as_ptr(), stride, rows, &qt, m, &mut got);
+                }
+                for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                    assert_eq!(
+                        w.to_bits(),
+                        g.to_bits(),
+                        "lanes kernel {kernel}, m {m}: cache row {} query {}",
+                        i / m,
+                        i % m
+                    );
+                }
             }
         }
     }

@@ -10,7 +10,7 @@
 //! - `kq/SHAPE/ROWS`: attention's f16 products in Gemma 3 270M's and SmolLM2-135M's shapes
 //!   over 1024 cache cells, each kernel this CPU runs (`lanes`: the query-lanes kernel, for
 //!   64-value rows, its query rows laid out beforehand as the device does once per node), and
-//!   ggml's `vec_dot_f16` pair by pair.
+//!   ggml's `vec_dot_f16` pair by pair (`lanesI`: the query-lanes kernels, AVX-512's first).
 //! - `lone/SHAPE/ARITH/ROWS`: flash attention's softmax-weighted values for query rows computed
 //!   each as ggml's lone row (`leap_kernels::lone::rows`, from scores given) over 1024 cells in
 //!   two chunks, Gemma 3 270M's 4 query heads of 256 values and SmolLM2-135M's 3 of 64 per
@@ -208,10 +208,16 @@ fn attention(c: &mut Criterion) {
                     },
                 );
             }
-            if let Some(lanes) = kq::lanes().filter(|_| n == kq::LANES_N) {
+            let lanes = if n == kq::LANES_N {
+                kq::lanes_kernels()
+            } else {
+                &[]
+            };
+            for (i, &lanes) in lanes.iter().enumerate() {
                 let mut qt = Vec::new();
                 kq::lanes_queries(&qs, m, &mut qt);
-                g.bench_with_input(BenchmarkId::new("lanes", q_rows), &q_rows, |b, _| {
+                let id = BenchmarkId::new(format!("lanes{i}"), q_rows);
+                g.bench_with_input(id, &q_rows, |b, _| {
                     // SAFETY: the CPU runs it; rows of n f16 inside x; qt made for m rows.
                     b.iter(|| unsafe { lanes(x.as_ptr(), stride, rows, &qt, m, &mut sums) })
                 });

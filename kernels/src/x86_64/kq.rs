@@ -431,8 +431,22 @@ unsafe fn group<const G: usize>(x: &[u16], qs: &[f32], n: usize, k0: usize, sums
 }
 
 /// The CPU runs [`dots_lanes`] (AVX-512F besides [`cpu_ok`]'s features).
-pub fn lanes_ok() -> bool {
+fn lanes_ok() -> bool {
     cpu_ok() && std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// The query-lanes kernels this CPU runs, the device's first: [`dots_lanes`] with AVX-512F,
+/// then [`dots_lanes_256`] (where [`cpu_ok`]).
+pub fn lanes_kernels() -> &'static [super::Lanes] {
+    const WIDE: &[super::Lanes] = &[dots_lanes, dots_lanes_256];
+    const NARROW: &[super::Lanes] = &[dots_lanes_256];
+    if lanes_ok() {
+        WIDE
+    } else if cpu_ok() {
+        NARROW
+    } else {
+        &[]
+    }
 }
 
 /// `sums[i * m + k]` = f16 cache row i (of `rows` at `x`, `stride` bytes apart, 64 values) ·
@@ -538,6 +552,90 @@ pub unsafe fn dots_lanes(
                 }
             }
             g += hs;
+        }
+    }
+}
+
+/// [`dots_lanes`] with AVX2's 16 registers: eight query rows in a register's lanes (half of one
+/// of [`super::lanes_queries`]' groups of sixteen), the same products and additions in the same
+/// order, one group of eight at a time. [`dots_blocked`] ends each pair with its share of a
+/// shuffled reduction of eight pairs; here a pair is one lane from its first product to its last
+/// addition. One thread, warm cache, the AVX2-only AMD EPYC (Zen 4): SmolLM2's 8-row `kq` (24
+/// query rows a key; `tests/benches/kernels.rs`, `kq/smollm-kq/lanes0/8` against `leap0/8`,
+/// four runs) 62-103 us against [`dots_blocked`]'s 106-159; level at 2 rows (6 query rows,
+/// which `leap_backend::kqmm` gives the blocked kernel).
+///
+/// # Safety
+/// [`cpu_ok`]; `rows` rows of 64 f16 values at `x`; `qt` as [`super::lanes_queries`] made it
+/// for `m` query rows; `sums` holds `rows * m`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dots_lanes_256(
+    x: *const u8,
+    stride: usize,
+    rows: usize,
+    qt: &[f32],
+    m: usize,
+    sums: &mut [f32],
+) {
+    const N: usize = super::LANES_N;
+    const BLOCK: usize = 16;
+    let eights = m.div_ceil(8);
+    debug_assert!(qt.len() >= m.div_ceil(16) * N * 16 && sums.len() >= rows * m);
+    let ahead = ahead(N);
+    // As in `dots_lanes`: the block's cache rows as f32, and each row's eight lanes of
+    // `(a0 + a2) + (a1 + a3)`, each element written before it is read.
+    let mut xr = [[MaybeUninit::<f32>::uninit(); N]; BLOCK];
+    let mut x0 = [[MaybeUninit::<__m256>::uninit(); 8]; BLOCK];
+    for i0 in (0..rows).step_by(BLOCK) {
+        let len = BLOCK.min(rows - i0);
+        fetch_ahead(x, stride, rows, i0..i0 + len, ahead, N);
+        for (r, xr) in xr.iter_mut().enumerate().take(len) {
+            let p = x.add((i0 + r) * stride).cast::<u16>();
+            for c in 0..N / 8 {
+                _mm256_storeu_ps(
+                    xr.as_mut_ptr().add(8 * c).cast(),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(8 * c).cast())),
+                );
+            }
+        }
+        for e in 0..eights {
+            // Query rows 8e..8e + 8: half e % 2 of group e / 2's sixteen lanes.
+            let q0 = qt.as_ptr().add(e / 2 * N * 16 + e % 2 * 8);
+            for l in 0..8 {
+                // The query elements of lane l: `32s + 8j + l`.
+                let qv: [[__m256; 2]; 4] = std::array::from_fn(|j| {
+                    std::array::from_fn(|s| _mm256_loadu_ps(q0.add((32 * s + 8 * j + l) * 16)))
+                });
+                for (xr, x0) in xr.iter().zip(x0.iter_mut()).take(len) {
+                    let a: [__m256; 4] = std::array::from_fn(|j| {
+                        let b0 = _mm256_set1_ps(xr[8 * j + l].assume_init());
+                        let b1 = _mm256_set1_ps(xr[32 + 8 * j + l].assume_init());
+                        let a = _mm256_fmadd_ps(b0, qv[j][0], _mm256_setzero_ps());
+                        _mm256_fmadd_ps(b1, qv[j][1], a)
+                    });
+                    x0[l] = MaybeUninit::new(_mm256_add_ps(
+                        _mm256_add_ps(a[0], a[2]),
+                        _mm256_add_ps(a[1], a[3]),
+                    ));
+                }
+            }
+            let k0 = 8 * e;
+            let count = (m - k0).min(8);
+            for (r, x0) in x0.iter().enumerate().take(len) {
+                // `t0` = the 8-lane sum's low 128 bits + its high; `_mm_hadd_ps` twice.
+                let t: [__m256; 4] = std::array::from_fn(|i| {
+                    _mm256_add_ps(x0[i].assume_init(), x0[i + 4].assume_init())
+                });
+                let f = _mm256_add_ps(_mm256_add_ps(t[0], t[1]), _mm256_add_ps(t[2], t[3]));
+                let out = sums.as_mut_ptr().add((i0 + r) * m + k0);
+                if count == 8 {
+                    _mm256_storeu_ps(out, f);
+                } else {
+                    let mut v = [0f32; 8];
+                    _mm256_storeu_ps(v.as_mut_ptr(), f);
+                    std::ptr::copy_nonoverlapping(v.as_ptr(), out, count);
+                }
+            }
         }
     }
 }
