@@ -174,8 +174,9 @@ thread_local! {
 }
 
 /// Query rows from which a chunk of 64-value rows goes to [`kq::lanes`]' kernel: it lays
-/// the rows out once per node and fills registers of sixteen query rows, so a lone row's three
-/// (SmolLM2) would leave most lanes empty; an 8-row verification's 24 fill one and a half.
+/// the rows out once per node and fills registers of sixteen query rows (eight with AVX2), so a
+/// lone row's three (SmolLM2) would leave most lanes empty; an 8-row verification's 24 fill one
+/// and a half (three).
 const LANES_ROWS: usize = 8;
 
 /// Query rows per chunk: a prefill's softmax rows are cut into runs this long, each computed
