@@ -364,7 +364,7 @@ mod tests {
     }
 
     /// Every kernel variant this CPU runs gives, for every weight row and every activation row
-    /// (1 to 9 at a time, so every group size and pairing), exactly the reference's bits in
+    /// (1 to 17 at a time, so every group size and pairing), exactly the reference's bits in
     /// the order of the ggml it stands for.
     #[test]
     fn kernels_match_the_reference_bitwise() {
@@ -394,7 +394,8 @@ mod tests {
             for nb in 1..=3 {
                 let n = nb * QK_K;
                 let w: Vec<u8> = rows(nb, 5, || weight_block(kind, &mut rng)).concat();
-                for m in 1..=9 {
+                // Past two passes of eight rows.
+                for m in 1..=17 {
                     let a = rows(nb, m, || q8k_block(&mut rng));
                     let a: Vec<&[u8]> = a.iter().map(Vec::as_slice).collect();
                     for &k in &variants {
@@ -475,7 +476,7 @@ mod tests {
     }
 
     /// The repacked-`Q4_K` kernel, over weights in ggml's repacked layout, gives every weight
-    /// row and activation row (1 to 9 at a time) the reference's bits over the same rows in
+    /// row and activation row (1 to 17 at a time) the reference's bits over the same rows in
     /// `Q4_K`'s own layout; the reference is not the one-row `vec_dot`'s (so the comparison
     /// tells the two roundings apart).
     #[test]
@@ -491,7 +492,7 @@ mod tests {
             let w: Vec<u8> = rows(nb, 16, || weight_block(Kind::Q4K, &mut rng)).concat();
             let packed = repack(&w, 16, nb);
             assert_ne!(packed, w);
-            for m in 1..=9 {
+            for m in 1..=17 {
                 let a = rows(nb, m, || q8k_block(&mut rng));
                 let a: Vec<&[u8]> = a.iter().map(Vec::as_slice).collect();
                 let acts = k.prepare(n, &a);

@@ -1,9 +1,9 @@
 //! Weight-stationary kernels for ggml's k-quants (`Q4_K`, `Q6_K`: super-blocks of 256 weights
 //! with 6- or 8-bit sub-block scales) against `Q8_K` activations.
 //!
-//! One weight row against a group of up to [`GROUP`](super::GROUP) activation rows at a time
-//! (the group size a constant, so every accumulator lives in a register): each 64 quants of a
-//! super-block and their scale vectors are unpacked once for the group, and every row then
+//! One weight row against a group of up to [`PASS`] activation rows at a time (the group size
+//! a constant, so every integer sum lives in a register): each 64 quants of a super-block and
+//! their scale vectors are unpacked once for the group, and every row then
 //! runs ggml's AVX2 `vec_dot_q4_K_q8_K` / `vec_dot_q6_K_q8_K` arithmetic on them: the same
 //! integer lane sums (exact, so their order is free), the same fused multiply-adds per
 //! super-block in the same lanes, and ggml's final reductions, so each result is bit-identical
@@ -144,6 +144,14 @@ unsafe fn q6k_offset(y: *const u8, scales_16: __m256i) -> __m256i {
     )
 }
 
+/// Activation rows per pass over a weight row: eight, as the 32-weight blocks' 256-bit kernels
+/// (`super::WIDE`); four made an 8-row call unpack every super-block's quants and scales twice.
+/// The integer sums and the unpacked operands fit the sixteen registers; the float
+/// accumulators, used once a super-block, may live on the stack. `qdot/Q6K/avx2/8` and
+/// `qdot/Q4K/avx2/8` (kernels bench, one thread, the AVX2-only Zen 4 VM, alternating): 421-438
+/// against 515-694 us, and 533-564 against 563-730 us; a one-row call is unchanged.
+const PASS: usize = 8;
+
 /// `$f::<R>(ys, nb, x, out)` for `R` = `ys.len()`, one of `$n` or else `$last` (the group
 /// size is a constant in each kernel, so every accumulator lives in a register).
 macro_rules! by_count {
@@ -163,8 +171,8 @@ macro_rules! by_count {
 /// `w` whole rows; `out` one value per weight row and activation row.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q4k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-    super::by_groups::<{ super::GROUP }>(rows, nb, w, Q4K_BYTES, out, |ys, x, o| {
-        by_count!(q4k_rows, ys, nb, x, o, [1, 2, 3], 4)
+    super::by_groups::<PASS>(rows, nb, w, Q4K_BYTES, out, |ys, x, o| {
+        by_count!(q4k_rows, ys, nb, x, o, [1, 2, 3, 4, 5, 6, 7], 8)
     })
 }
 
@@ -174,8 +182,8 @@ pub(super) unsafe fn q4k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
 /// As that kernel.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q6k(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
-    super::by_groups::<{ super::GROUP }>(rows, nb, w, Q6K_BYTES, out, |ys, x, o| {
-        by_count!(q6k_rows, ys, nb, x, o, [1, 2, 3], 4)
+    super::by_groups::<PASS>(rows, nb, w, Q6K_BYTES, out, |ys, x, o| {
+        by_count!(q6k_rows, ys, nb, x, o, [1, 2, 3, 4, 5, 6, 7], 8)
     })
 }
 
@@ -281,7 +289,7 @@ unsafe fn q4k_rows<const R: usize>(ys: &[*const u8], nb: usize, x: *const u8, ou
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q4k_x8(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]) {
     let m = rows.len();
-    const G: usize = super::GROUP;
+    const G: usize = PASS;
     for g0 in (0..m).step_by(G) {
         let gl = (m - g0).min(G);
         let ptrs: [*const u8; G] =
@@ -292,7 +300,7 @@ pub(super) unsafe fn q4k_x8(rows: &[&[u8]], nb: usize, w: &[u8], out: &mut [f32]
                 let i = 8 * g + j;
                 let o = &mut out[i * m + g0..i * m + g0 + gl];
                 let x = (group.as_ptr(), j);
-                by_count!(q4k_x8_rows, ys, nb, x, o, [1, 2, 3], 4);
+                by_count!(q4k_x8_rows, ys, nb, x, o, [1, 2, 3, 4, 5, 6, 7], 8);
             }
         }
     }
