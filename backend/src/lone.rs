@@ -232,6 +232,10 @@ unsafe fn key_products(
     let out = Ptr(scores.as_mut_ptr().cast());
     parallel(threads, &|t, nth| {
         let (c0, c1) = (lo + t * span / nth, lo + (t + 1) * span / nth);
+        if c0 == c1 {
+            // A view of fewer cells than threads (a sequence's first rows): none here.
+            return;
+        }
         SUMS.with(|s| {
             let sums = &mut *s.borrow_mut();
             // Every element is written by `dots` before it is read.
@@ -572,6 +576,99 @@ impl Case {
 mod tests {
     use super::*;
 
+    /// A flash-attention node's sizes: head size, query and key-value heads, cache cells,
+    /// query rows, mask rows (the rows padded).
+    #[derive(Clone, Copy)]
+    struct Shape {
+        d: usize,
+        heads: usize,
+        kv_heads: usize,
+        n_kv: usize,
+        rows: usize,
+        pad: usize,
+    }
+
+    /// The output (`[row][head][d]`) of the device's node over these operands (`q`
+    /// `[row][head][d]`, `k`/`v` `[cell][kv head][d]`, `mask` `[pad][n_kv]`) with `threads`
+    /// threads, and ggml's own batch of the same rows.
+    fn device_and_batch(
+        s: Shape,
+        scale: f32,
+        q: &[f32],
+        k: &[u16],
+        v: &[u16],
+        mask: &[u16],
+        threads: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        use llama_cpp_sys_2 as sys;
+        let Shape {
+            d,
+            heads,
+            kv_heads,
+            n_kv,
+            rows,
+            pad,
+        } = s;
+        // SAFETY: a private ggml context sized for the tensors; data written before use.
+        unsafe {
+            let ctx = sys::ggml_init(sys::ggml_init_params {
+                mem_size: (k.len() + v.len() + mask.len()) * 2 + (64 << 20),
+                mem_buffer: std::ptr::null_mut(),
+                no_alloc: false,
+            });
+            assert!(!ctx.is_null());
+            let (di, nh, nhk) = (d as i64, heads as i64, kv_heads as i64);
+            let qt = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F32, di, nh, rows as i64);
+            let kt = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F16, di, nhk, n_kv as i64);
+            let vt = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F16, di, nhk, n_kv as i64);
+            let mt = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F16, n_kv as i64, pad as i64);
+            for (t, p, bytes) in [
+                (qt, q.as_ptr().cast::<u8>(), q.len() * 4),
+                (kt, k.as_ptr().cast(), k.len() * 2),
+                (vt, v.as_ptr().cast(), v.len() * 2),
+                (mt, mask.as_ptr().cast(), mask.len() * 2),
+            ] {
+                std::ptr::copy_nonoverlapping(p, sys::ggml_get_data(t).cast::<u8>(), bytes);
+            }
+            let fa = |ctx| {
+                let f = sys::ggml_flash_attn_ext(
+                    ctx,
+                    sys::ggml_permute(ctx, qt, 0, 2, 1, 3),
+                    sys::ggml_permute(ctx, kt, 0, 2, 1, 3),
+                    sys::ggml_permute(ctx, vt, 0, 2, 1, 3),
+                    mt,
+                    scale,
+                    0.0,
+                    0.0,
+                );
+                sys::ggml_flash_attn_ext_set_prec(f, sys::GGML_PREC_F32);
+                f
+            };
+            let (mine, theirs) = (fa(ctx), fa(ctx));
+            let node = &mut *mine.cast::<g::ggml_tensor>();
+            let cfg = crate::DeviceConfig {
+                lone_attention: true,
+                ..crate::DeviceConfig::default()
+            };
+            assert!(supports(node, &cfg, false));
+            assert!(!supports(node, &crate::DeviceConfig::default(), false));
+            compute(node, threads);
+            let gf = sys::ggml_new_graph(ctx);
+            sys::ggml_build_forward_expand(gf, theirs);
+            assert_eq!(
+                sys::ggml_graph_compute_with_ctx(ctx, gf, threads as i32),
+                sys::GGML_STATUS_SUCCESS
+            );
+            let out = |t| {
+                std::slice::from_raw_parts(sys::ggml_get_data(t).cast::<f32>(), rows * heads * d)
+                    .to_vec()
+            };
+            let r = (out(mine), out(theirs));
+            sys::ggml_free(ctx);
+            r
+        }
+    }
+
     /// Some rounding reproduces the loaded ggml's lone-row flash attention bit for bit, and the
     /// way a few-row call computes the same row (one chunk over every key) does not: the check
     /// can tell the two apart.
@@ -630,7 +727,6 @@ mod tests {
     /// their views differ), where ggml's own batch of the same rows does not.
     #[test]
     fn device_rows_are_ggml_lone_rows() {
-        use llama_cpp_sys_2 as sys;
         if checked().is_none() {
             eprintln!("no lone-row rounding here (x86-64 needs AVX2/FMA/F16C)");
             return;
@@ -658,67 +754,15 @@ mod tests {
                 })
                 .collect();
             let scale = 1.0 / (d as f32).sqrt();
-            // SAFETY: a private ggml context sized for the tensors; data written before use.
-            let (device, batch) = unsafe {
-                let ctx = sys::ggml_init(sys::ggml_init_params {
-                    mem_size: (k.len() + v.len() + mask.len()) * 2 + (64 << 20),
-                    mem_buffer: std::ptr::null_mut(),
-                    no_alloc: false,
-                });
-                assert!(!ctx.is_null());
-                let (di, nh, nhk) = (d as i64, heads as i64, kv_heads as i64);
-                let qt = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F32, di, nh, rows as i64);
-                let kt = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F16, di, nhk, n_kv as i64);
-                let vt = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F16, di, nhk, n_kv as i64);
-                let mt = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F16, n_kv as i64, pad as i64);
-                for (t, p, bytes) in [
-                    (qt, q.as_ptr().cast::<u8>(), q.len() * 4),
-                    (kt, k.as_ptr().cast(), k.len() * 2),
-                    (vt, v.as_ptr().cast(), v.len() * 2),
-                    (mt, mask.as_ptr().cast(), mask.len() * 2),
-                ] {
-                    std::ptr::copy_nonoverlapping(p, sys::ggml_get_data(t).cast::<u8>(), bytes);
-                }
-                let fa = |ctx| {
-                    let f = sys::ggml_flash_attn_ext(
-                        ctx,
-                        sys::ggml_permute(ctx, qt, 0, 2, 1, 3),
-                        sys::ggml_permute(ctx, kt, 0, 2, 1, 3),
-                        sys::ggml_permute(ctx, vt, 0, 2, 1, 3),
-                        mt,
-                        scale,
-                        0.0,
-                        0.0,
-                    );
-                    sys::ggml_flash_attn_ext_set_prec(f, sys::GGML_PREC_F32);
-                    f
-                };
-                let (mine, theirs) = (fa(ctx), fa(ctx));
-                let node = &mut *mine.cast::<g::ggml_tensor>();
-                let cfg = crate::DeviceConfig {
-                    lone_attention: true,
-                    ..crate::DeviceConfig::default()
-                };
-                assert!(supports(node, &cfg, false));
-                assert!(!supports(node, &crate::DeviceConfig::default(), false));
-                compute(node, threads);
-                let gf = sys::ggml_new_graph(ctx);
-                sys::ggml_build_forward_expand(gf, theirs);
-                assert_eq!(
-                    sys::ggml_graph_compute_with_ctx(ctx, gf, threads as i32),
-                    sys::GGML_STATUS_SUCCESS
-                );
-                let out = |t| {
-                    std::slice::from_raw_parts(
-                        sys::ggml_get_data(t).cast::<f32>(),
-                        rows * heads * d,
-                    )
-                    .to_vec()
-                };
-                let r = (out(mine), out(theirs));
-                sys::ggml_free(ctx);
-                r
+            let shape = Shape {
+                d,
+                heads,
+                kv_heads,
+                n_kv,
+                rows,
+                pad,
             };
+            let (device, batch) = device_and_batch(shape, scale, &q, &k, &v, &mask, threads);
             let mut batch_differs = false;
             for i in 0..rows {
                 let view = (first + i + 1).next_multiple_of(256);
@@ -755,6 +799,72 @@ mod tests {
                 batch_differs,
                 "ggml's batch gave the lone rows too: nothing to reproduce"
             );
+        }
+    }
+
+    /// A sequence's first rows (a one- or two-token prompt's) see fewer cells than the device
+    /// has threads: a thread's share of the key products is empty, and each row is still
+    /// ggml's lone row. (llama-server with `--spec-type leap` on SmolLM2 stopped on its first
+    /// request here: the AVX2 key kernel divided by its zero cache rows.)
+    #[test]
+    fn rows_seeing_fewer_cells_than_threads_are_lone_rows() {
+        if checked().is_none() {
+            eprintln!("no lone-row rounding here (x86-64 needs AVX2/FMA/F16C)");
+            return;
+        }
+        let mut rnd = crate::check_values(0x0F1E_57CE_11A5_0002);
+        for (d, heads, kv_heads) in [(256usize, 4usize, 1usize), (64, 9, 3)] {
+            for (rows, threads) in [(1usize, 2usize), (1, 3), (2, 3)] {
+                let (n_kv, pad) = (256usize, 64usize);
+                let cells = n_kv * kv_heads * d;
+                let q: Vec<f32> = (0..rows * heads * d).map(|_| rnd(2.0)).collect();
+                let k: Vec<u16> = (0..cells).map(|_| from_f32(rnd(2.0))).collect();
+                let v: Vec<u16> = (0..cells).map(|_| from_f32(rnd(1.0))).collect();
+                // Row i at cell i sees cells 0..=i.
+                let mask: Vec<u16> = (0..pad)
+                    .flat_map(|i| (0..n_kv).map(move |c| (i, c)))
+                    .map(|(i, c)| {
+                        from_f32(if i < rows && c <= i {
+                            0.0
+                        } else {
+                            f32::NEG_INFINITY
+                        })
+                    })
+                    .collect();
+                let scale = 1.0 / (d as f32).sqrt();
+                let shape = Shape {
+                    d,
+                    heads,
+                    kv_heads,
+                    n_kv,
+                    rows,
+                    pad,
+                };
+                let (device, _) = device_and_batch(shape, scale, &q, &k, &v, &mask, threads);
+                for i in 0..rows {
+                    let lone = Case {
+                        d,
+                        heads,
+                        kv_heads,
+                        n_kv,
+                        threads,
+                        scale,
+                        q: q[i * heads * d..(i + 1) * heads * d].to_vec(),
+                        k: k.clone(),
+                        v: v.clone(),
+                        mask: mask[i * n_kv..(i + 1) * n_kv].to_vec(),
+                    }
+                    .ggml()
+                    .unwrap();
+                    let got = &device[i * heads * d..(i + 1) * heads * d];
+                    assert!(
+                        got.iter()
+                            .zip(&lone)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "head size {d}, {threads} threads, row {i}: not ggml's lone row"
+                    );
+                }
+            }
         }
     }
 }

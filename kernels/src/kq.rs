@@ -183,6 +183,28 @@ mod tests {
         }
     }
 
+    /// No cache rows (a thread's empty share of a view shorter than the threads) is no work,
+    /// for every kernel, the lanes kernels too.
+    #[test]
+    fn no_cache_rows_is_no_work() {
+        if !super::cpu_ok() {
+            eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
+            return;
+        }
+        let qs = vec![0.5f32; 4 * super::LANES_N];
+        let mut qt = Vec::new();
+        super::lanes_queries(&qs, 4, &mut qt);
+        let x = [0u8; 2];
+        for dots in super::kernels() {
+            // SAFETY: the CPU runs the kernels; no rows are read.
+            unsafe { dots(x.as_ptr(), 0, 0, &qs, super::LANES_N, &mut []) };
+        }
+        for lanes in super::lanes_kernels() {
+            // SAFETY: as above.
+            unsafe { lanes(x.as_ptr(), 0, 0, &qt, 4, &mut []) };
+        }
+    }
+
     /// The lanes kernel gives the other kernels' bits for every query count around its groups
     /// of sixteen (and two groups), for cache rows apart by more than their length.
     #[test]

@@ -137,7 +137,8 @@ pub unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
 /// # Safety
 /// `rows` rows of `n` f16 values at `x`.
 unsafe fn dots(x: *const u8, stride: usize, rows: usize, qs: &[f32], n: usize, sums: &mut [f32]) {
-    let m = sums.len() / rows;
+    // No cache rows (a thread's empty share of a short view): nothing to compute.
+    let m = sums.len().checked_div(rows).unwrap_or(0);
     let ahead = (AHEAD_BYTES / (2 * n)).clamp(2, 16);
     let mut k = 0;
     while k < m {

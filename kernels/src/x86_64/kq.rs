@@ -118,7 +118,8 @@ unsafe fn dots_blocked(
     n: usize,
     sums: &mut [f32],
 ) {
-    let m = sums.len() / rows;
+    // No cache rows (a thread's empty share of a short view): nothing to compute.
+    let m = sums.len().checked_div(rows).unwrap_or(0);
     let ahead = ahead(n);
     let row = |i: usize| x.add(i * stride).cast::<u16>();
     let mut k = 0;
@@ -252,7 +253,8 @@ unsafe fn dots_wide(
     n: usize,
     sums: &mut [f32],
 ) {
-    let m = sums.len() / rows;
+    // No cache rows (a thread's empty share of a short view): nothing to compute.
+    let m = sums.len().checked_div(rows).unwrap_or(0);
     let ahead = ahead(n);
     let row = |i: usize| std::slice::from_raw_parts(x.add(i * stride).cast::<u16>(), n);
     // Six query rows to a pass (24 accumulators) where six rows fit L1 beside the cache rows
