@@ -148,8 +148,8 @@ unsafe fn q6k_offset(y: *const u8, scales_16: __m256i) -> __m256i {
 /// (`super::WIDE`); four made an 8-row call unpack every super-block's quants and scales twice.
 /// The integer sums and the unpacked operands fit the sixteen registers; the float
 /// accumulators, used once a super-block, may live on the stack. `qdot/Q6K/avx2/8` and
-/// `qdot/Q4K/avx2/8` (kernels bench, one thread, the AVX2-only Zen 4 VM, alternating): 421-438
-/// against 515-694 us, and 533-564 against 563-730 us; a one-row call is unchanged.
+/// `qdot/Q4K/avx2/8` (kernels bench, one thread, the AVX2-only Zen 4 VM, four alternating runs):
+/// 421-569 against 515-694 us, and 473-564 against 556-730 us; a one-row call is unchanged.
 const PASS: usize = 8;
 
 /// `$f::<R>(ys, nb, x, out)` for `R` = `ys.len()`, one of `$n` or else `$last` (the group
