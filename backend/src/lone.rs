@@ -588,12 +588,60 @@ mod tests {
         pad: usize,
     }
 
+    /// Random query rows (`[row][head][d]`), keys and values (`[cell][kv head][d]`) for `s`,
+    /// and its mask (`[pad][n_kv]`): cell c open to row i where `visible(i, c)`.
+    fn operands(
+        rnd: &mut impl FnMut(f32) -> f32,
+        s: Shape,
+        visible: impl Fn(usize, usize) -> bool,
+    ) -> (Vec<f32>, Vec<u16>, Vec<u16>, Vec<u16>) {
+        let cells = s.n_kv * s.kv_heads * s.d;
+        let q: Vec<f32> = (0..s.rows * s.heads * s.d).map(|_| rnd(2.0)).collect();
+        let k: Vec<u16> = (0..cells).map(|_| from_f32(rnd(2.0))).collect();
+        let v: Vec<u16> = (0..cells).map(|_| from_f32(rnd(1.0))).collect();
+        let mask: Vec<u16> = (0..s.pad)
+            .flat_map(|i| (0..s.n_kv).map(move |c| (i, c)))
+            .map(|(i, c)| {
+                from_f32(if i < s.rows && visible(i, c) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                })
+            })
+            .collect();
+        (q, k, v, mask)
+    }
+
+    /// ggml's lone row `i` of those operands over the first `view` cells, `[head][d]`.
+    fn lone_row(
+        s: Shape,
+        view: usize,
+        threads: usize,
+        (q, k, v, mask): (&[f32], &[u16], &[u16], &[u16]),
+        i: usize,
+    ) -> Vec<f32> {
+        let (d, hd, kvd) = (s.d, s.heads * s.d, s.kv_heads * s.d);
+        Case {
+            d,
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            n_kv: view,
+            threads,
+            scale: 1.0 / (d as f32).sqrt(),
+            q: q[i * hd..(i + 1) * hd].to_vec(),
+            k: k[..view * kvd].to_vec(),
+            v: v[..view * kvd].to_vec(),
+            mask: mask[i * s.n_kv..i * s.n_kv + view].to_vec(),
+        }
+        .ggml()
+        .unwrap()
+    }
+
     /// The output (`[row][head][d]`) of the device's node over these operands (`q`
     /// `[row][head][d]`, `k`/`v` `[cell][kv head][d]`, `mask` `[pad][n_kv]`) with `threads`
-    /// threads, and ggml's own batch of the same rows.
+    /// threads (scale 1/sqrt(d)), and ggml's own batch of the same rows.
     fn device_and_batch(
         s: Shape,
-        scale: f32,
         q: &[f32],
         k: &[u16],
         v: &[u16],
@@ -609,6 +657,7 @@ mod tests {
             rows,
             pad,
         } = s;
+        let scale = 1.0 / (d as f32).sqrt();
         // SAFETY: a private ggml context sized for the tensors; data written before use.
         unsafe {
             let ctx = sys::ggml_init(sys::ggml_init_params {
@@ -735,25 +784,6 @@ mod tests {
         for (d, heads, kv_heads) in [(256usize, 4usize, 1usize), (64, 9, 3)] {
             let (n_kv, rows, threads, pad) = (1024usize, 6usize, 2usize, 64usize);
             let first = 764;
-            let cells = n_kv * kv_heads * d;
-            let q: Vec<f32> = (0..rows * heads * d).map(|_| rnd(2.0)).collect();
-            let k: Vec<u16> = (0..cells).map(|_| from_f32(rnd(2.0))).collect();
-            let v: Vec<u16> = (0..cells).map(|_| from_f32(rnd(1.0))).collect();
-            // Row i at cell first + i sees its past from cell 50 (no row sees the first 50), a
-            // window's start hidden on odd rows.
-            let visible =
-                |i: usize, c: usize| c <= first + i && c >= 50 && (i.is_multiple_of(2) || c >= 200);
-            let mask: Vec<u16> = (0..pad)
-                .flat_map(|i| (0..n_kv).map(move |c| (i, c)))
-                .map(|(i, c)| {
-                    from_f32(if i < rows && visible(i, c) {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    })
-                })
-                .collect();
-            let scale = 1.0 / (d as f32).sqrt();
             let shape = Shape {
                 d,
                 heads,
@@ -762,24 +792,16 @@ mod tests {
                 rows,
                 pad,
             };
-            let (device, batch) = device_and_batch(shape, scale, &q, &k, &v, &mask, threads);
+            // Row i at cell first + i sees its past from cell 50 (no row sees the first 50), a
+            // window's start hidden on odd rows.
+            let (q, k, v, mask) = operands(&mut rnd, shape, |i, c| {
+                c <= first + i && c >= 50 && (i.is_multiple_of(2) || c >= 200)
+            });
+            let (device, batch) = device_and_batch(shape, &q, &k, &v, &mask, threads);
             let mut batch_differs = false;
             for i in 0..rows {
                 let view = (first + i + 1).next_multiple_of(256);
-                let lone = Case {
-                    d,
-                    heads,
-                    kv_heads,
-                    n_kv: view,
-                    threads,
-                    scale,
-                    q: q[i * heads * d..(i + 1) * heads * d].to_vec(),
-                    k: k[..view * kv_heads * d].to_vec(),
-                    v: v[..view * kv_heads * d].to_vec(),
-                    mask: mask[i * n_kv..i * n_kv + view].to_vec(),
-                }
-                .ggml()
-                .unwrap();
+                let lone = lone_row(shape, view, threads, (&q, &k, &v, &mask), i);
                 let (got, theirs) = (
                     &device[i * heads * d..(i + 1) * heads * d],
                     &batch[i * heads * d..(i + 1) * heads * d],
@@ -816,22 +838,6 @@ mod tests {
         for (d, heads, kv_heads) in [(256usize, 4usize, 1usize), (64, 9, 3)] {
             for (rows, threads) in [(1usize, 2usize), (1, 3), (2, 3)] {
                 let (n_kv, pad) = (256usize, 64usize);
-                let cells = n_kv * kv_heads * d;
-                let q: Vec<f32> = (0..rows * heads * d).map(|_| rnd(2.0)).collect();
-                let k: Vec<u16> = (0..cells).map(|_| from_f32(rnd(2.0))).collect();
-                let v: Vec<u16> = (0..cells).map(|_| from_f32(rnd(1.0))).collect();
-                // Row i at cell i sees cells 0..=i.
-                let mask: Vec<u16> = (0..pad)
-                    .flat_map(|i| (0..n_kv).map(move |c| (i, c)))
-                    .map(|(i, c)| {
-                        from_f32(if i < rows && c <= i {
-                            0.0
-                        } else {
-                            f32::NEG_INFINITY
-                        })
-                    })
-                    .collect();
-                let scale = 1.0 / (d as f32).sqrt();
                 let shape = Shape {
                     d,
                     heads,
@@ -840,22 +846,11 @@ mod tests {
                     rows,
                     pad,
                 };
-                let (device, _) = device_and_batch(shape, scale, &q, &k, &v, &mask, threads);
+                // Row i at cell i sees cells 0..=i.
+                let (q, k, v, mask) = operands(&mut rnd, shape, |i, c| c <= i);
+                let (device, _) = device_and_batch(shape, &q, &k, &v, &mask, threads);
                 for i in 0..rows {
-                    let lone = Case {
-                        d,
-                        heads,
-                        kv_heads,
-                        n_kv,
-                        threads,
-                        scale,
-                        q: q[i * heads * d..(i + 1) * heads * d].to_vec(),
-                        k: k.clone(),
-                        v: v.clone(),
-                        mask: mask[i * n_kv..(i + 1) * n_kv].to_vec(),
-                    }
-                    .ggml()
-                    .unwrap();
+                    let lone = lone_row(shape, n_kv, threads, (&q, &k, &v, &mask), i);
                     let got = &device[i * heads * d..(i + 1) * heads * d];
                     assert!(
                         got.iter()
