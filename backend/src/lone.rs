@@ -232,10 +232,6 @@ unsafe fn key_products(
     let out = Ptr(scores.as_mut_ptr().cast());
     parallel(threads, &|t, nth| {
         let (c0, c1) = (lo + t * span / nth, lo + (t + 1) * span / nth);
-        if c0 == c1 {
-            // A view of fewer cells than threads (a sequence's first rows): none here.
-            return;
-        }
         SUMS.with(|s| {
             let sums = &mut *s.borrow_mut();
             // Every element is written by `dots` before it is read.
