@@ -144,13 +144,13 @@ unsafe fn q6k_offset(y: *const u8, scales_16: __m256i) -> __m256i {
     )
 }
 
-/// Activation rows per pass over a weight row: eight, as the 32-weight blocks' 256-bit kernels
-/// (`super::WIDE`); four made an 8-row call unpack every super-block's quants and scales twice.
+/// Activation rows per pass over a weight row: the 32-weight blocks' 256-bit kernels' eight
+/// ([`super::WIDE`]); four made an 8-row call unpack every super-block's quants and scales twice.
 /// The integer sums and the unpacked operands fit the sixteen registers; the float
 /// accumulators, used once a super-block, may live on the stack. `qdot/Q6K/avx2/8` and
 /// `qdot/Q4K/avx2/8` (kernels bench, one thread, the AVX2-only Zen 4 VM, four alternating runs):
 /// 421-569 against 515-694 us, and 473-564 against 556-730 us; a one-row call is unchanged.
-const PASS: usize = 8;
+const PASS: usize = super::WIDE;
 
 /// `$f::<R>(ys, nb, x, out)` for `R` = `ys.len()`, one of `$n` or else `$last` (the group
 /// size is a constant in each kernel, so every accumulator lives in a register).
