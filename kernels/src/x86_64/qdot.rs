@@ -325,8 +325,7 @@ pub(super) mod zmm {
     #[inline]
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn pair<const K: usize>(
-        kind: Kind,
+    unsafe fn pair<const KIND: u8, const K: usize>(
         acts: &Acts<'_>,
         t: *const f32,
         r0: usize,
@@ -335,6 +334,8 @@ pub(super) mod zmm {
         o0: *mut f32,
         o1: *mut f32,
     ) -> usize {
+        // A constant in each instance: no kind is tested inside the loops.
+        let kind = Kind::from_u8(KIND);
         let nb = acts.nb;
         let wb = kind.weight_block();
         let q = acts.qs.as_ptr().add(r0 * nb * 32);
@@ -425,6 +426,21 @@ pub(super) mod zmm {
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(in crate::qdot) unsafe fn many(kind: Kind, acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
+        match kind {
+            Kind::Q8_0 => many_of::<{ Kind::Q8_0 as u8 }>(acts, w, out),
+            Kind::Q5_0 => many_of::<{ Kind::Q5_0 as u8 }>(acts, w, out),
+            Kind::Q4_1 => many_of::<{ Kind::Q4_1 as u8 }>(acts, w, out),
+            Kind::Q4K | Kind::Q6K => unreachable!("k-quants have their own kernels"),
+        }
+    }
+
+    /// [`many`] for one kind (`kind as u8`): each pass's kind a constant, so the kind's
+    /// branches leave the loops (with the kind an argument they stayed in them, a jump
+    /// through a table every block).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn many_of<const KIND: u8>(acts: &Acts<'_>, w: &[u8], out: &mut [f32]) {
+        let kind = Kind::from_u8(KIND);
         let (nb, k) = (acts.nb, acts.rows.len());
         let row = nb * kind.weight_block();
         let n_w = out.len() / k;
@@ -443,11 +459,11 @@ pub(super) mod zmm {
                 // (about as many instructions as a row's products) then serves twice as
                 // many rows.
                 r += match k - r {
-                    1 => pair::<1>(kind, acts, t, r, x0, x0.add(row), a, b),
-                    2 => pair::<2>(kind, acts, t, r, x0, x0.add(row), a, b),
-                    3 => pair::<3>(kind, acts, t, r, x0, x0.add(row), a, b),
-                    4..8 => pair::<GROUP>(kind, acts, t, r, x0, x0.add(row), a, b),
-                    _ => pair::<{ 2 * GROUP }>(kind, acts, t, r, x0, x0.add(row), a, b),
+                    1 => pair::<KIND, 1>(acts, t, r, x0, x0.add(row), a, b),
+                    2 => pair::<KIND, 2>(acts, t, r, x0, x0.add(row), a, b),
+                    3 => pair::<KIND, 3>(acts, t, r, x0, x0.add(row), a, b),
+                    4..8 => pair::<KIND, GROUP>(acts, t, r, x0, x0.add(row), a, b),
+                    _ => pair::<KIND, { 2 * GROUP }>(acts, t, r, x0, x0.add(row), a, b),
                 };
             }
             i += 2;
