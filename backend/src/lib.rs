@@ -634,7 +634,7 @@ unsafe extern "C" fn backend_graph_compute(
                     (OpClass::CacheWrites, 0)
                 }
                 g::GGML_OP_SET_ROWS => {
-                    rows::compute(node);
+                    rows::compute(node, threads);
                     (OpClass::CacheWrites, 0)
                 }
                 g::GGML_OP_RMS_NORM

@@ -15,6 +15,7 @@
 use std::cell::RefCell;
 
 use crate::ffi as g;
+use crate::par::{parallel, Ptr};
 
 /// Whether the device writes `op`: f32 rows into an f16 tensor, indexed by i64 or i32, as
 /// ggml's `SET_ROWS` does, with contiguous source rows.
@@ -47,12 +48,19 @@ thread_local! {
     static HALVES: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Write `node` (which [`supports`] accepted), on the calling thread.
+/// Fewest one-element writes of llama.cpp's transposed layout that go on every thread: a
+/// token's value rows lie a cell row apart (8 KB on a 4,096-cell context), so each write
+/// misses the caches and the translation buffer, and a parallel region (~1 us) pays from a
+/// few dozen of them (SmolLM2's token: 192 values a layer, Gemma 3's: 256).
+const PAR_WRITES: usize = 64;
+
+/// Write `node` (which [`supports`] accepted): a transposed V cache's scattered values on
+/// `threads` threads, the rest on the calling thread.
 ///
 /// # Safety
 /// `node` is a valid, allocated SET_ROWS node whose sources hold their data, its indices
 /// inside the destination (ggml asserts that; here it panics).
-pub(crate) unsafe fn compute(node: &mut g::ggml_tensor) {
+pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
     let convert = crate::attn::quantizer(g::GGML_TYPE_F16);
     let (nc, nr) = (s0.ne[0] as usize, s0.ne[1] as usize);
@@ -84,19 +92,39 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor) {
                 };
                 if nc == 1 {
                     // A transposed V cache: one half a cell.
+                    let nb1 = node.nb[1];
                     let put = |i: usize, v: u16| {
-                        dst.add(i * node.nb[1]).cast::<u16>().write_unaligned(v);
+                        dst.add(i * nb1).cast::<u16>().write_unaligned(v);
                     };
                     match by_value(h.len(), &index) {
                         Some((values, stride)) => {
                             // A value's cells for every token, before the next value's: each
                             // cache line once (a token at a time, a value's row 8 KB from the
-                            // next went to the same cache sets, and every store missed).
+                            // next went to the same cache sets, and every store missed). The
+                            // values split over the threads: no two of them share a cell.
                             let tokens = h.len() / values;
-                            for e in 0..values {
-                                for t in 0..tokens {
-                                    put(index(t * values) + e * stride, h[t * values + e]);
+                            let bases: Vec<usize> =
+                                (0..tokens).map(|t| index(t * values)).collect();
+                            let (h, out) = (&h[..], Ptr(dst));
+                            let write = |e0: usize, e1: usize| {
+                                for e in e0..e1 {
+                                    for (t, &base) in bases.iter().enumerate() {
+                                        // SAFETY: cell `base + e * stride` of this matrix,
+                                        // inside it (`index` checked every base, and
+                                        // `by_value` the cells after them); written by this
+                                        // thread only.
+                                        out.at((base + e * stride) * nb1)
+                                            .cast::<u16>()
+                                            .write_unaligned(h[t * values + e]);
+                                    }
                                 }
+                            };
+                            if threads > 1 && h.len() >= PAR_WRITES {
+                                parallel(threads.min(values), &|tid, nth| {
+                                    write(tid * values / nth, (tid + 1) * values / nth)
+                                });
+                            } else {
+                                write(0, values);
                             }
                         }
                         None => {
@@ -133,7 +161,7 @@ fn by_value(n: usize, index: &dyn Fn(usize) -> usize) -> Option<(usize, usize)> 
     while values < n && index(values) == first + values * stride {
         values += 1;
     }
-    if values == n || !n.is_multiple_of(values) {
+    if !n.is_multiple_of(values) {
         return None;
     }
     for t in 0..n / values {
@@ -186,8 +214,11 @@ mod tests {
         // (values a row, cells, i64 indices, indices, the value-major layout expected)
         type Case = (usize, usize, bool, Vec<usize>, Option<(usize, usize)>);
         let cases: Vec<Case> = vec![
-            (64, 40, true, scattered(5, 40), None),
-            (1, 300, false, scattered(37, 300), None),
+            // Cells 7 apart: one token's layout to `by_value` (taken for one-element rows).
+            (64, 40, true, scattered(5, 40), Some((5, 7))),
+            (1, 300, false, scattered(37, 300), Some((37, 7))),
+            // Cells 7 apart until they wrap around: ggml's order.
+            (1, 300, false, scattered(50, 300), None),
             (
                 1,
                 300,
@@ -195,7 +226,7 @@ mod tests {
                 transposed(6, 50, &[(0, 17), (0, 18), (0, 3), (0, 49)]),
                 Some((6, 50)),
             ),
-            (1, 300, true, transposed(6, 50, &[(0, 0)]), None),
+            (1, 300, true, transposed(6, 50, &[(0, 0)]), Some((6, 50))),
             (
                 1,
                 300,
@@ -210,6 +241,15 @@ mod tests {
                 transposed(5, 20, &[(1, 4), (0, 4), (1, 19), (0, 0)]),
                 Some((5, 20)),
             ),
+            // Enough writes for both threads ([`super::PAR_WRITES`]): two tokens, and one.
+            (
+                1,
+                960,
+                true,
+                transposed(48, 20, &[(0, 3), (0, 7)]),
+                Some((48, 20)),
+            ),
+            (1, 960, false, transposed(96, 10, &[(0, 4)]), Some((96, 10))),
             // Bases a cell row apart: token 1's value e lands on token 0's value e + 1.
             (1, 210, true, rows_from(&[3, 33], 6, 30), None),
             // Bases 2 rows apart, 3 values a token: token 1's value 0 lands on token 0's 2.
@@ -217,8 +257,8 @@ mod tests {
         ];
         for (nc, cells, i64_idx, idx, layout) in cases {
             let nr = idx.len();
-            // Which loop the device takes: value by value for llama.cpp's layouts of more
-            // than one token, in ggml's order for the rest.
+            // Which loop the device takes: value by value for llama.cpp's layouts (of one
+            // token too), in ggml's order for the rest.
             assert_eq!(super::by_value(nr, &|i| idx[i]), layout, "{idx:?}");
             let src: Vec<f32> = (0..nc * nr)
                 .map(|i| match i % 11 {
@@ -275,9 +315,12 @@ mod tests {
                 std::ptr::copy_nonoverlapping(before.as_ptr(), data, before.len());
                 let node = &mut *out.cast::<crate::ffi::ggml_tensor>();
                 assert!(super::supports(node));
-                super::compute(node);
-                let got = std::slice::from_raw_parts(data, before.len());
-                assert_eq!(want, got, "{nc}-element rows at {idx:?}");
+                for threads in [1, 2] {
+                    std::ptr::copy_nonoverlapping(before.as_ptr(), data, before.len());
+                    super::compute(node, threads);
+                    let got = std::slice::from_raw_parts(data, before.len());
+                    assert_eq!(want, got, "{nc}-element rows at {idx:?}, {threads} threads");
+                }
                 assert_ne!(want, before, "the rows were written");
                 sys::ggml_free(ctx);
             }
