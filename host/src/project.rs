@@ -311,8 +311,6 @@ impl Projection {
         src: Option<*const u8>,
     ) {
         assert_eq!(hs.len(), outs.len());
-        let acts: Vec<Vec<u8>> = hs.iter().map(|h| self.quantize(h)).collect();
-        let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
         // Every entry of `vocab` is written below: a buffer already vocabulary-sized (the
         // callers reuse theirs) is not zeroed again, a megabyte a row on Gemma 3.
         for o in outs.iter_mut() {
@@ -321,6 +319,86 @@ impl Projection {
                 o.resize(self.n_vocab, 0.0);
             }
         }
+        let r = hs.len();
+        // Each thread writes its own vocabulary chunk of every output row.
+        let outs_at: Vec<usize> = outs.iter_mut().map(|o| o.as_mut_ptr() as usize).collect();
+        let outs_at = &outs_at;
+        self.pass(hs, vocab, src, &|_, tiles| {
+            tiles(&mut |v0, n, tmp| {
+                // Each state's run of the tile in order, 8 x 8 blocks through registers (a
+                // float at a time, Gemma's 8-row projection took 6-8% longer).
+                // SAFETY: every output is vocabulary-sized (resized above) and this thread
+                // alone writes entries `v0..v0 + n` of each.
+                unsafe {
+                    leap_kernels::transpose::columns_to(tmp, r, n, |j| {
+                        (outs_at[j] as *mut f32).add(v0)
+                    })
+                };
+            })
+        });
+    }
+
+    /// The largest logit of each hidden state of `hs` over vocabulary entries `vocab`, and its
+    /// entry, folded into `best` (one per state, from earlier entries; `(usize::MAX,
+    /// -inf)` before any): the first of equal maxima, as [`crate::sampler::argmax`] over the
+    /// logits [`Projection::logits_rows`] gives (the same products, in the same tiles), with no
+    /// logits written or read back (a megabyte a state on Gemma 3).
+    fn argmax_rows(
+        &self,
+        hs: &[&[f32]],
+        best: &mut [(usize, f32)],
+        vocab: std::ops::Range<usize>,
+        src: Option<*const u8>,
+    ) {
+        assert_eq!(hs.len(), best.len());
+        let r = hs.len();
+        // Each thread's best (entry, logit) per state, with the thread's index.
+        type Bests = Vec<(usize, Vec<(usize, f32)>)>;
+        let per_thread: std::sync::Mutex<Bests> = std::sync::Mutex::new(Vec::new());
+        self.pass(hs, vocab, src, &|t, tiles| {
+            let mut mine = vec![(usize::MAX, f32::NEG_INFINITY); r];
+            tiles(&mut |v0, n, tmp| {
+                for (i, row) in tmp.chunks_exact(r).take(n).enumerate() {
+                    for (b, &v) in mine.iter_mut().zip(row) {
+                        if v > b.1 {
+                            *b = (v0 + i, v);
+                        }
+                    }
+                }
+            });
+            per_thread
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((t, mine));
+        });
+        let mut per_thread = per_thread.into_inner().unwrap_or_else(|e| e.into_inner());
+        // Threads hold ascending runs of entries: in thread order a later maximum wins only
+        // when larger, as in one scan.
+        per_thread.sort_unstable_by_key(|&(t, _)| t);
+        for (_, mine) in per_thread {
+            for (b, m) in best.iter_mut().zip(mine) {
+                if m.1 > b.1 {
+                    *b = m;
+                }
+            }
+        }
+    }
+
+    /// One pass over vocabulary entries `vocab` for the states `hs`, split over the threads:
+    /// `each(t, tiles)` runs on thread t, and `tiles(f)` computes that thread's entries a tile
+    /// of weight rows at a time, calling `f(v0, n, tmp)` for entries `v0..v0 + n` with
+    /// `tmp[i * states + j]` entry `v0 + i`'s result for state j. `src` as for
+    /// [`Projection::logits_rows`].
+    #[allow(clippy::type_complexity)]
+    fn pass(
+        &self,
+        hs: &[&[f32]],
+        vocab: std::ops::Range<usize>,
+        src: Option<*const u8>,
+        each: &(dyn Fn(usize, &mut dyn FnMut(&mut dyn FnMut(usize, usize, &[f32]))) + Sync),
+    ) {
+        let acts: Vec<Vec<u8>> = hs.iter().map(|h| self.quantize(h)).collect();
+        let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
         let first = vocab.start;
         let len = vocab.len();
         let src = src.map(|p| p as usize);
@@ -340,9 +418,7 @@ impl Projection {
                 None => self.rows(v, n),
             }
         };
-        // Each thread writes its own vocabulary chunk of every output row.
-        let outs_at: Vec<usize> = outs.iter_mut().map(|o| o.as_mut_ptr() as usize).collect();
-        let (acts, outs_at) = (&acts, &outs_at);
+        let acts = &acts;
         let prepared = self.kernel.map(|k| (k, k.prepare(self.n_embd, acts)));
         let prepared = &prepared;
         // The OpenMP team ggml's decode just used: no threads spawned, none left spinning
@@ -351,33 +427,27 @@ impl Projection {
             let per = len.div_ceil(threads).max(1);
             let (lo, hi) = ((t * per).min(len), ((t + 1) * per).min(len));
             let r = acts.len();
-            // Weight rows a pass: their results for every state stay in cache.
-            const TILE: usize = 256;
-            let mut tmp = vec![0.0f32; TILE * r];
-            for i0 in (lo..hi).step_by(TILE) {
-                let n = TILE.min(hi - i0);
-                let v0 = first + i0;
-                let tmp = &mut tmp[..n * r];
-                match prepared {
-                    Some((k, a)) => k.dot_many(a, rows_of(v0, n), tmp),
-                    None => {
-                        for (i, t) in tmp.chunks_exact_mut(r).enumerate() {
-                            for (a, t) in acts.iter().zip(t) {
-                                self.dot_row(rows_of(v0 + i, 1), a, t);
+            each(t, &mut |f| {
+                // Weight rows a pass: their results for every state stay in cache.
+                const TILE: usize = 256;
+                let mut tmp = vec![0.0f32; TILE * r];
+                for i0 in (lo..hi).step_by(TILE) {
+                    let n = TILE.min(hi - i0);
+                    let v0 = first + i0;
+                    let tmp = &mut tmp[..n * r];
+                    match prepared {
+                        Some((k, a)) => k.dot_many(a, rows_of(v0, n), tmp),
+                        None => {
+                            for (i, t) in tmp.chunks_exact_mut(r).enumerate() {
+                                for (a, t) in acts.iter().zip(t) {
+                                    self.dot_row(rows_of(v0 + i, 1), a, t);
+                                }
                             }
                         }
                     }
+                    f(v0, n, tmp);
                 }
-                // Each state's run of the tile in order, 8 x 8 blocks through registers (a
-                // float at a time, Gemma's 8-row projection took 6-8% longer).
-                // SAFETY: every output is vocabulary-sized (resized above) and this thread
-                // alone writes entries `first + lo..first + hi` of each.
-                unsafe {
-                    leap_kernels::transpose::columns_to(tmp, r, n, |j| {
-                        (outs_at[j] as *mut f32).add(v0)
-                    })
-                };
-            }
+            });
         });
     }
 }

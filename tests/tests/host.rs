@@ -390,6 +390,21 @@ fn on_demand_projection_is_llama_cpp_logits_bit_for_bit() {
                 hs.len() - 1
             );
         }
+        // The greedy tokens from the same pass without logits are the logits' argmax, the
+        // first of equal maxima too (a zero state: every logit 0, across both threads'
+        // entries).
+        let zero = vec![0.0f32; od.n_embd()];
+        let mut with_zero = hs.clone();
+        with_zero.push(&zero);
+        let best = od.try_argmax_rows(&with_zero).unwrap();
+        for (k, o) in outs.iter().enumerate() {
+            assert_eq!(best[k], leap_host::sampler::argmax(o), "{name}: state {k}");
+        }
+        assert_eq!(
+            *best.last().unwrap(),
+            0,
+            "{name}: ties go to the first entry"
+        );
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             assert!(od.multi_row_kernel(), "{name}: the kernel was turned off");

@@ -226,19 +226,59 @@ impl OnDemand {
                     o.clear();
                     o.resize(self.proj.n_vocab, 0.0);
                 }
-                let n = self.proj.n_vocab;
-                let step = st.chunk_rows().max(1);
-                for v0 in (0..n).step_by(step) {
-                    let r = v0..(v0 + step).min(n);
-                    let src = st
-                        .before(r.clone())
-                        .map_err(|reason| Error::Stopped { reason })?;
-                    self.proj.logits_rows(hs, outs, r.clone(), src);
-                    st.after(r);
-                }
+                self.streamed_chunks(st.as_ref(), &mut |r, src| {
+                    self.proj.logits_rows(hs, outs, r, src)
+                })?;
             }
         }
         Ok(())
+    }
+
+    /// The stream's chunks of the output weights in order, each read (`before`), handed to
+    /// `f(rows, src)` and released (`after`).
+    ///
+    /// # Errors
+    /// [`Error::Stopped`]: the stream could not read a chunk (none after it is handed out).
+    fn streamed_chunks(
+        &self,
+        st: &dyn RowStream,
+        f: &mut dyn FnMut(std::ops::Range<usize>, Option<*const u8>),
+    ) -> Result<()> {
+        let n = self.proj.n_vocab;
+        let step = st.chunk_rows().max(1);
+        for v0 in (0..n).step_by(step) {
+            let r = v0..(v0 + step).min(n);
+            let src = st
+                .before(r.clone())
+                .map_err(|reason| Error::Stopped { reason })?;
+            f(r.clone(), src);
+            st.after(r);
+        }
+        Ok(())
+    }
+
+    /// The target's greedy token after each hidden state of `hs` (the first of equal maxima,
+    /// as [`crate::sampler::argmax`] over [`OnDemand::logits_rows`]' logits, which are
+    /// llama.cpp's), from the same pass over the output weights without writing any logits
+    /// (a megabyte a state on Gemma 3, read back by the argmax).
+    ///
+    /// # Errors
+    /// As [`OnDemand::try_logits_rows`].
+    pub fn try_argmax_rows(&self, hs: &[&[f32]]) -> Result<Vec<Token>> {
+        let mut best = vec![(usize::MAX, f32::NEG_INFINITY); hs.len()];
+        match &self.stream {
+            None => self
+                .proj
+                .argmax_rows(hs, &mut best, 0..self.proj.n_vocab, None),
+            Some(st) => self.streamed_chunks(st.as_ref(), &mut |r, src| {
+                self.proj.argmax_rows(hs, &mut best, r, src)
+            })?,
+        }
+        // No logit above -inf (or only NaN): entry 0, as the scan gives.
+        Ok(best
+            .into_iter()
+            .map(|(i, _)| if i == usize::MAX { 0 } else { i as Token })
+            .collect())
     }
 
     /// [`OnDemand::logits`], with the error of a stream that cannot read the weights.

@@ -23,7 +23,7 @@ use leap_host::{Batch, Context, Model, Result, Token};
 use super::{run, VocabConfig, VocabState, GROW, MAX_CHAIN, RIDE};
 use crate::corpus::CorpusDrafter;
 use crate::draft::{ContextDrafter, Drafter, Proposal};
-use crate::plain::{argmax, Generation};
+use crate::plain::Generation;
 
 /// One generation's rounds: what carries from a round to the next, and the buffers each
 /// reuses.
@@ -65,7 +65,10 @@ pub(super) struct Rounds<'a> {
     guess_buf: Vec<f32>,
     n: usize,
     drafts: Vec<Token>,
+    /// The pass's rows: their logits under a grammar, else their greedy tokens
+    /// ([`OnDemand::try_argmax_rows`]).
     logits: Vec<Vec<f32>>,
+    best: Vec<Token>,
     emitted: Vec<Token>,
     variants: Vec<Token>,
     /// A row's logits masked by the grammar.
@@ -115,6 +118,7 @@ impl<'a> Rounds<'a> {
             n: od.n_embd(),
             drafts: Vec::new(),
             logits: Vec::new(),
+            best: Vec::new(),
             emitted: Vec::new(),
             variants: Vec::new(),
             masked: Vec::new(),
@@ -390,9 +394,15 @@ impl<'a> Rounds<'a> {
         let tp = Instant::now();
         let views: Vec<&[f32]> = self.hs.chunks_exact(self.n).collect();
         let rows = views.len();
-        self.logits
-            .resize_with(rows.max(self.logits.len()), Vec::new);
-        self.od.try_logits_rows(&views, &mut self.logits[..rows])?;
+        if self.grammar.is_some() {
+            // A grammar masks whole rows of logits.
+            self.logits
+                .resize_with(rows.max(self.logits.len()), Vec::new);
+            self.od.try_logits_rows(&views, &mut self.logits[..rows])?;
+        } else {
+            // Only the greedy tokens: no logits written and read back.
+            self.best = self.od.try_argmax_rows(&views)?;
+        }
         let pass = tp.elapsed().as_secs_f64();
         self.state.record_pass(rows, pass);
         let g = &mut self.g;
@@ -407,13 +417,13 @@ impl<'a> Rounds<'a> {
     /// here is output, or the generation ends). Whether the grammar allowed none somewhere.
     fn walk(&mut self, rows: usize) -> bool {
         self.emitted.clear();
-        for (i, l) in self.logits[..rows].iter().enumerate() {
+        for i in 0..rows {
             let t = match self.grammar.as_deref_mut() {
-                Some(gr) => match gr.take_greedy(l, &mut self.masked) {
+                Some(gr) => match gr.take_greedy(&self.logits[i], &mut self.masked) {
                     Some(t) => t,
                     None => return true,
                 },
-                None => argmax(l),
+                None => self.best[i],
             };
             self.emitted.push(t);
             if self.drafts.get(i) != Some(&t) {
