@@ -43,9 +43,17 @@ pub(crate) fn supports(op: &g::ggml_tensor) -> bool {
         && s0.ne[3] % s1.ne[2] == 0
 }
 
+/// A node's buffers, reused from node to node.
+#[derive(Default)]
+struct Scratch {
+    /// A matrix of source rows converted.
+    halves: Vec<u16>,
+    /// Each token's first cell, in a value-major write ([`by_value`]).
+    bases: Vec<usize>,
+}
+
 thread_local! {
-    /// A matrix of source rows converted (reused from node to node).
-    static HALVES: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
 /// Fewest one-element writes of llama.cpp's transposed layout that go on every thread: a
@@ -65,8 +73,8 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
     let convert = crate::attn::quantizer(g::GGML_TYPE_F16);
     let (nc, nr) = (s0.ne[0] as usize, s0.ne[1] as usize);
     let rows_out = node.ne[1];
-    HALVES.with(|h| {
-        let h = &mut *h.borrow_mut();
+    SCRATCH.with(|sc| {
+        let Scratch { halves: h, bases } = &mut *sc.borrow_mut();
         h.resize(nc * nr, 0);
         for i03 in 0..s0.ne[3] as usize {
             for i02 in 0..s0.ne[2] as usize {
@@ -92,9 +100,10 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
                 };
                 if nc == 1 {
                     // A transposed V cache: one half a cell.
-                    let nb1 = node.nb[1];
-                    let put = |i: usize, v: u16| {
-                        dst.add(i * nb1).cast::<u16>().write_unaligned(v);
+                    let (nb1, out) = (node.nb[1], Ptr(dst));
+                    // SAFETY (each call): `i` is a cell of this matrix (`index` checked it).
+                    let put = move |i: usize, v: u16| {
+                        out.at(i * nb1).cast::<u16>().write_unaligned(v);
                     };
                     match by_value(h.len(), &index) {
                         Some((values, stride)) => {
@@ -102,20 +111,16 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize) {
                             // cache line once (a token at a time, a value's row 8 KB from the
                             // next went to the same cache sets, and every store missed). The
                             // values split over the threads: no two of them share a cell.
-                            let tokens = h.len() / values;
-                            let bases: Vec<usize> =
-                                (0..tokens).map(|t| index(t * values)).collect();
-                            let (h, out) = (&h[..], Ptr(dst));
+                            // Cell `base + e * stride` is inside the matrix (`index`
+                            // checked every base, `by_value` the cells after them), and
+                            // each value's cells are one thread's.
+                            bases.clear();
+                            bases.extend((0..h.len() / values).map(|t| index(t * values)));
+                            let (h, bases) = (&h[..], &bases[..]);
                             let write = |e0: usize, e1: usize| {
                                 for e in e0..e1 {
                                     for (t, &base) in bases.iter().enumerate() {
-                                        // SAFETY: cell `base + e * stride` of this matrix,
-                                        // inside it (`index` checked every base, and
-                                        // `by_value` the cells after them); written by this
-                                        // thread only.
-                                        out.at((base + e * stride) * nb1)
-                                            .cast::<u16>()
-                                            .write_unaligned(h[t * values + e]);
+                                        put(base + e * stride, h[t * values + e]);
                                     }
                                 }
                             };
