@@ -323,18 +323,14 @@ impl Projection {
         // Each thread writes its own vocabulary chunk of every output row.
         let outs_at: Vec<usize> = outs.iter_mut().map(|o| o.as_mut_ptr() as usize).collect();
         let outs_at = &outs_at;
-        self.pass(hs, vocab, src, &|_, tiles| {
-            tiles(&mut |v0, n, tmp| {
-                // Each state's run of the tile in order, 8 x 8 blocks through registers (a
-                // float at a time, Gemma's 8-row projection took 6-8% longer).
-                // SAFETY: every output is vocabulary-sized (resized above) and this thread
-                // alone writes entries `v0..v0 + n` of each.
-                unsafe {
-                    leap_kernels::transpose::columns_to(tmp, r, n, |j| {
-                        (outs_at[j] as *mut f32).add(v0)
-                    })
-                };
-            })
+        self.pass(hs, vocab, src, &|_, v0, n, tmp| {
+            // Each state's run of the tile in order, 8 x 8 blocks through registers (a float
+            // at a time, Gemma's 8-row projection took 6-8% longer).
+            // SAFETY: every output is vocabulary-sized (resized above) and this thread alone
+            // writes entries `v0..v0 + n` of each.
+            unsafe {
+                leap_kernels::transpose::columns_to(tmp, r, n, |j| (outs_at[j] as *mut f32).add(v0))
+            };
         });
     }
 
@@ -352,31 +348,26 @@ impl Projection {
     ) {
         assert_eq!(hs.len(), best.len());
         let r = hs.len();
-        // Each thread's best (entry, logit) per state, with the thread's index.
-        type Bests = Vec<(usize, Vec<(usize, f32)>)>;
-        let per_thread: std::sync::Mutex<Bests> = std::sync::Mutex::new(Vec::new());
-        self.pass(hs, vocab, src, &|t, tiles| {
-            let mut mine = vec![(usize::MAX, f32::NEG_INFINITY); r];
-            tiles(&mut |v0, n, tmp| {
-                for (i, row) in tmp.chunks_exact(r).take(n).enumerate() {
-                    for (b, &v) in mine.iter_mut().zip(row) {
-                        if v > b.1 {
-                            *b = (v0 + i, v);
-                        }
+        // Thread t's best (entry, logit) for each state, over its ascending run of entries.
+        let mine: Vec<std::sync::Mutex<Vec<(usize, f32)>>> = (0..self.threads.max(1))
+            .map(|_| std::sync::Mutex::new(vec![(usize::MAX, f32::NEG_INFINITY); r]))
+            .collect();
+        self.pass(hs, vocab, src, &|t, v0, n, tmp| {
+            let mut mine = mine[t].lock().unwrap_or_else(|e| e.into_inner());
+            for (i, row) in tmp.chunks_exact(r).take(n).enumerate() {
+                for (b, &v) in mine.iter_mut().zip(row) {
+                    if v > b.1 {
+                        *b = (v0 + i, v);
                     }
                 }
-            });
-            per_thread
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((t, mine));
+            }
         });
-        let mut per_thread = per_thread.into_inner().unwrap_or_else(|e| e.into_inner());
-        // Threads hold ascending runs of entries: in thread order a later maximum wins only
-        // when larger, as in one scan.
-        per_thread.sort_unstable_by_key(|&(t, _)| t);
-        for (_, mine) in per_thread {
-            for (b, m) in best.iter_mut().zip(mine) {
+        // In thread order a later maximum wins only when larger, as in one scan.
+        for m in mine {
+            for (b, m) in best
+                .iter_mut()
+                .zip(m.into_inner().unwrap_or_else(|e| e.into_inner()))
+            {
                 if m.1 > b.1 {
                     *b = m;
                 }
@@ -384,18 +375,17 @@ impl Projection {
         }
     }
 
-    /// One pass over vocabulary entries `vocab` for the states `hs`, split over the threads:
-    /// `each(t, tiles)` runs on thread t, and `tiles(f)` computes that thread's entries a tile
-    /// of weight rows at a time, calling `f(v0, n, tmp)` for entries `v0..v0 + n` with
+    /// One pass over vocabulary entries `vocab` for the states `hs`, split over at most
+    /// `self.threads` threads, each taking an ascending run of entries a tile of weight rows
+    /// at a time: `tile(t, v0, n, tmp)` on thread t for entries `v0..v0 + n`, with
     /// `tmp[i * states + j]` entry `v0 + i`'s result for state j. `src` as for
     /// [`Projection::logits_rows`].
-    #[allow(clippy::type_complexity)]
     fn pass(
         &self,
         hs: &[&[f32]],
         vocab: std::ops::Range<usize>,
         src: Option<*const u8>,
-        each: &(dyn Fn(usize, &mut dyn FnMut(&mut dyn FnMut(usize, usize, &[f32]))) + Sync),
+        tile: &(impl Fn(usize, usize, usize, &[f32]) + Sync),
     ) {
         let acts: Vec<Vec<u8>> = hs.iter().map(|h| self.quantize(h)).collect();
         let acts: Vec<&[u8]> = acts.iter().map(Vec::as_slice).collect();
@@ -427,27 +417,25 @@ impl Projection {
             let per = len.div_ceil(threads).max(1);
             let (lo, hi) = ((t * per).min(len), ((t + 1) * per).min(len));
             let r = acts.len();
-            each(t, &mut |f| {
-                // Weight rows a pass: their results for every state stay in cache.
-                const TILE: usize = 256;
-                let mut tmp = vec![0.0f32; TILE * r];
-                for i0 in (lo..hi).step_by(TILE) {
-                    let n = TILE.min(hi - i0);
-                    let v0 = first + i0;
-                    let tmp = &mut tmp[..n * r];
-                    match prepared {
-                        Some((k, a)) => k.dot_many(a, rows_of(v0, n), tmp),
-                        None => {
-                            for (i, t) in tmp.chunks_exact_mut(r).enumerate() {
-                                for (a, t) in acts.iter().zip(t) {
-                                    self.dot_row(rows_of(v0 + i, 1), a, t);
-                                }
+            // Weight rows a pass: their results for every state stay in cache.
+            const TILE: usize = 256;
+            let mut tmp = vec![0.0f32; TILE * r];
+            for i0 in (lo..hi).step_by(TILE) {
+                let n = TILE.min(hi - i0);
+                let v0 = first + i0;
+                let tmp = &mut tmp[..n * r];
+                match prepared {
+                    Some((k, a)) => k.dot_many(a, rows_of(v0, n), tmp),
+                    None => {
+                        for (i, t) in tmp.chunks_exact_mut(r).enumerate() {
+                            for (a, t) in acts.iter().zip(t) {
+                                self.dot_row(rows_of(v0 + i, 1), a, t);
                             }
                         }
                     }
-                    f(v0, n, tmp);
                 }
-            });
+                tile(t, v0, n, tmp);
+            }
         });
     }
 }
