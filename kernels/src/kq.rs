@@ -137,11 +137,19 @@ mod tests {
             eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
             return;
         }
-        const ROWS: usize = 3;
-        for n in [7usize, 48, 64, 100] {
+        // Rows past 256 values (a softmax row of `kqv`, a context long) take four query rows
+        // a pass on x86-64's AVX-512 kernel, six up to 256.
+        for (n, rows) in [
+            (7usize, 3usize),
+            (48, 3),
+            (64, 3),
+            (100, 3),
+            (300, 5),
+            (1100, 13),
+        ] {
             let stride = 2 * n + 6;
-            let mut x = vec![0u8; ROWS * stride];
-            for r in 0..ROWS {
+            let mut x = vec![0u8; rows * stride];
+            for r in 0..rows {
                 for i in 0..n {
                     let h = from_f32(((r * n + i) as f32 * 0.37).sin() * 3.0);
                     x[r * stride + 2 * i..][..2].copy_from_slice(&h.to_le_bytes());
@@ -154,9 +162,9 @@ mod tests {
             for m in 1..=9 {
                 let mut first: Option<Vec<f32>> = None;
                 for dots in super::kernels() {
-                    let mut got = vec![0f32; ROWS * m];
-                    // SAFETY: the CPU runs the kernels; ROWS rows of n halves, stride apart.
-                    unsafe { dots(x.as_ptr(), stride, ROWS, &qs[..m * n], n, &mut got) };
+                    let mut got = vec![0f32; rows * m];
+                    // SAFETY: the CPU runs the kernels; `rows` rows of n halves, stride apart.
+                    unsafe { dots(x.as_ptr(), stride, rows, &qs[..m * n], n, &mut got) };
                     for (i, g) in got.iter().enumerate() {
                         let (r, k) = (i / m, i % m);
                         let exact: f64 = (0..n)
