@@ -431,47 +431,108 @@ unsafe fn compute_with(
     let span = hi.saturating_sub(lo);
     let block = span.div_ceil(4 * threads).clamp(4, 64);
     let tasks = span.div_ceil(block);
+    // Query rows split over the threads instead of cache rows, where each thread's share is
+    // [`BY_ROWS`] rows or more and the cache has a matrix per thread at least (so a thread
+    // reads at most one more matrix than its share): each thread then writes whole output rows,
+    // the rows the softmax after `kq` and the rounding of `kqv`'s query rows give the same
+    // thread (both split rows as `tid * rows / nth`), so the scores stay in that core's
+    // caches from product to product instead of crossing to the other core twice a layer.
+    let by_rows = threads > 1 && rows >= BY_ROWS * threads && ne02 >= threads;
+    let chunks = if by_rows {
+        split_at(
+            &chunks,
+            per,
+            &(1..threads).map(|t| t * rows / threads).collect::<Vec<_>>(),
+        )
+    } else {
+        chunks
+    };
     let dots = kq::kernels()[0];
     let lanes_kernel = kq::lanes();
     let lanes = lanes_layout(lanes_kernel.is_some(), &chunks, q, qt);
     let qt = &qt[..];
     let (x0, nb01, nb02) = (Ptr(s0.data.cast()), s0.nb[1], s0.nb[2]);
-    let work = |b: usize, sums: &mut Vec<f32>| {
+    // Block `b` of cache rows against chunk `c`.
+    let work = |b: usize, c: &Chunk, lanes: Option<usize>, sums: &mut Vec<f32>| {
         let (r0, r1) = (lo + b * block, (lo + (b + 1) * block).min(hi));
-        for (c, lanes) in chunks.iter().zip(&lanes) {
-            sums.resize((r1 - r0) * c.len, 0.0);
-            let sums = &mut sums[..(r1 - r0) * c.len];
-            let x = x0.at(c.i02 * nb02 + r0 * nb01);
-            match (lanes_kernel, lanes) {
-                // SAFETY: the CPU runs it (`kq::lanes`); rows r0..r1 of matrix i02, 64 values
-                // from the span's start; `qt` from `start` laid out for the chunk's rows.
-                (Some(kernel), &Some(start)) => {
-                    kernel(x.add(c.s * 2), nb01, r1 - r0, &qt[start..], c.len, sums)
-                }
-                _ => chunk_dots(dots, x, nb01, c, q, sums),
+        sums.resize((r1 - r0) * c.len, 0.0);
+        let sums = &mut sums[..(r1 - r0) * c.len];
+        let x = x0.at(c.i02 * nb02 + r0 * nb01);
+        match (lanes_kernel, lanes) {
+            // SAFETY: the CPU runs it (`kq::lanes`); rows r0..r1 of matrix i02, 64 values
+            // from the span's start; `qt` from `start` laid out for the chunk's rows.
+            (Some(kernel), Some(start)) => {
+                kernel(x.add(c.s * 2), nb01, r1 - r0, &qt[start..], c.len, sums)
             }
-            // Each output row's run r0..r1 in address order, eight rows at a time (stores
-            // scattered over every row went 4 KB apart on Gemma's 1024 cells and stalled).
-            // SAFETY: elements (r0..r1, i11, i12) of dst; tasks write disjoint elements.
-            leap_kernels::transpose::columns_to(sums, c.len, r1 - r0, |kk| {
-                let k = c.k0 + kk;
-                let (i12, i11) = (c.i02 * r2 + k / ne11, k % ne11);
-                dst.at(i12 * dst_nb2 + i11 * dst_nb1 + r0 * 4).cast::<f32>()
-            });
+            _ => chunk_dots(dots, x, nb01, c, q, sums),
         }
+        // Each output row's run r0..r1 in address order, eight rows at a time (stores
+        // scattered over every row went 4 KB apart on Gemma's 1024 cells and stalled).
+        // SAFETY: elements (r0..r1, i11, i12) of dst; tasks write disjoint elements.
+        leap_kernels::transpose::columns_to(sums, c.len, r1 - r0, |kk| {
+            let k = c.k0 + kk;
+            let (i12, i11) = (c.i02 * r2 + k / ne11, k % ne11);
+            dst.at(i12 * dst_nb2 + i11 * dst_nb1 + r0 * 4).cast::<f32>()
+        });
     };
     let out_rows = ne12 * ne11;
-    parallel(threads.min(tasks), &|tid, nth| {
-        hidden_zero(tid * out_rows / nth..(tid + 1) * out_rows / nth);
+    let nth = if by_rows { threads } else { threads.min(tasks) };
+    parallel(nth, &|tid, nth| {
+        let mine = tid * out_rows / nth..(tid + 1) * out_rows / nth;
+        hidden_zero(mine.clone());
         SCRATCH.with(|s| {
             let sums = &mut s.sums.borrow_mut();
+            if by_rows {
+                // The chunks that start in this thread's rows (`split_at` cut them at every
+                // thread's first row), each over every block of cache rows.
+                for (c, &lanes) in chunks.iter().zip(&lanes) {
+                    if mine.contains(&(c.i02 * per + c.k0)) {
+                        (0..tasks).for_each(|b| work(b, c, lanes, sums));
+                    }
+                }
+                return;
+            }
             // A contiguous run of blocks per thread: each streams through its part of the
             // cache in address order, which the hardware prefetchers follow.
-            for t in tid * tasks / nth..(tid + 1) * tasks / nth {
-                work(t, sums);
+            for b in tid * tasks / nth..(tid + 1) * tasks / nth {
+                for (c, &lanes) in chunks.iter().zip(&lanes) {
+                    work(b, c, lanes, sums);
+                }
             }
         })
     });
+}
+
+/// Query rows a thread takes at least where [`compute`] splits a node's query rows over the
+/// threads: an 8-row verification's 72 (SmolLM2: 24 a KV head) are 36 a thread, a 2-row
+/// call's 18 stay split by cache rows.
+const BY_ROWS: usize = 16;
+
+/// `chunks` (of matrices of `per` query rows, [`chunks`]'s) with each chunk that holds one of
+/// the rows `at` (counted over all matrices) cut there, its second part starting at it.
+fn split_at(chunks: &[Chunk], per: usize, at: &[usize]) -> Vec<Chunk> {
+    let mut out = Vec::with_capacity(chunks.len() + at.len());
+    for c in chunks {
+        let (first, w) = (c.i02 * per + c.k0, c.e - c.s);
+        let mut k0 = c.k0;
+        for &a in at.iter().filter(|&&a| a > first && a < first + c.len) {
+            let k = a - c.i02 * per;
+            out.push(Chunk {
+                k0,
+                len: k - k0,
+                off: c.off + (k0 - c.k0) * w,
+                ..*c
+            });
+            k0 = k;
+        }
+        out.push(Chunk {
+            k0,
+            len: c.k0 + c.len - k0,
+            off: c.off + (k0 - c.k0) * w,
+            ..*c
+        });
+    }
+    out
 }
 
 /// ggml's f16 `vec_dot` of one row of `n` halves at `x` with one at `y` (nrc = 1, as its
@@ -598,6 +659,71 @@ mod tests {
             return;
         }
         assert!(super::agrees_with_ggml());
+    }
+
+    /// Attention's products of grouped heads as ggml's graph has them (`kq`, its softmax
+    /// under a causal mask, `kqv` over the transposed values), computed by the device node by
+    /// node on 1 and 2 threads, give ggml's CPU backend's result bit for bit: a lone row (its
+    /// cache rows split over the threads), an 8-row verification and a 40-row batch (their
+    /// query rows split, a KV head's rows cut between the threads, the batch's inside one of
+    /// its chunks of 16).
+    #[test]
+    fn attention_nodes_match_ggml() {
+        use crate::ffi as g;
+        use llama_cpp_sys_2 as sys;
+        if !kq::cpu_ok() || !super::checked() || crate::softmax::exp().is_none() {
+            eprintln!("the CPU does not run the kernels (x86-64 needs AVX2/FMA/F16C)");
+            return;
+        }
+        let mut rnd = crate::check_values(0x1F83_D9AB_FB41_BD6B);
+        let (d, cells, kv_heads, heads) = (64i64, 256i64, 3i64, 9i64);
+        for tokens in [1i64, 8, 40] {
+            let ctx = crate::check::Ctx::new().expect("a ggml context");
+            // SAFETY: tensors of the context, filled within their sizes; nodes of its graph.
+            unsafe {
+                let half = |ne: [i64; 3], rnd: &mut dyn FnMut(f32) -> f32| {
+                    let t = sys::ggml_new_tensor_3d(ctx.0, sys::GGML_TYPE_F16, ne[0], ne[1], ne[2]);
+                    let n = (ne[0] * ne[1] * ne[2]) as usize;
+                    let h = std::slice::from_raw_parts_mut(sys::ggml_get_data(t).cast::<u16>(), n);
+                    h.iter_mut()
+                        .for_each(|v| *v = crate::f16::from_f32(rnd(1.0)));
+                    t
+                };
+                let k = half([d, cells, kv_heads], &mut rnd);
+                let vt = half([cells, d, kv_heads], &mut rnd);
+                let q = ctx.tensor([d, tokens, heads, 1], &mut || rnd(1.0));
+                // Token t sees cells up to 200 + t.
+                let mask = sys::ggml_new_tensor_2d(ctx.0, sys::GGML_TYPE_F16, cells, tokens);
+                let m = std::slice::from_raw_parts_mut(
+                    sys::ggml_get_data(mask).cast::<u16>(),
+                    (cells * tokens) as usize,
+                );
+                for (i, v) in m.iter_mut().enumerate() {
+                    let (t, c) = (i as i64 / cells, i as i64 % cells);
+                    *v = if c <= 200 + t {
+                        0
+                    } else {
+                        leap_kernels::f16::NEG_INFINITY
+                    };
+                }
+                let kq = sys::ggml_mul_mat(ctx.0, k, q);
+                let soft = sys::ggml_soft_max_ext(ctx.0, kq, mask, 0.125, 0.0);
+                let kqv = sys::ggml_mul_mat(ctx.0, vt, soft);
+                let want = ctx.ggml(kqv).expect("ggml computes the graph");
+                let compute = |node: &mut g::ggml_tensor, threads: usize| match node.op {
+                    g::GGML_OP_MUL_MAT => {
+                        assert!(super::supports(node));
+                        super::compute(node, threads, None)
+                    }
+                    g::GGML_OP_SOFT_MAX => crate::softmax::compute(node, threads),
+                    op => panic!("op {op} in attention's graph"),
+                };
+                assert!(
+                    ctx.device(kqv.cast(), &want, &compute),
+                    "{tokens} tokens: the device's kqv differs from ggml's"
+                );
+            }
+        }
     }
 
     /// A chunk's span: whole steps from the row's start around its rows' nonzero terms, to
