@@ -87,9 +87,11 @@ fn checked() -> bool {
     })
 }
 
-/// Elements below which a node runs on the calling thread (a parallel region costs more than
-/// a one-row call's 2048).
-const SERIAL: usize = 16384;
+/// Elements below which a node runs on the calling thread: a parallel region costs more than
+/// a one-row call's 2048 (Gemma) or 1536 (SmolLM2), and less than SmolLM2's 8-row 12,288 (an
+/// exponential an element: 16,384 kept it on the calling thread, ~7 us a layer with the other
+/// thread waiting).
+const SERIAL: usize = 4096;
 
 /// Compute `node` (which [`supports`] accepted) with `threads` threads.
 ///
