@@ -17,6 +17,10 @@
 //!   key-value head, 1 or 8 rows: `f32` the arithmetic of most builds, `half` a ggml built
 //!   for AVX512-FP16's (where the CPU has it).
 //!
+//! - `softmax/EXP/ROWS`: attention's softmax rows (`leap_kernels::softmax::row`) with each
+//!   exponential this CPU runs, SmolLM2-135M's 9 query heads a token over 1024 cells under an
+//!   f16 causal mask (the last 24 cells hidden), 1 or 8 tokens' rows.
+//!
 //! `cargo bench -p leap-tests --bench kernels [-- FILTER]`. Times vary with the machine: read
 //! them as ratios within one run.
 
@@ -304,9 +308,44 @@ fn lone(c: &mut Criterion) {
     }
 }
 
+fn softmax(c: &mut Criterion) {
+    use leap_kernels::softmax::{cpu_ok, row, Exp, Mask};
+    let cells = 1024usize;
+    let mut g = c.benchmark_group("softmax");
+    for (name, exp) in [("zmm", Exp::Zmm), ("ymm", Exp::Ymm)] {
+        if !cpu_ok(exp) {
+            continue;
+        }
+        for tokens in [1usize, 8] {
+            let rows = 9 * tokens;
+            let x: Vec<f32> = (0..rows * cells)
+                .map(|i| ((i * 7919) % 1013) as f32 * 0.01 - 5.0)
+                .collect();
+            let mask: Vec<u16> = (0..cells)
+                .map(|c| {
+                    if c < cells - 24 {
+                        0
+                    } else {
+                        leap_kernels::f16::NEG_INFINITY
+                    }
+                })
+                .collect();
+            let mut y = vec![0f32; rows * cells];
+            g.bench_with_input(BenchmarkId::new(name, tokens), &tokens, |b, _| {
+                b.iter(|| {
+                    for (x, y) in x.chunks(cells).zip(y.chunks_mut(cells)) {
+                        row(exp, x, Mask::F16(&mask), 0.125, y);
+                    }
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(300)).measurement_time(std::time::Duration::from_secs(1));
-    targets = qdot, stream, attention, lone
+    targets = qdot, stream, attention, lone, softmax
 }
 criterion_main!(benches);
