@@ -251,6 +251,16 @@ mod tests {
                             format!("{exp:?} n {n} case {case} scale {scale} element {i}")
                         });
                         checked += 1;
+                        // An AVX2 build's arithmetic 8 lanes at a time too, where the CPU
+                        // would run it 16 at a time.
+                        #[cfg(target_arch = "x86_64")]
+                        if exp == Exp::Ymm && cpu_ok(Exp::Zmm) {
+                            // SAFETY: the CPU runs the 8-lane passes (`cpu_ok`); equal lengths.
+                            unsafe { x86::row_on(exp, false, &xs, mask, scale, &mut got) };
+                            same_bits(&want, &got, |i| {
+                                format!("8 lanes: n {n} case {case} scale {scale} element {i}")
+                            });
+                        }
                     }
                 }
             }

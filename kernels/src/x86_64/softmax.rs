@@ -1,6 +1,10 @@
-//! x86-64 softmax rows (see `softmax.rs`): the scaled and masked row and its maximum 8 lanes
-//! at a time, then the exponentials in the width and arithmetic of ggml's build, then the
-//! normalization.
+//! x86-64 softmax rows (see `softmax.rs`): the scaled and masked row and its maximum, then the
+//! exponentials in the arithmetic of ggml's build, then the normalization. With AVX-512 every
+//! pass runs 16 lanes at a time (an AVX2 build's exponentials two of its vectors to a
+//! register), and the lane sums of eight of the build's vectors are reduced together; each
+//! value and each addition stays the build's. One thread, warm (`tests/benches/kernels.rs`,
+//! `softmax/ymm/8`, SmolLM2's 72 rows of 1,024 under a mask, the AVX-512 Xeon): 49.4 us with
+//! the 8-lane passes, 38.9 with these.
 
 use super::{ggml_max, Exp, Mask};
 use std::arch::x86_64::*;
@@ -20,7 +24,28 @@ pub(super) fn cpu_ok(exp: Exp) -> bool {
 /// # Safety
 /// The CPU runs `exp` ([`cpu_ok`]); equal lengths.
 pub(super) unsafe fn row(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) {
-    let (max, hidden) = scaled(x, mask, scale, y);
+    // With AVX-512 the element-wise passes (and an AVX2 build's exponentials, two of its
+    // vectors to a register) run 16 lanes at a time: each lane's operations are the build's.
+    row_on(exp, wide(), x, mask, scale, y)
+}
+
+/// [`row`], 16 lanes at a time if `wide` (the CPU has AVX-512F/DQ), else 8 (AVX2's).
+///
+/// # Safety
+/// As [`row`]; `wide` only where the CPU has AVX-512F and AVX-512DQ.
+pub(super) unsafe fn row_on(
+    exp: Exp,
+    wide: bool,
+    x: &[f32],
+    mask: Mask<'_>,
+    scale: f32,
+    y: &mut [f32],
+) {
+    let (max, hidden) = if wide {
+        scaled_zmm(x, mask, scale, y)
+    } else {
+        scaled(x, mask, scale, y)
+    };
     // A vector of cells the mask hides (every value -inf) is 0 after `exp` whatever a finite
     // maximum is (ggml's `exp` of -inf is +0), and adds +0 to the sum, so it is written as 0
     // without `exp`: a sliding-window row hides half a 1,000-cell cache, and ggml's `exp`
@@ -28,9 +53,21 @@ pub(super) unsafe fn row(exp: Exp, x: &[f32], mask: Mask<'_>, scale: f32, y: &mu
     let skip = hidden && max.is_finite();
     let sum = match exp {
         Exp::Zmm => exps_zmm(y, max, skip),
+        Exp::Ymm if wide => exps_ymm_wide(y, max, skip),
         Exp::Ymm => exps_ymm(y, max, skip),
     };
-    normalize(y, (1.0 / sum) as f32);
+    if wide {
+        normalize_zmm(y, (1.0 / sum) as f32)
+    } else {
+        normalize(y, (1.0 / sum) as f32)
+    }
+}
+
+/// The CPU has AVX-512F and AVX-512DQ (besides [`cpu_ok`]'s base).
+fn wide() -> bool {
+    use std::sync::OnceLock;
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    *WIDE.get_or_init(|| cpu_ok(Exp::Zmm))
 }
 
 /// `y = x * scale + mask` (ggml's `wp`), returning its maximum as ggml's comparisons give it,
@@ -83,6 +120,72 @@ unsafe fn scaled(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> (f32, 
         (ggml_max(y), hidden)
     } else {
         (max, hidden)
+    }
+}
+
+/// [`scaled`] 16 lanes at a time (each element's operations are the same whatever the width,
+/// and the maximum of any order but for NaNs, which go to ggml's order).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn scaled_zmm(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> (f32, bool) {
+    let n = x.len();
+    let (xp, yp) = (x.as_ptr(), y.as_mut_ptr());
+    let vs = _mm512_set1_ps(scale);
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut vmax = neg_inf;
+    let (mut nan, mut ninf): (__mmask16, __mmask16) = (0, 0);
+    let mut i = 0;
+    while i + 16 <= n {
+        let mut w = _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), vs);
+        match mask {
+            Mask::None => {}
+            Mask::F16(m) => {
+                let h = _mm256_loadu_si256(m.as_ptr().add(i).cast());
+                w = _mm512_add_ps(w, _mm512_cvtph_ps(h));
+            }
+            Mask::F32(m) => w = _mm512_add_ps(w, _mm512_loadu_ps(m.as_ptr().add(i))),
+        }
+        _mm512_storeu_ps(yp.add(i), w);
+        vmax = _mm512_max_ps(vmax, w);
+        nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(w, w);
+        ninf |= _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(w, neg_inf);
+        i += 16;
+    }
+    let mut lanes = [0f32; 16];
+    _mm512_storeu_ps(lanes.as_mut_ptr(), vmax);
+    let mut max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let (mut has_nan, mut hidden) = (nan != 0, ninf != 0);
+    for i in i..n {
+        let mut w = x[i] * scale;
+        match mask {
+            Mask::None => {}
+            Mask::F16(m) => w += crate::f16::to_f32(m[i]),
+            Mask::F32(m) => w += m[i],
+        }
+        y[i] = w;
+        has_nan |= w.is_nan();
+        hidden |= w == f32::NEG_INFINITY;
+        max = max.max(w);
+    }
+    if has_nan {
+        (ggml_max(y), hidden)
+    } else {
+        (max, hidden)
+    }
+}
+
+/// [`normalize`] 16 lanes at a time.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn normalize_zmm(y: &mut [f32], s: f32) {
+    let n = y.len();
+    let p = y.as_mut_ptr();
+    let vs = _mm512_set1_ps(s);
+    let mut i = 0;
+    while i + 16 <= n {
+        _mm512_storeu_ps(p.add(i), _mm512_mul_ps(_mm512_loadu_ps(p.add(i)), vs));
+        i += 16;
+    }
+    for v in &mut y[i..] {
+        *v *= s;
     }
 }
 
@@ -163,26 +266,83 @@ unsafe fn reduce16(v: __m512) -> f32 {
     _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_movehdup_ps(t8))
 }
 
+/// [`reduce16`] of eight vectors at once: lane k of the result is `reduce16(v[k])`, the same
+/// additions of the same operands (256-bit halves, 128-bit halves, then the pairs), eight
+/// vectors to a register, where a vector's own reduction took eight operations.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn reduce16x8(v: &[__m512; 8]) -> [f32; 8] {
+    // [halves of v[2i] added | halves of v[2i + 1] added]: the 256-bit halves lined up.
+    let a: [__m512; 4] = std::array::from_fn(|i| {
+        let (x, y) = (v[2 * i], v[2 * i + 1]);
+        let lo = _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y);
+        let hi = _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y);
+        _mm512_add_ps(lo, hi)
+    });
+    reduce8x8(&a)
+}
+
+/// ggml's AVX2 lane sum ([`reduce8`]) of eight 8-lane vectors, two to a register (`v[i]` holds
+/// vector 2i, then 2i + 1): lane k of the result is vector k's, the same additions of the same
+/// operands (128-bit halves, then `movehl`, then `movehdup`). [`reduce16`] ends with these
+/// steps on its 256-bit sum.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn reduce8x8(a: &[__m512; 4]) -> [f32; 8] {
+    // [the 128-bit halves of a vector added, for four vectors]: 0..4, then 4..8.
+    let b: [__m512; 2] = std::array::from_fn(|i| {
+        let (x, y) = (a[2 * i], a[2 * i + 1]);
+        let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y);
+        let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y);
+        _mm512_add_ps(lo, hi)
+    });
+    // In 128-bit lane k: [b0 + b2, b1 + b3] of vector k, then of vector 4 + k.
+    let c = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b01_00_01_00>(b[0], b[1]),
+        _mm512_shuffle_ps::<0b11_10_11_10>(b[0], b[1]),
+    );
+    // The pairs: lane 4k vector k's sum, lane 4k + 2 vector 4 + k's.
+    let r = _mm512_add_ps(c, _mm512_shuffle_ps::<0b10_11_00_01>(c, c));
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(
+        out.as_mut_ptr(),
+        _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r)),
+    );
+    out
+}
+
 /// `y = exp(y - max)` as ggml's AVX-512 build, returning the sum; with `skip`, vectors of -inf
-/// are written as 0 (see [`row`]).
+/// are written as 0 (see [`row`]). Eight vectors at a time have their lanes summed together
+/// ([`reduce16x8`]), then added to the sum one after another, in order (a vector written as
+/// 0 adds +0, which leaves the sum as it was).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
 unsafe fn exps_zmm(y: &mut [f32], max: f32, skip: bool) -> f64 {
     let n = y.len();
     let p = y.as_mut_ptr();
     let vm = _mm512_set1_ps(max);
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let one = |i: usize| {
+        let w = _mm512_loadu_ps(p.add(i));
+        let v = if skip && _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(w, neg_inf) == 0xffff {
+            _mm512_setzero_ps()
+        } else {
+            exp16(_mm512_sub_ps(w, vm))
+        };
+        _mm512_storeu_ps(p.add(i), v);
+        v
+    };
     let mut sum = 0f64;
     let mut i = 0;
-    while i + 16 <= n {
-        let w = _mm512_loadu_ps(p.add(i));
-        if skip && _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(w, _mm512_set1_ps(f32::NEG_INFINITY)) == 0xffff
-        {
-            _mm512_storeu_ps(p.add(i), _mm512_setzero_ps());
-            i += 16;
-            continue;
+    while i + 128 <= n {
+        let v: [__m512; 8] = std::array::from_fn(|k| one(i + 16 * k));
+        for r in reduce16x8(&v) {
+            sum += f64::from(r);
         }
-        let v = exp16(_mm512_sub_ps(w, vm));
-        _mm512_storeu_ps(p.add(i), v);
-        sum += f64::from(reduce16(v));
+        i += 128;
+    }
+    while i + 16 <= n {
+        sum += f64::from(reduce16(one(i)));
         i += 16;
     }
     tail(&mut y[i..], max, sum)
@@ -264,10 +424,15 @@ unsafe fn reduce8(v: __m256) -> f32 {
 /// are written as 0 (see [`row`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn exps_ymm(y: &mut [f32], max: f32, skip: bool) -> f64 {
+    exps_ymm_from(y, max, skip, 0.0)
+}
+
+/// [`exps_ymm`] with the sum so far `sum` (the terms before `y`'s).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn exps_ymm_from(y: &mut [f32], max: f32, skip: bool, mut sum: f64) -> f64 {
     let n = y.len();
     let p = y.as_mut_ptr();
     let vm = _mm256_set1_ps(max);
-    let mut sum = 0f64;
     let mut i = 0;
     while i + 8 <= n {
         let w = _mm256_loadu_ps(p.add(i));
@@ -287,6 +452,78 @@ unsafe fn exps_ymm(y: &mut [f32], max: f32, skip: bool) -> f64 {
         i += 8;
     }
     tail(&mut y[i..], max, sum)
+}
+
+/// ggml's AVX2 `ggml_v_expf` ([`exp8`]) on sixteen lanes: each lane the same operations on
+/// the same operands, the selections by masks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn exp8x2(x: __m512) -> __m512 {
+    let r = k16(c::ROUND);
+    let z = _mm512_fmadd_ps(x, k16(c::LOG2E), r);
+    let n = _mm512_sub_ps(z, r);
+    let b = _mm512_fnmadd_ps(n, k16(c::LN2_LO), _mm512_fnmadd_ps(n, k16(c::LN2_HI), x));
+    let e = _mm512_slli_epi32::<23>(_mm512_castps_si512(z));
+    let k = _mm512_castsi512_ps(_mm512_add_epi32(
+        e,
+        _mm512_castps_si512(_mm512_set1_ps(1.0)),
+    ));
+    let abs_n = _mm512_abs_ps(n);
+    let c = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(abs_n, _mm512_set1_ps(126.0));
+    let u = _mm512_mul_ps(b, b);
+    let j = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(
+            _mm512_fmadd_ps(k16(c::P5), b, k16(c::P4)),
+            u,
+            _mm512_fmadd_ps(k16(c::P3), b, k16(c::P2)),
+        ),
+        u,
+        _mm512_mul_ps(k16(c::P1), b),
+    );
+    let common = _mm512_fmadd_ps(j, k, k);
+    if c == 0 {
+        return common;
+    }
+    let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
+    let g = _mm512_maskz_mov_epi32(le, _mm512_set1_epi32(0x8200_0000u32 as i32));
+    let s1 = _mm512_castsi512_ps(_mm512_add_epi32(g, _mm512_set1_epi32(0x7f00_0000)));
+    let s2 = _mm512_castsi512_ps(_mm512_sub_epi32(e, g));
+    let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(abs_n, _mm512_set1_ps(192.0));
+    let big = _mm512_mul_ps(_mm512_fmadd_ps(s2, j, s2), s1);
+    let v = _mm512_mask_blend_ps(c, common, big);
+    _mm512_mask_blend_ps(d, v, _mm512_mul_ps(s1, s1))
+}
+
+/// [`exps_ymm`] sixteen lanes at a time on a CPU with AVX-512 ([`exp8x2`]): eight of the
+/// build's vectors to four registers, their lanes summed together ([`reduce8x8`]) and added to
+/// the sum one vector after another, in order; the last vectors as [`exps_ymm`] takes them.
+/// With `skip`, sixteen values of -inf are written as 0 (a vector of -inf among them gets
+/// ggml's `exp` of -inf, +0, which adds +0 as a skipped one adds nothing).
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn exps_ymm_wide(y: &mut [f32], max: f32, skip: bool) -> f64 {
+    let n = y.len();
+    let p = y.as_mut_ptr();
+    let vm = _mm512_set1_ps(max);
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut sum = 0f64;
+    let mut i = 0;
+    while i + 64 <= n {
+        let v: [__m512; 4] = std::array::from_fn(|k| {
+            let w = _mm512_loadu_ps(p.add(i + 16 * k));
+            let v = if skip && _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(w, neg_inf) == 0xffff {
+                _mm512_setzero_ps()
+            } else {
+                exp8x2(_mm512_sub_ps(w, vm))
+            };
+            _mm512_storeu_ps(p.add(i + 16 * k), v);
+            v
+        });
+        for r in reduce8x8(&v) {
+            sum += f64::from(r);
+        }
+        i += 64;
+    }
+    exps_ymm_from(&mut y[i..], max, skip, sum)
 }
 
 /// `y = silu(x) * g` as ggml's `ggml_vec_swiglu_f32`: whole vectors of its build's width by
