@@ -534,6 +534,7 @@ unsafe fn exps_ymm_wide(y: &mut [f32], max: f32, skip: bool) -> f64 {
 pub(super) unsafe fn swiglu(exp: Exp, x: &[f32], g: &[f32], y: &mut [f32]) {
     let i = match exp {
         Exp::Zmm => swiglu_zmm(x, g, y),
+        Exp::Ymm if wide() => swiglu_ymm_wide(x, g, y),
         Exp::Ymm => swiglu_ymm(x, g, y),
     };
     for ((y, &x), &g) in y[i..].iter_mut().zip(&x[i..]).zip(&g[i..]) {
@@ -555,6 +556,23 @@ unsafe fn swiglu_zmm(x: &[f32], g: &[f32], y: &mut [f32]) -> usize {
         i += 16;
     }
     i
+}
+
+/// [`swiglu_ymm`] sixteen lanes at a time ([`exp8x2`]) on a CPU with AVX-512, a last 8-lane
+/// vector as [`swiglu_ymm`] takes it; returns where the tail starts.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+unsafe fn swiglu_ymm_wide(x: &[f32], g: &[f32], y: &mut [f32]) -> usize {
+    let n = x.len();
+    let (px, pg, py) = (x.as_ptr(), g.as_ptr(), y.as_mut_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        let v = _mm512_loadu_ps(px.add(i));
+        let e = exp8x2(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        let s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+        _mm512_storeu_ps(py.add(i), _mm512_mul_ps(s, _mm512_loadu_ps(pg.add(i))));
+        i += 16;
+    }
+    i + swiglu_ymm(&x[i..], &g[i..], &mut y[i..])
 }
 
 /// The whole 8-lane vectors of [`swiglu`]; returns where the tail starts.
