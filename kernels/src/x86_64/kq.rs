@@ -49,6 +49,20 @@ pub fn kernels() -> &'static [Dots] {
 /// # Safety
 /// [`cpu_ok`]; `out` is at least as long as `x`.
 pub unsafe fn round_f16(x: &[f32], out: &mut [f32]) {
+    // Sixteen at a time with AVX-512 (the same rounding of each value), the rest as below.
+    #[target_feature(enable = "avx2,f16c,avx512f")]
+    unsafe fn go16(x: &[f32], out: &mut [f32]) {
+        let n16 = x.len() / 16 * 16;
+        for i in (0..n16).step_by(16) {
+            let v = _mm512_loadu_ps(x.as_ptr().add(i));
+            let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+        }
+        go(&x[n16..], &mut out[n16..x.len()])
+    }
+    if wide() {
+        return go16(x, out);
+    }
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn go(x: &[f32], out: &mut [f32]) {
         let n8 = x.len() / 8 * 8;
