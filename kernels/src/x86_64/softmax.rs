@@ -63,11 +63,9 @@ pub(super) unsafe fn row_on(
     }
 }
 
-/// The CPU has AVX-512F and AVX-512DQ (besides [`cpu_ok`]'s base).
+/// The CPU has AVX-512F and AVX-512DQ (besides [`cpu_ok`]'s base; std caches the answers).
 fn wide() -> bool {
-    use std::sync::OnceLock;
-    static WIDE: OnceLock<bool> = OnceLock::new();
-    *WIDE.get_or_init(|| cpu_ok(Exp::Zmm))
+    cpu_ok(Exp::Zmm)
 }
 
 /// `y = x * scale + mask` (ggml's `wp`), returning its maximum as ggml's comparisons give it,
@@ -100,10 +98,28 @@ unsafe fn scaled(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> (f32, 
     }
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
-    let mut max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut has_nan = _mm256_movemask_ps(nan) != 0;
-    let mut hidden = _mm256_movemask_ps(ninf) != 0;
-    for i in i..n {
+    let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let seen = (
+        max,
+        _mm256_movemask_ps(nan) != 0,
+        _mm256_movemask_ps(ninf) != 0,
+    );
+    scaled_tail(x, mask, scale, y, i, seen)
+}
+
+/// The elements from `i` of [`scaled`] one at a time, onto what the vectors before them gave
+/// (`seen`: their maximum, whether one was NaN, whether one was -inf); returns the row's
+/// maximum as ggml's comparisons give it, and whether a value is -inf.
+fn scaled_tail(
+    x: &[f32],
+    mask: Mask<'_>,
+    scale: f32,
+    y: &mut [f32],
+    i: usize,
+    seen: (f32, bool, bool),
+) -> (f32, bool) {
+    let (mut max, mut has_nan, mut hidden) = seen;
+    for i in i..x.len() {
         let mut w = x[i] * scale;
         match mask {
             Mask::None => {}
@@ -152,25 +168,8 @@ unsafe fn scaled_zmm(x: &[f32], mask: Mask<'_>, scale: f32, y: &mut [f32]) -> (f
     }
     let mut lanes = [0f32; 16];
     _mm512_storeu_ps(lanes.as_mut_ptr(), vmax);
-    let mut max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let (mut has_nan, mut hidden) = (nan != 0, ninf != 0);
-    for i in i..n {
-        let mut w = x[i] * scale;
-        match mask {
-            Mask::None => {}
-            Mask::F16(m) => w += crate::f16::to_f32(m[i]),
-            Mask::F32(m) => w += m[i],
-        }
-        y[i] = w;
-        has_nan |= w.is_nan();
-        hidden |= w == f32::NEG_INFINITY;
-        max = max.max(w);
-    }
-    if has_nan {
-        (ggml_max(y), hidden)
-    } else {
-        (max, hidden)
-    }
+    let max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    scaled_tail(x, mask, scale, y, i, (max, nan != 0, ninf != 0))
 }
 
 /// [`normalize`] 16 lanes at a time.
