@@ -335,23 +335,23 @@ fn lanes_layout(
         .collect()
 }
 
-/// [`compute`] with `q` for the query rows and `qt` for their query-lanes layout.
-unsafe fn compute_with(
-    node: &mut g::ggml_tensor,
+/// `s1`'s query rows (`n` values each, matrices of `per` rows sharing one of the `ne02` cache
+/// matrices) in chunks ([`chunks`]: a softmax's rows over the span of their nonzero terms),
+/// rounded through f16 as ggml's conversion does into `q`, each chunk's rows over its span one
+/// after another; returns the chunks and the length of `q` they fill.
+///
+/// # Safety
+/// `s1` is [`compute`]'s node's `src[1]`, holding its data.
+unsafe fn rounded_queries(
+    s1: &g::ggml_tensor,
+    n: usize,
+    ne02: usize,
+    per: usize,
     threads: usize,
-    mask: Option<&g::ggml_tensor>,
     q: &mut Vec<f32>,
-    qt: &mut Vec<f32>,
-) {
-    let (s0, s1) = (&*node.src[0], &*node.src[1]);
-    let n = s0.ne[0] as usize;
-    let (ne01, ne02) = (s0.ne[1] as usize, s0.ne[2] as usize);
+) -> (Vec<Chunk>, usize) {
     let (ne11, ne12) = (s1.ne[1] as usize, s1.ne[2] as usize);
-    let r2 = ne12 / ne02;
     let rows = ne12 * ne11;
-    // Query rows ordered (i12, i11): those sharing `src0` matrix i02 are consecutive, `per` of
-    // them.
-    let per = r2 * ne11;
     let (src, src_nb1, src_nb2) = (Ptr(s1.data.cast()), s1.nb[1], s1.nb[2]);
     let src_row = |row: usize| {
         let (i12, i11) = (row / ne11, row % ne11);
@@ -405,6 +405,27 @@ unsafe fn compute_with(
             std::slice::from_raw_parts_mut(out.at((c.off + (k - c.k0) * w) * 4).cast::<f32>(), w);
         kq::round_f16(&src_row(row)[c.s..c.e], dst);
     });
+    (chunks, len)
+}
+
+/// [`compute`] with `q` for the query rows and `qt` for their query-lanes layout.
+unsafe fn compute_with(
+    node: &mut g::ggml_tensor,
+    threads: usize,
+    mask: Option<&g::ggml_tensor>,
+    q: &mut Vec<f32>,
+    qt: &mut Vec<f32>,
+) {
+    let (s0, s1) = (&*node.src[0], &*node.src[1]);
+    let n = s0.ne[0] as usize;
+    let (ne01, ne02) = (s0.ne[1] as usize, s0.ne[2] as usize);
+    let (ne11, ne12) = (s1.ne[1] as usize, s1.ne[2] as usize);
+    let r2 = ne12 / ne02;
+    let rows = ne12 * ne11;
+    // Query rows ordered (i12, i11): those sharing `src0` matrix i02 are consecutive, `per` of
+    // them.
+    let per = r2 * ne11;
+    let (chunks, len) = rounded_queries(s1, n, ne02, per, threads, q);
     let q = &q[..len];
     // Tasks: blocks of `src0` rows, every matrix (KV head) of a block together (the heads of a
     // cache row share its cache lines); at least 4 blocks per thread, so that no thread waits
