@@ -460,11 +460,7 @@ unsafe fn compute_with(
     // caches from product to product instead of crossing to the other core twice a layer.
     let by_rows = threads > 1 && rows >= BY_ROWS * threads && ne02 >= threads;
     let chunks = if by_rows {
-        split_at(
-            &chunks,
-            per,
-            &(1..threads).map(|t| t * rows / threads).collect::<Vec<_>>(),
-        )
+        split_at(&chunks, per, (1..threads).map(|t| t * rows / threads))
     } else {
         chunks
     };
@@ -531,12 +527,12 @@ const BY_ROWS: usize = 16;
 
 /// `chunks` (of matrices of `per` query rows, [`chunks`]'s) with each chunk that holds one of
 /// the rows `at` (counted over all matrices) cut there, its second part starting at it.
-fn split_at(chunks: &[Chunk], per: usize, at: &[usize]) -> Vec<Chunk> {
-    let mut out = Vec::with_capacity(chunks.len() + at.len());
+fn split_at(chunks: &[Chunk], per: usize, at: impl Iterator<Item = usize> + Clone) -> Vec<Chunk> {
+    let mut out = Vec::with_capacity(chunks.len() + at.clone().count());
     for c in chunks {
         let (first, w) = (c.i02 * per + c.k0, c.e - c.s);
         let mut k0 = c.k0;
-        for &a in at.iter().filter(|&&a| a > first && a < first + c.len) {
+        for a in at.clone().filter(|&a| a > first && a < first + c.len) {
             let k = a - c.i02 * per;
             out.push(Chunk {
                 k0,
