@@ -494,6 +494,7 @@ unsafe fn compute_with(
     };
     let out_rows = ne12 * ne11;
     let nth = if by_rows { threads } else { threads.min(tasks) };
+    let shares = leap_host::par::Shares::new(tasks, nth);
     parallel(nth, &|tid, nth| {
         let mine = tid * out_rows / nth..(tid + 1) * out_rows / nth;
         hidden_zero(mine.clone());
@@ -509,9 +510,10 @@ unsafe fn compute_with(
                 }
                 return;
             }
-            // A contiguous run of blocks per thread: each streams through its part of the
-            // cache in address order, which the hardware prefetchers follow.
-            for b in tid * tasks / nth..(tid + 1) * tasks / nth {
+            // A contiguous run of blocks per thread (each streams through its part of the
+            // cache in address order, which the hardware prefetchers follow), then what is
+            // left of the others' (`leap_host::par::Shares`).
+            for b in shares.iter(tid) {
                 for (c, &lanes) in chunks.iter().zip(&lanes) {
                     work(b, c, lanes, sums);
                 }

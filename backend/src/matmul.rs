@@ -223,6 +223,7 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
             });
         }
     };
+    let shares = leap_host::par::Shares::new(tasks, threads.min(tasks));
     parallel_phased(threads.min(tasks), &|tid, nth, phase| {
         let own;
         let chunks = if together {
@@ -234,9 +235,11 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
             &chunks[..]
         };
         let mut tmp = Vec::with_capacity(tile * CHUNK);
-        // A contiguous run of tasks per thread: each streams through its part of the
-        // weights in address order, which the hardware prefetchers follow.
-        for t in tid * tasks / nth..(tid + 1) * tasks / nth {
+        // A contiguous run of tasks per thread (each streams through its part of the weights
+        // in address order, which the hardware prefetchers follow), then what is left of the
+        // others', so none waits long for another at the end (and a team smaller than asked
+        // for still does every task).
+        for t in shares.iter(tid) {
             work(chunks, t, &mut tmp);
         }
     });
