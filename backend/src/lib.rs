@@ -588,6 +588,7 @@ unsafe extern "C" fn backend_graph_compute(
     let threads = inst.threads.load(Ordering::Relaxed).max(1);
     let timing = inst.timing();
     let mut times = device::OpTimes::default();
+    let mut quantized = matmul::Quantized::default();
     let status = guard("graph_compute", g::GGML_STATUS_FAILED, || {
         for i in 0..g::ggml_graph_n_nodes(cgraph) {
             let node = &mut *g::ggml_graph_node(cgraph, i);
@@ -600,9 +601,10 @@ unsafe extern "C" fn backend_graph_compute(
                 | g::GGML_OP_RESHAPE
                 | g::GGML_OP_PERMUTE
                 | g::GGML_OP_TRANSPOSE => continue,
-                g::GGML_OP_MUL_MAT if matmul::supports(node, true) => {
-                    (OpClass::Weights, matmul::compute(node, threads, inst))
-                }
+                g::GGML_OP_MUL_MAT if matmul::supports(node, true) => (
+                    OpClass::Weights,
+                    matmul::compute(node, threads, inst, &mut quantized),
+                ),
                 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 g::GGML_OP_MUL_MAT if kqmm::supports(node) => {
                     let mask = kqmm::mask_of(node, cgraph, i);
@@ -651,6 +653,7 @@ unsafe extern "C" fn backend_graph_compute(
                     return g::GGML_STATUS_FAILED;
                 }
             };
+            quantized.wrote(node);
             inst.counted(skipped);
             if let Some(t) = started {
                 times.add(class, t.elapsed().as_secs_f64());

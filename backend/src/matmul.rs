@@ -108,12 +108,51 @@ pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
         && qdot::checked(kind).is_some()
 }
 
+/// The quantized activations of the last weight product of a graph, for the next product over
+/// the same input: a layer's query, key and value products read one normed row set, its gate
+/// and up products another, and each quantized it anew (SmolLM2's 8-row call: ~0.3 ms).
+/// ggml's graph allocator leaves a tensor's data as it is until the last node that reads it
+/// has run, so within one graph one source tensor holds the same values for all its readers;
+/// the store lives for one `graph_compute`, is keyed by the source tensor itself, and is
+/// dropped when a node of the graph writes over the source's bytes all the same
+/// ([`Quantized::wrote`]: an in-place op ggml's order puts between two readers).
+#[derive(Default)]
+pub(crate) struct Quantized {
+    /// The source tensor, its data and the activation type, and the batch rows quantized.
+    key: Option<(*const g::ggml_tensor, *mut std::ffi::c_void, g::ggml_type)>,
+    /// The source's bytes.
+    span: (usize, usize),
+    sel: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl Quantized {
+    /// `node` was computed: forget the activations if it wrote into their source's bytes.
+    ///
+    /// # Safety
+    /// `node` is a valid, allocated tensor.
+    pub(crate) unsafe fn wrote(&mut self, node: &g::ggml_tensor) {
+        let start = node.data as usize;
+        let end = start + llama_cpp_sys_2::ggml_nbytes((node as *const g::ggml_tensor).cast());
+        if self.key.is_some() && start < self.span.1 && self.span.0 < end {
+            self.key = None;
+        }
+    }
+}
+
 /// Compute `node` (which [`supports`] accepted) with `threads` threads, for the context of
-/// `inst`; returns the batch rows its early exit skipped.
+/// `inst`, its activations taken from `last` when the graph's previous product quantized the
+/// same ones (and left there for the next); returns the batch rows its early exit skipped.
 ///
 /// # Safety
-/// `node` is a valid, allocated MUL_MAT node whose sources hold their data.
-pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &Instance) -> u64 {
+/// `node` is a valid, allocated MUL_MAT node whose sources hold their data; `last` was filled
+/// by nodes of the same graph only.
+pub(crate) unsafe fn compute(
+    node: &mut g::ggml_tensor,
+    threads: usize,
+    inst: &Instance,
+    last: &mut Quantized,
+) -> u64 {
     let (s0, s1) = (&*node.src[0], &*node.src[1]);
     let kind = kind_of(s0.type_).expect("checked in supports");
     let k = qdot::checked(kind).expect("checked in supports");
@@ -142,7 +181,16 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
         .then(q8k_checked)
         .flatten();
     let act_bytes = g::ggml_row_size(tr.vec_dot_type, n as i64);
-    let mut act = vec![0u8; act_bytes * sel.len()];
+    let key = Some((node.src[1].cast_const(), s1.data, tr.vec_dot_type));
+    // Already quantized: the same tensor's same rows to the same type (and so the same row
+    // length, the product's inner dimension).
+    let reuse = last.key == key && last.sel == sel;
+    let mut act = if reuse {
+        std::mem::take(&mut last.bytes)
+    } else {
+        vec![0u8; act_bytes * sel.len()]
+    };
+    debug_assert_eq!(act.len(), act_bytes * sel.len());
     // Batch rows a pass over a weight tile (prefill-sized batches go through in chunks).
     const CHUNK: usize = 16;
     let n_chunks = sel.len().div_ceil(CHUNK);
@@ -194,7 +242,8 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
     let chunks: Vec<qdot::Acts<'_>> = if together {
         Vec::new()
     } else {
-        if n_chunks > 1 && threads > 1 {
+        if reuse {
+        } else if n_chunks > 1 && threads > 1 {
             parallel(threads.min(n_chunks), &|tid, nth| {
                 for c in tid * n_chunks / nth..(tid + 1) * n_chunks / nth {
                     (c * CHUNK..((c + 1) * CHUNK).min(sel.len())).for_each(quantize);
@@ -227,8 +276,11 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
     parallel_phased(threads.min(tasks), &|tid, nth, phase| {
         let own;
         let chunks = if together {
-            (tid * sel.len() / nth..(tid + 1) * sel.len() / nth).for_each(quantize);
-            phase.wait();
+            // (`reuse` is the same on every thread, so all wait or none.)
+            if !reuse {
+                (tid * sel.len() / nth..(tid + 1) * sel.len() / nth).for_each(quantize);
+                phase.wait();
+            }
             own = [prepared(0)];
             &own[..]
         } else {
@@ -243,7 +295,18 @@ pub(crate) unsafe fn compute(node: &mut g::ggml_tensor, threads: usize, inst: &I
             work(chunks, t, &mut tmp);
         }
     });
-    (m - sel.len()) as u64
+    let skipped = (m - sel.len()) as u64;
+    drop(chunks);
+    *last = Quantized {
+        key,
+        span: (
+            s1.data as usize,
+            s1.data as usize + llama_cpp_sys_2::ggml_nbytes((s1 as *const g::ggml_tensor).cast()),
+        ),
+        sel,
+        bytes: act,
+    };
+    skipped
 }
 
 /// The rounding ([`leap_kernels::q8k::Rounding`]) with which [`leap_kernels::q8k::quantize`]
@@ -347,6 +410,79 @@ mod tests {
         let r = super::q8k_checked();
         eprintln!("ggml's Q8_K rounding: {r:?}");
         assert!(r.is_some());
+    }
+
+    /// Two products of one input: the second reuses the first's quantized activations, and
+    /// both equal ggml's; once the input is written over (and the write reported, as
+    /// `graph_compute` does after every node) the next product quantizes it anew.
+    #[test]
+    fn products_of_one_input_share_its_quantization() {
+        use crate::ffi as g;
+        use llama_cpp_sys_2 as sys;
+        let mut rnd = crate::check_values(0x5EED_0A11);
+        // One row (quantized before the products' threads start) and three (quantized by
+        // the products' threads themselves).
+        for rows in [1i64, 3] {
+            let (n, n_w) = (256i64, 64i64);
+            let ctx = crate::check::Ctx::new().expect("a ggml context");
+            // SAFETY: tensors of the context, filled within their sizes; nodes of its graph.
+            unsafe {
+                let weights = |rnd: &mut dyn FnMut(f32) -> f32| {
+                    let f: Vec<f32> = (0..n * n_w).map(|_| rnd(1.0)).collect();
+                    let t = sys::ggml_new_tensor_2d(ctx.0, sys::GGML_TYPE_Q4_1, n, n_w);
+                    sys::ggml_quantize_chunk(
+                        sys::GGML_TYPE_Q4_1,
+                        f.as_ptr(),
+                        sys::ggml_get_data(t),
+                        0,
+                        n_w,
+                        n,
+                        std::ptr::null(),
+                    );
+                    t
+                };
+                let (w1, w2) = (weights(&mut rnd), weights(&mut rnd));
+                let x = ctx.tensor([n, rows, 1, 1], &mut || rnd(1.0));
+                let (y1, y2) = (
+                    sys::ggml_mul_mat(ctx.0, w1, x),
+                    sys::ggml_mul_mat(ctx.0, w2, x),
+                );
+                if super::qdot::checked(super::Kind::Q4_1).is_none()
+                    || !super::supports(&*y1.cast::<g::ggml_tensor>(), false)
+                {
+                    eprintln!("no Q4_1 kernel here");
+                    return;
+                }
+                let inst = crate::device::Instance::default();
+                let mut last = super::Quantized::default();
+                let device = |y: *mut sys::ggml_tensor, last: &mut super::Quantized| {
+                    let node = &mut *y.cast::<g::ggml_tensor>();
+                    super::compute(node, 2, &inst, last);
+                    let len = (n_w * rows) as usize;
+                    std::slice::from_raw_parts(sys::ggml_get_data(y).cast::<u32>(), len).to_vec()
+                };
+                let want = [ctx.ggml(y1).unwrap(), ctx.ggml(y2).unwrap()];
+                assert_eq!(device(y1, &mut last), want[0]);
+                assert!(
+                    last.key.is_some(),
+                    "the first product leaves its activations"
+                );
+                assert_eq!(device(y2, &mut last), want[1], "the second, reusing them");
+                // The input doubled in place, unreported: the store still holds the old one (so
+                // reuse did happen), and the product is the old input's.
+                let xs =
+                    std::slice::from_raw_parts_mut(sys::ggml_get_data_f32(x), (n * rows) as usize);
+                xs.iter_mut().for_each(|v| *v *= 2.0);
+                let stale = device(y2, &mut last);
+                assert_eq!(stale, want[1]);
+                let fresh = ctx.ggml(y2).unwrap();
+                assert_ne!(fresh, want[1]);
+                // Reported: quantized anew, ggml's result on the new values.
+                last.wrote(&*x.cast::<g::ggml_tensor>());
+                assert_eq!(device(y2, &mut last), fresh);
+                assert_eq!(device(y1, &mut last), ctx.ggml(y1).unwrap());
+            }
+        }
     }
 
     #[test]
