@@ -118,15 +118,59 @@ pub(crate) fn supports(op: &g::ggml_tensor, take_output: bool) -> bool {
 /// ([`Quantized::wrote`]: an in-place op ggml's order puts between two readers).
 #[derive(Default)]
 pub(crate) struct Quantized {
-    /// The source tensor, its data and the activation type, and the batch rows quantized.
-    key: Option<(*const g::ggml_tensor, *mut std::ffi::c_void, g::ggml_type)>,
-    /// The source's bytes.
+    /// The source tensor and the activation type (`None`: nothing stored).
+    key: Option<(*const g::ggml_tensor, g::ggml_type)>,
+    /// The source's bytes (its data pointer is part of what must match).
     span: (usize, usize),
+    /// The batch rows quantized.
     sel: Vec<usize>,
     bytes: Vec<u8>,
 }
 
 impl Quantized {
+    /// The bytes of `src`'s rows `sel` quantized to `ty` if they are stored, taken out (`true`),
+    /// else `len` zeroed bytes to quantize them into (`false`).
+    fn take(
+        &mut self,
+        src: &g::ggml_tensor,
+        ty: g::ggml_type,
+        sel: &[usize],
+        len: usize,
+    ) -> (Vec<u8>, bool) {
+        // The same tensor's same rows at the same address to the same type (and so the same
+        // row length, the product's inner dimension).
+        let stored = self.key == Some((src as *const _, ty))
+            && self.span.0 == src.data as usize
+            && self.sel == sel;
+        if stored {
+            debug_assert_eq!(self.bytes.len(), len);
+            (std::mem::take(&mut self.bytes), true)
+        } else {
+            (vec![0u8; len], false)
+        }
+    }
+
+    /// Store `bytes`, `src`'s rows `sel` quantized to `ty`, for the next product.
+    ///
+    /// # Safety
+    /// `src` is a valid, allocated tensor.
+    unsafe fn keep(
+        &mut self,
+        src: &g::ggml_tensor,
+        ty: g::ggml_type,
+        sel: Vec<usize>,
+        bytes: Vec<u8>,
+    ) {
+        let start = src.data as usize;
+        let len = llama_cpp_sys_2::ggml_nbytes((src as *const g::ggml_tensor).cast());
+        *self = Self {
+            key: Some((src, ty)),
+            span: (start, start + len),
+            sel,
+            bytes,
+        };
+    }
+
     /// `node` was computed: forget the activations if it wrote into their source's bytes.
     ///
     /// # Safety
@@ -162,18 +206,7 @@ pub(crate) unsafe fn compute(
     let from = (*g::ggml_get_type_traits_cpu(tr.vec_dot_type))
         .from_float
         .expect("the activation type has a quantizer");
-    // The batch rows to compute: all, or those an early exit kept past this layer
-    // (`Device::exit_mask`); the others get zeros.
-    let sel: Vec<usize> = match inst.rows_kept(m, || layer_of(tensor_name(s0))) {
-        Some(keep) => {
-            for r in (0..m).filter(|&r| !keep[r]) {
-                let out = (node.data as *mut u8).add(r * node.nb[1]).cast::<f32>();
-                std::ptr::write_bytes(out, 0, n_w);
-            }
-            (0..m).filter(|&r| keep[r]).collect()
-        }
-        None => (0..m).collect(),
-    };
+    let sel = rows_to_compute(node, inst);
     // `Q8_K` activations (the k-quants') with Leap's vector quantizer where it gives ggml's
     // bytes: ggml's x86-64 build quantizes them with its scalar reference, on the calling
     // thread while the others wait.
@@ -181,16 +214,7 @@ pub(crate) unsafe fn compute(
         .then(q8k_checked)
         .flatten();
     let act_bytes = g::ggml_row_size(tr.vec_dot_type, n as i64);
-    let key = Some((node.src[1].cast_const(), s1.data, tr.vec_dot_type));
-    // Already quantized: the same tensor's same rows to the same type (and so the same row
-    // length, the product's inner dimension).
-    let reuse = last.key == key && last.sel == sel;
-    let mut act = if reuse {
-        std::mem::take(&mut last.bytes)
-    } else {
-        vec![0u8; act_bytes * sel.len()]
-    };
-    debug_assert_eq!(act.len(), act_bytes * sel.len());
+    let (mut act, reuse) = last.take(s1, tr.vec_dot_type, &sel, act_bytes * sel.len());
     // Batch rows a pass over a weight tile (prefill-sized batches go through in chunks).
     const CHUNK: usize = 16;
     let n_chunks = sel.len().div_ceil(CHUNK);
@@ -243,6 +267,7 @@ pub(crate) unsafe fn compute(
         Vec::new()
     } else {
         if reuse {
+            // Quantized by the graph's previous product.
         } else if n_chunks > 1 && threads > 1 {
             parallel(threads.min(n_chunks), &|tid, nth| {
                 for c in tid * n_chunks / nth..(tid + 1) * n_chunks / nth {
@@ -296,17 +321,28 @@ pub(crate) unsafe fn compute(
         }
     });
     let skipped = (m - sel.len()) as u64;
-    drop(chunks);
-    *last = Quantized {
-        key,
-        span: (
-            s1.data as usize,
-            s1.data as usize + llama_cpp_sys_2::ggml_nbytes((s1 as *const g::ggml_tensor).cast()),
-        ),
-        sel,
-        bytes: act,
-    };
+    last.keep(s1, tr.vec_dot_type, sel, act);
     skipped
+}
+
+/// The batch rows of `node` (a weight product) to compute: all, or those an early exit kept
+/// past its layer (`Device::exit_mask`), the others' outputs zeroed here.
+///
+/// # Safety
+/// As [`compute`].
+unsafe fn rows_to_compute(node: &mut g::ggml_tensor, inst: &Instance) -> Vec<usize> {
+    let (s0, s1) = (&*node.src[0], &*node.src[1]);
+    let (n_w, m) = (s0.ne[1] as usize, s1.ne[1] as usize);
+    match inst.rows_kept(m, || layer_of(tensor_name(s0))) {
+        Some(keep) => {
+            for r in (0..m).filter(|&r| !keep[r]) {
+                let out = (node.data as *mut u8).add(r * node.nb[1]).cast::<f32>();
+                std::ptr::write_bytes(out, 0, n_w);
+            }
+            (0..m).filter(|&r| keep[r]).collect()
+        }
+        None => (0..m).collect(),
+    }
 }
 
 /// The rounding ([`leap_kernels::q8k::Rounding`]) with which [`leap_kernels::q8k::quantize`]
