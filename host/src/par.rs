@@ -185,8 +185,10 @@ pub struct Shares {
 }
 
 /// One thread's run, on a cache line (and its prefetched pair) of its own: runs side by side
-/// made every task's claim move the line between the cores (Gemma's output projection has
-/// 4,096 tasks a call: ~0.3 ms a call went to it in `make llama`'s llama-server).
+/// made every task's claim move the line between the cores. Claims took 0.61-0.72 ms of
+/// thread time a step with the runs side by side and one task a claim, 0.27-0.40 on lines of
+/// their own, 0.08-0.11 claimed as [`Shares::claim`] does (`perf` of `make llama`'s
+/// llama-server on Gemma, whose output projection is 4,096 tasks a call).
 #[repr(align(128))]
 struct Run(std::sync::atomic::AtomicU64);
 
@@ -208,10 +210,9 @@ impl Shares {
 
     /// The next tasks for thread `tid` (of the `threads` given to [`Shares::new`]), a range of
     /// them, or `None` once every task has been taken. Each task is handed out once. A claim
-    /// takes a quarter of what is left of the run it is taken from (one task at least): a
-    /// locked instruction a task waited for the task's stores to drain (Gemma's output
-    /// projection, 4,096 tasks, spent ~0.2 ms of thread time a call claiming them one by one),
-    /// and the claims still shrink to single tasks where the threads meet.
+    /// takes a quarter of what is left of the run it is taken from (one task at least), so a
+    /// run of thousands of tasks costs a few dozen locked instructions (the runs' type says what
+    /// one a task cost), and the claims still shrink to single tasks where the threads meet.
     pub fn claim(&self, tid: usize) -> Option<std::ops::Range<usize>> {
         use std::sync::atomic::Ordering::Relaxed;
         let n = self.runs.len();
