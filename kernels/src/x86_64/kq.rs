@@ -520,7 +520,7 @@ pub unsafe fn dots_lanes(
     let ahead = ahead(N);
     // The block's cache rows as f32, broadcast from here an element at a time (converted well
     // before they are read: a load from a vector store still in flight waits for it).
-    // (Both are 20 KB a call, so not zeroed: each element is written before it is read, and
+    // (These are 20 KB a call, so not zeroed: each element is written before it is read, and
     // rows past a short block's length are not read.)
     let mut xr = [[MaybeUninit::<f32>::uninit(); N]; BLOCK];
     // The block's cache rows by pairs for the paired group: element e of rows 2p and 2p + 1
@@ -541,19 +541,7 @@ pub unsafe fn dots_lanes(
             }
         }
         if paired {
-            let lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-            let hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-            for (pr, xp) in xp.iter_mut().enumerate().take(len.div_ceil(2)) {
-                let (a, b) = (2 * pr, (2 * pr + 1).min(len - 1));
-                for c in 0..N / 16 {
-                    // SAFETY (reads): rows a and b of the block were written just above.
-                    let va = _mm512_loadu_ps(xr[a].as_ptr().add(16 * c).cast());
-                    let vb = _mm512_loadu_ps(xr[b].as_ptr().add(16 * c).cast());
-                    let out = xp.as_mut_ptr().add(32 * c).cast::<f32>();
-                    _mm512_storeu_ps(out, _mm512_permutex2var_ps(va, lo, vb));
-                    _mm512_storeu_ps(out.add(16), _mm512_permutex2var_ps(va, hi, vb));
-                }
-            }
+            pair_rows(&xr, len, &mut xp);
         }
         let mut g = 0;
         while g < whole {
@@ -595,11 +583,7 @@ pub unsafe fn dots_lanes(
                 // `h` picks a register of each of the eight lanes' pairs, not an element.
                 #[allow(clippy::needless_range_loop)]
                 for h in 0..hs {
-                    // `t0` = the 8-lane sum's low 128 bits + its high; `_mm_hadd_ps` twice.
-                    let t: [__m512; 4] = std::array::from_fn(|i| {
-                        _mm512_add_ps(x0[i][h].assume_init(), x0[i + 4][h].assume_init())
-                    });
-                    let f = _mm512_add_ps(_mm512_add_ps(t[0], t[1]), _mm512_add_ps(t[2], t[3]));
+                    let f = lanes_reduced(x0, h);
                     let k0 = (g + h) * 16;
                     let mask = if m - k0 >= 16 {
                         0xffff
@@ -612,45 +596,88 @@ pub unsafe fn dots_lanes(
             g += hs;
         }
         if paired {
-            // `x0[p][l][0]` for the pair p, the paired group's lanes.
-            for l in 0..8 {
-                let qv: [[__m512; 2]; 4] = std::array::from_fn(|j| {
-                    std::array::from_fn(|s| qp[32 * s + 8 * j + l].assume_init())
-                });
-                for (xp, x0) in xp.iter().zip(x0.iter_mut()).take(len.div_ceil(2)) {
-                    let pair = |e: usize| {
-                        _mm512_castpd_ps(_mm512_set1_pd(
-                            xp.as_ptr().add(2 * e).cast::<f64>().read(),
-                        ))
-                    };
-                    let a: [__m512; 4] = std::array::from_fn(|j| {
-                        let a = _mm512_fmadd_ps(pair(8 * j + l), qv[j][0], _mm512_setzero_ps());
-                        _mm512_fmadd_ps(pair(32 + 8 * j + l), qv[j][1], a)
-                    });
-                    x0[l][0] = MaybeUninit::new(_mm512_add_ps(
-                        _mm512_add_ps(a[0], a[2]),
-                        _mm512_add_ps(a[1], a[3]),
-                    ));
-                }
-            }
             let k0 = (groups - 1) * 16;
-            // Lanes 2q (the pair's first row) to 0-7, 2q + 1 (its second) to 8-15.
-            let apart = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
-            let mask = (1u16 << last) - 1;
-            for (pr, x0) in x0.iter().enumerate().take(len.div_ceil(2)) {
-                let t: [__m512; 4] = std::array::from_fn(|i| {
-                    _mm512_add_ps(x0[i][0].assume_init(), x0[i + 4][0].assume_init())
-                });
-                let f = _mm512_add_ps(_mm512_add_ps(t[0], t[1]), _mm512_add_ps(t[2], t[3]));
-                let f = _mm512_permutexvar_ps(apart, f);
-                let r = i0 + 2 * pr;
-                _mm512_mask_storeu_ps(sums.as_mut_ptr().add(r * m + k0), mask, f);
-                if 2 * pr + 1 < len {
-                    // (AVX-512F's extraction: `extractf32x8` is AVX-512DQ's.)
-                    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(f)));
-                    _mm256_mask_storeu_ps(sums.as_mut_ptr().add((r + 1) * m + k0), mask as u8, hi);
-                }
-            }
+            paired_group(&xp, len, &qp, &mut x0, &mut sums[i0 * m..], m, k0, last);
+        }
+    }
+}
+
+/// A block's cache rows (`xr`, `len` of them) by pairs for [`dots_lanes`]' paired group:
+/// element e of rows 2p and 2p + 1 side by side at `xp[p][2e]` (an odd last row with itself).
+#[inline(always)]
+unsafe fn pair_rows(
+    xr: &[[MaybeUninit<f32>; super::LANES_N]; 16],
+    len: usize,
+    xp: &mut [[MaybeUninit<f32>; 2 * super::LANES_N]; 8],
+) {
+    let lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    let hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (pr, xp) in xp.iter_mut().enumerate().take(len.div_ceil(2)) {
+        let (a, b) = (2 * pr, (2 * pr + 1).min(len - 1));
+        for c in 0..super::LANES_N / 16 {
+            // Rows a and b of the block were written before this is called.
+            let va = _mm512_loadu_ps(xr[a].as_ptr().add(16 * c).cast());
+            let vb = _mm512_loadu_ps(xr[b].as_ptr().add(16 * c).cast());
+            let out = xp.as_mut_ptr().add(32 * c).cast::<f32>();
+            _mm512_storeu_ps(out, _mm512_permutex2var_ps(va, lo, vb));
+            _mm512_storeu_ps(out.add(16), _mm512_permutex2var_ps(va, hi, vb));
+        }
+    }
+}
+
+/// The rest of ggml's reduction for register h of a cache row's eight lanes `x0[l][h]` (each
+/// `(a0 + a2) + (a1 + a3)`): `t0` = the 8-lane sum's low 128 bits + its high, then
+/// `_mm_hadd_ps` twice, every lane of the register at once.
+#[inline(always)]
+unsafe fn lanes_reduced(x0: &[[MaybeUninit<__m512>; 2]; 8], h: usize) -> __m512 {
+    let t: [__m512; 4] =
+        std::array::from_fn(|i| _mm512_add_ps(x0[i][h].assume_init(), x0[i + 4][h].assume_init()));
+    _mm512_add_ps(_mm512_add_ps(t[0], t[1]), _mm512_add_ps(t[2], t[3]))
+}
+
+/// [`dots_lanes`]' paired group (its `last` query rows from `k0`, each in two lanes of `qp`)
+/// against a block's `len` cache rows by pairs (`xp`, [`pair_rows`]), `x0[p]` the pair p's
+/// lanes, into `sums` (from the block's first cache row, rows of `m`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn paired_group(
+    xp: &[[MaybeUninit<f32>; 2 * super::LANES_N]; 8],
+    len: usize,
+    qp: &[MaybeUninit<__m512>; super::LANES_N],
+    x0: &mut [[[MaybeUninit<__m512>; 2]; 8]; 16],
+    sums: &mut [f32],
+    m: usize,
+    k0: usize,
+    last: usize,
+) {
+    for l in 0..8 {
+        let qv: [[__m512; 2]; 4] =
+            std::array::from_fn(|j| std::array::from_fn(|s| qp[32 * s + 8 * j + l].assume_init()));
+        for (xp, x0) in xp.iter().zip(x0.iter_mut()).take(len.div_ceil(2)) {
+            let pair = |e: usize| {
+                _mm512_castpd_ps(_mm512_set1_pd(xp.as_ptr().add(2 * e).cast::<f64>().read()))
+            };
+            let a: [__m512; 4] = std::array::from_fn(|j| {
+                let a = _mm512_fmadd_ps(pair(8 * j + l), qv[j][0], _mm512_setzero_ps());
+                _mm512_fmadd_ps(pair(32 + 8 * j + l), qv[j][1], a)
+            });
+            x0[l][0] = MaybeUninit::new(_mm512_add_ps(
+                _mm512_add_ps(a[0], a[2]),
+                _mm512_add_ps(a[1], a[3]),
+            ));
+        }
+    }
+    // Lanes 2q (the pair's first row) to 0-7, 2q + 1 (its second) to 8-15.
+    let apart = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+    let mask = (1u16 << last) - 1;
+    for (pr, x0) in x0.iter().enumerate().take(len.div_ceil(2)) {
+        let f = _mm512_permutexvar_ps(apart, lanes_reduced(x0, 0));
+        let r = 2 * pr;
+        _mm512_mask_storeu_ps(sums.as_mut_ptr().add(r * m + k0), mask, f);
+        if r + 1 < len {
+            // (AVX-512F's extraction: `extractf32x8` is AVX-512DQ's.)
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(f)));
+            _mm256_mask_storeu_ps(sums.as_mut_ptr().add((r + 1) * m + k0), mask as u8, hi);
         }
     }
 }
