@@ -129,7 +129,8 @@ pub(crate) struct Quantized {
 
 impl Quantized {
     /// The bytes of `src`'s rows `sel` quantized to `ty` if they are stored, taken out (`true`),
-    /// else `len` zeroed bytes to quantize them into (`false`).
+    /// else `len` zeroed bytes to quantize them into (`false`), in the stored buffer (a graph's
+    /// ~200 products then allocate once, not each its own).
     fn take(
         &mut self,
         src: &g::ggml_tensor,
@@ -142,12 +143,16 @@ impl Quantized {
         let stored = self.key == Some((src as *const _, ty))
             && self.span.0 == src.data as usize
             && self.sel == sel;
+        // Taken out either way: nothing is stored until `keep`.
+        self.key = None;
+        let mut bytes = std::mem::take(&mut self.bytes);
         if stored {
-            debug_assert_eq!(self.bytes.len(), len);
-            (std::mem::take(&mut self.bytes), true)
+            debug_assert_eq!(bytes.len(), len);
         } else {
-            (vec![0u8; len], false)
+            bytes.clear();
+            bytes.resize(len, 0);
         }
+        (bytes, stored)
     }
 
     /// Store `bytes`, `src`'s rows `sel` quantized to `ty`, for the next product.
