@@ -2,13 +2,19 @@
 //!
 //! The drafters' proposals are merged into a candidate trie. Each candidate child `c` of a
 //! node `n` gets the estimated probability that the target takes it once verification has
-//! reached `n` (Eq. 3): `rho * a(c) * a(c) / sum_j a(j)` over the siblings `j`, where `a` is
-//! the controller's per-token acceptance for the evidence behind `c` (the length of the
-//! suffix match its proposal continues) and `rho` the online reliability factor. That
-//! keeps the ranking among siblings and lets a lone candidate keep its full estimate. The
-//! reach probability `R(c)` is the product along the path; the gain of a tree is
+//! reached `n` (Eq. 3): `a(c) * a(c) / sum_j a(j)` over the siblings `j`, where `a` is the
+//! controller's per-token acceptance for the evidence behind `c` (the length of the suffix
+//! match its proposal continues). That keeps the ranking among siblings and lets a lone
+//! candidate keep its full estimate. The reach probability `R(c)` is the product along the
+//! path times `rho`, the online reliability factor, at most 1; the gain of a tree is
 //! `G = 1 + sum R` (Eq. 2), its cost `C = c(rows)` from the controller's online latency
 //! profile of this machine (Eq. 4; drafting costs microseconds and is left out).
+//!
+//! `rho` is measured as a ratio of sums (the drafts a tree got over the `sum R` it expected),
+//! so it scales each reach once. Eq. 3 puts it in every level's probability instead, where it
+//! compounds with depth: at `rho` = 1.16 a 15-token chain of per-token acceptance 0.82 looked
+//! like 13 expected tokens, where such chains gave 5.5 (llama-server `--spec-type leap`,
+//! Gemma 3, tuned-on requests 101-124; docs/measurements.md).
 //!
 //! Greedy expansion (Algorithm 1) inserts the frontier node with the largest `R / dC` (Eq. 5);
 //! with a cost indexed by rows, `dC` is the same for every candidate, so that is the largest
@@ -102,8 +108,8 @@ pub fn build(
             };
         }
     }
-    // Reach probabilities, parents before children (ids grow with depth along a path).
-    let rho = control.reliability();
+    // Reach probabilities, parents before children (ids grow with depth along a path): the
+    // estimates' product along the path, then scaled by the reliability once.
     for n in 0..trie.len() {
         let kids = trie[n].children.clone();
         let a: Vec<f64> = kids
@@ -112,8 +118,12 @@ pub fn build(
             .collect();
         let sum: f64 = a.iter().sum();
         for (&c, &ac) in kids.iter().zip(&a) {
-            trie[c].reach = (trie[n].reach * rho * ac * ac / sum).min(trie[n].reach);
+            trie[c].reach = (trie[n].reach * ac * ac / sum).min(trie[n].reach);
         }
+    }
+    let rho = control.reliability();
+    for c in &mut trie[1..] {
+        c.reach = (rho * c.reach).min(1.0);
     }
     // Greedy order: the frontier node with the largest reach first.
     // A node added under a parent that already has a child in the tree opens a new leaf.
@@ -246,12 +256,34 @@ mod tests {
         let b = build(0, &[prop(&[1, 2, 3, 4, 5, 6, 7, 8], 20)], &cheap, 17, 4, 16);
         assert_eq!(b.tree.n_seqs(), 1);
         assert_eq!(b.tree.len(), 9, "cheap rows: the whole chain");
-        // A chain's gain is the thesis' closed form (003 Eq. 4.1).
-        let a = cheap.acceptance(Evidence::new(Source::Request, 20)) * cheap.reliability();
-        assert!((1.0 + b.expected - crate::control::expected_tokens(a, 8)).abs() < 1e-9);
+        // A chain's gain is the thesis' closed form (003 Eq. 4.1), scaled by the reliability.
+        let a = cheap.acceptance(Evidence::new(Source::Request, 20));
+        let want = cheap.reliability() * (crate::control::expected_tokens(a, 8) - 1.0);
+        assert!((b.expected - want).abs() < 1e-9, "{} vs {want}", b.expected);
         let dear = trained(0.9, 0.9);
         let b = build(0, &[prop(&[1, 2, 3, 4, 5, 6, 7, 8], 20)], &dear, 17, 4, 16);
         assert!(b.tree.len() <= 3, "dear rows: {} rows", b.tree.len());
+    }
+
+    #[test]
+    fn trees_beating_their_estimates_scale_a_long_chain_once_not_per_token() {
+        // Per-token acceptance 0.8; recent trees got 30% more than expected.
+        let mut c = trained(0.8, 0.15);
+        for _ in 0..50 {
+            c.record_reliability(10.0, 13);
+        }
+        let rho = c.reliability();
+        assert!(rho > 1.25, "{rho}");
+        let chain: Vec<Token> = (1..=15).collect();
+        let b = build(0, &[prop(&chain, 6)], &c, 17, 1, 16);
+        let a = c.acceptance(Evidence::new(Source::Request, 6));
+        // Each token's reach is rho * a^k (at most 1): 0.8 * 1.3 > 1 per level would make
+        // every token of the chain look certain.
+        let n = b.tree.len() - 1;
+        let want: f64 = (1..=n as i32).map(|k| (rho * a.powi(k)).min(1.0)).sum();
+        assert!((b.expected - want).abs() < 1e-9, "{} vs {want}", b.expected);
+        // The best prefix at this cost stops well short of the 15 tokens.
+        assert!((2..=8).contains(&n), "{n} drafted");
     }
 
     #[test]
